@@ -1,0 +1,65 @@
+"""The Python API: run checks on a Subject and get a typed Report. No printing here."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterable
+
+from posdiag import checks
+from posdiag.errors import PosdiagError
+from posdiag.options import RunOptions
+from posdiag.results import CheckResult, Report, Status
+
+
+def select_checks(only: Iterable[str] | None = None, skip: Iterable[str] | None = None) -> list[str]:
+    """Validate --only/--skip against the contract's names; unknown names are usage errors."""
+    known = set(checks.available()) | set(checks.PLANNED)
+    chosen = list(only) if only else checks.available()
+    for name in list(chosen) + list(skip or ()):
+        if name not in known:
+            raise PosdiagError(f"unknown check '{name}'; known checks: {', '.join(checks.available())}")
+    skip_set = set(skip or ())
+    return [n for n in chosen if n not in skip_set]
+
+
+def run_checks(subject: Any, names: Iterable[str] | None = None, options: RunOptions | None = None,
+               on_progress: Callable[[str], None] | None = None) -> Report:
+    """Run the named checks (default: all) on one loaded subject; the model is reused across them."""
+    import torch
+
+    options = options or RunOptions()
+    names = list(names) if names is not None else checks.available()
+    results: list[CheckResult] = []
+    for name in names:
+        if on_progress:
+            on_progress(name)
+        if name not in checks.REGISTRY:
+            results.append(CheckResult(name, Status.SKIP, "not implemented in this version of posdiag"))
+            continue
+        module = checks.import_check(name)
+        start, passes = time.perf_counter(), subject.forward_count
+        try:
+            result = module.run(subject, options)
+        except PosdiagError:
+            raise
+        except Exception as exc:  # a crash is reported as an error, never as a pass
+            result = CheckResult(name, Status.ERROR, f"check crashed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300])
+        results.append(_timed(result, time.perf_counter() - start, subject.forward_count - passes))
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return Report(model=subject.info, checks=tuple(results), versions=versions())
+
+
+def _timed(result: CheckResult, seconds: float, passes: int) -> CheckResult:
+    from dataclasses import replace
+
+    return replace(result, seconds=seconds, forward_passes=passes)
+
+
+def versions() -> dict[str, str]:
+    import torch
+    import transformers
+
+    from posdiag import __version__
+
+    return {"posdiag": __version__, "torch": torch.__version__, "transformers": transformers.__version__}

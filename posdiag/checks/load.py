@@ -1,0 +1,88 @@
+"""load — did the checkpoint really provide its position parameters?
+
+transformers re-initialises a parameter the checkpoint lacks and only logs a warning, so a
+checkpoint missing its position table loads "fine" with a random one (and a random table
+still injects positions: `shuffle` passes). We read the safetensors keys ourselves and
+compare them with the model's position parameters; loading_info's missing / unexpected /
+mismatched keys are cross-checked. Non-persistent buffers (RoPE inv_freq) are recomputed
+from the config at load and are never in a checkpoint: not counted.
+"""
+
+from __future__ import annotations
+
+from posdiag.options import RunOptions
+from posdiag.results import CheckResult, Status, Table
+from posdiag.subject import Subject
+
+TITLE = "Position parameters loaded"
+
+# Substrings that name position parameters across families (learned tables, sinusoidal
+# tables, relative position biases, ALiBi slopes saved as weights).
+POSITION_PATTERNS = ("position", "wpe", "embed_positions", "relative_attention_bias", "pos_emb", "alibi", "rotary")
+
+
+def is_position_key(name: str) -> bool:
+    lowered = name.lower()
+    return any(p in lowered for p in POSITION_PATTERNS) and "token_type" not in lowered
+
+
+def _in_checkpoint(name: str, keys: set[str]) -> bool:
+    """Checkpoints name tensors with or without the base-model prefix: match on suffixes."""
+    if name in keys:
+        return True
+    parts = name.split(".")
+    for i in range(1, len(parts)):
+        if ".".join(parts[i:]) in keys:
+            return True
+    return any(k.endswith("." + name) for k in keys)
+
+
+def run(subject: Subject, options: RunOptions) -> CheckResult:
+    info = subject.load_info
+    if info.checkpoint_keys is None:
+        reason = ("no checkpoint files: the model was built in memory" if info.source != "pickle"
+                  else "pickle checkpoint: keys not read without unpickling")
+        return CheckResult("load", Status.SKIP, reason, details={"source": info.source})
+
+    keys = set(info.checkpoint_keys)
+    model_position = [n for n, _ in subject.model.state_dict().items() if is_position_key(n)]
+    # A tied or shared table appears under several names; one provided copy covers the others.
+    absent = [n for n in model_position if not _in_checkpoint(n, keys)]
+    missing_reported = [k for k in info.missing_keys if is_position_key(k)]
+    absent = sorted(set(absent) | set(missing_reported))
+    provided = sorted(n for n in model_position if n not in absent)
+    unexpected = [k for k in info.unexpected_keys if is_position_key(k)]
+    mismatched = [k for k in info.mismatched_keys if is_position_key(k)]
+
+    sinusoidal = subject.position_kind == "sinusoidal"
+    rows = [(n, "provided") for n in provided] + [(n, "MISSING: re-initialised at load") for n in absent]
+    rows += [(n, "unexpected in checkpoint") for n in unexpected] + [(n, "shape mismatch") for n in mismatched]
+    table = Table("position parameters", ("parameter", "state"), tuple(rows)) if rows else None
+    details = {"provided": provided, "missing": absent, "unexpected": unexpected, "mismatched": mismatched,
+               "files": list(info.files), "source": info.source, "position_kind": subject.position_kind}
+    metrics = {"provided": len(provided), "missing": len(absent), "unexpected": len(unexpected),
+               "mismatched": len(mismatched)}
+    tables = (table,) if table else ()
+
+    if mismatched:
+        return CheckResult("load", Status.FAIL, f"position parameter shape mismatch: {', '.join(mismatched[:3])}",
+                           metrics, details, tables)
+    if absent and not sinusoidal:
+        return CheckResult("load", Status.FAIL,
+                           f"{len(absent)} position parameter(s) missing from the checkpoint and randomly re-initialised: "
+                           f"{', '.join(absent[:3])}", metrics, details, tables)
+    if absent and sinusoidal:
+        return CheckResult("load", Status.WARN,
+                           f"sinusoidal table not in the checkpoint, recomputed at init: {', '.join(absent[:3])}",
+                           metrics, details, tables)
+    if unexpected:
+        return CheckResult("load", Status.WARN,
+                           f"checkpoint has position tensors the model did not use: {', '.join(unexpected[:3])}",
+                           metrics, details, tables)
+    if not model_position:
+        what = {"rope": "RoPE frequencies are recomputed from the config (non-persistent inv_freq)",
+                "alibi": "ALiBi slopes are computed, not stored"}.get(subject.position_kind,
+                                                                     "no position parameters in this model")
+        return CheckResult("load", Status.PASS, f"nothing to load for positions: {what}", metrics, details, tables)
+    return CheckResult("load", Status.PASS, f"all {len(provided)} position parameter(s) came from the checkpoint "
+                       f"({info.source})", metrics, details, tables)

@@ -1,0 +1,139 @@
+"""shuffle — permute the tokens; if the outputs merely permute, position never entered.
+
+Attention without positions is permutation-equivariant: (P X) W = P (X W) and a row-wise
+softmax commutes with row permutation, so f(P x, P M Pᵀ) = P f(x, M) for any mask M
+permuted with the tokens. We keep position_ids = arange while permuting tokens and mask,
+and measure residual = ||f(P x, P M Pᵀ) − P f(x)|| / ||f(x)||. The noise floor comes from
+the same run: the *consistent* permutation (tokens, mask and position ids permuted
+together) must reproduce P f(x) exactly in exact arithmetic, so its residual is rounding.
+Causal stacks need an explicit mask, so its fidelity is measured first (probe.Fidelity).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from posdiag.options import RunOptions, probe_ids
+from posdiag.probe import Row, fidelity_rows, judge_fidelity, run_rows
+from posdiag.results import CheckResult, Status, Table
+from posdiag.subject import Subject
+from posdiag.tensors import relative_l2
+from posdiag.verdict import PASS_RATIO, judge_position_signal, noise_floor
+
+TITLE = "Permutation equivariance"
+
+
+def run(subject: Subject, options: RunOptions) -> CheckResult:
+    stack_results = [_run_stack(subject, options, stack) for stack in subject.stacks]
+    status = Status.worst([r.status for r in stack_results])
+    if len(stack_results) == 1:
+        only = stack_results[0]
+        return CheckResult("shuffle", only.status, only.summary, only.metrics, only.details, only.tables)
+    worst = max(stack_results, key=lambda r: r.status.rank)
+    metrics = dict(worst.metrics)
+    for r in stack_results:
+        metrics.update({f"{r.details['stack']}_{k}": v for k, v in r.metrics.items()})
+    summary = "; ".join(f"{r.details['stack']}: {r.summary}" for r in stack_results)
+    details = {"stacks": {r.details["stack"]: r.details for r in stack_results}}
+    tables = tuple(t for r in stack_results for t in r.tables)
+    return CheckResult("shuffle", status, summary, metrics, details, tables)
+
+
+def _permutations(length: int, count: int, seed: int) -> list[torch.Tensor]:
+    """Random permutations that move every token when possible (a fixed point tests nothing there)."""
+    gen = torch.Generator().manual_seed(seed + 7919)
+    perms = []
+    for _ in range(count):
+        perm = torch.randperm(length, generator=gen)
+        for _ in range(20):
+            if not bool((perm == torch.arange(length)).any()):
+                break
+            perm = torch.randperm(length, generator=gen)
+        perms.append(perm)
+    return perms
+
+
+def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult:
+    causal = stack == "decoder" and subject.kind != "encoder"
+    dtype = subject.dtype_name
+    if causal:
+        ok, why = subject.explicit_mask_supported
+        if not ok:
+            return CheckResult("shuffle", Status.SKIP, f"cannot permute the causal mask: {why}", details={"stack": stack})
+
+    ids = probe_ids(subject, options)[0]
+    length = ids.shape[0]
+    perms = [p.to(subject.device) for p in _permutations(length, options.permutations, options.seed)]
+    consistent = subject.family.takes_position_ids
+
+    # One batched forward: [fidelity rows (causal only) | baseline | permuted... | consistent...]
+    rows: list[Row] = []
+    fidelity_where = None
+    if causal:
+        fid_rows, fidelity_where = fidelity_rows(ids)
+        rows += fid_rows  # rows[0] is also the baseline
+    else:
+        rows.append(Row(ids))
+    first_perm = len(rows)
+    rows += [Row(ids[p], order=p) for p in perms]
+    first_consistent = len(rows)
+    if consistent:
+        rows += [Row(ids[p], order=p, positions=p) for p in perms]
+    out = run_rows(subject, rows, stack=stack, explicit_mask=causal)
+    base = [h[0] for h in out.hidden]
+
+    if not all(torch.isfinite(h).all() for h in out.hidden):
+        bad = next(i for i, h in enumerate(out.hidden) if not torch.isfinite(h).all())
+        return CheckResult("shuffle", Status.FAIL, f"non-finite hidden states at {_layer_name(bad)}",
+                           details={"stack": stack, "first_non_finite_layer": _layer_name(bad)})
+
+    layers = len(base)
+    residual = [[relative_l2(out.hidden[l][first_perm + i], base[l][p]) for i, p in enumerate(perms)] for l in range(layers)]
+    floor = [[relative_l2(out.hidden[l][first_consistent + i], base[l][p]) for i, p in enumerate(perms)]
+             if consistent else [0.0] for l in range(layers)]
+
+    final_residual = min(residual[-1])
+    final_floor = max(floor[-1])
+    floor_source = "consistent permutation (tokens, mask and position ids permuted together)" if consistent else \
+        f"{dtype} unit roundoff ({subject.family.name} derives positions inside: no consistent permutation)"
+    details: dict = {"stack": stack, "seq_len": length, "permutations": len(perms), "floor_source": floor_source,
+                     "residual_per_permutation": residual[-1], "floor_per_permutation": floor[-1]}
+    metrics: dict = {}
+
+    if causal:
+        default = run_rows(subject, [Row(ids)], stack=stack, explicit_mask=False).final[0]
+        fid = judge_fidelity(default, out.final[0], out.final[1], out.final[2], fidelity_where, final_floor, dtype)
+        metrics.update(fid.metrics())
+        if not fid.ok:
+            return CheckResult("shuffle", Status.SKIP, f"mask not faithful, no verdict: {fid.reason}",
+                               metrics, details)
+        if consistent and final_floor > 0 and final_residual > 0 and max(floor[-1]) >= 0.5 * final_residual:
+            # Permuting position ids with the tokens did not restore P f(x): the ids are not what
+            # the model positions by. The consistent run is then no floor; say so, don't guess.
+            details["floor_source"] = f"{dtype} unit roundoff (position ids passed but not honoured)"
+            floor = [[0.0] for _ in range(layers)]
+            final_floor = 0.0
+
+    verdict = judge_position_signal(final_residual, final_floor, dtype)
+    table_rows = []
+    enters = None
+    for l in range(layers):
+        r, f = min(residual[l]), noise_floor(max(floor[l]), dtype)
+        if enters is None and r / f >= PASS_RATIO:
+            enters = _layer_name(l, layers)
+        table_rows.append((_layer_name(l, layers), f"{r:.3e}", f"{f:.2e}", f"{r / f:.3g}"))
+    metrics.update({"residual": verdict.residual, "noise_floor": verdict.noise_floor, "ratio": verdict.ratio})
+    details["position_enters_at"] = enters
+    details["reason"] = verdict.reason
+    where = f"; enters at {enters}" if enters and verdict.status is Status.PASS else ""
+    summary = (f"{verdict.reason}: residual {verdict.residual:.3g} = {verdict.ratio:.3g}x noise floor "
+               f"{verdict.noise_floor:.2g} ({len(perms)} permutations, {length} tokens{where})")
+    table = Table(f"shuffle residual by layer ({stack})" if subject.kind == "seq2seq" else "shuffle residual by layer",
+                  ("layer", "residual", "noise floor", "ratio"), tuple(table_rows))
+    return CheckResult("shuffle", verdict.status, summary, metrics, details, (table,))
+
+
+def _layer_name(index: int, total: int | None = None) -> str:
+    if index == 0 and (total is None or total > 1):
+        return "embeddings"
+    return f"block {index}"

@@ -1,0 +1,57 @@
+"""Options every check reads. The CLI builds one `RunOptions`; checks never see typer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """seq_len:       tokens per probe sequence; None = min(64, declared context).
+    seed:          seeds token sampling and permutations: same seed, same numbers.
+    permutations:  random permutations per equivariance test (each gets its consistent twin).
+    token_ids:     fixed probe tokens (from --text); None = random ids from the vocabulary.
+    check_options: per-check settings by check name (e.g. {"rope": {"target_length": 32768}}).
+    """
+
+    seq_len: int | None = None
+    seed: int = 0
+    permutations: int = 3
+    token_ids: tuple[int, ...] | None = None
+    check_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def for_check(self, name: str) -> dict[str, Any]:
+        return dict(self.check_options.get(name, {}))
+
+
+DEFAULT_SEQ_LEN = 64
+
+
+def probe_length(subject: Any, options: RunOptions) -> int:
+    """The sequence length a check should use, validated against the declared context."""
+    from posdiag.errors import PosdiagError
+
+    declared = subject.max_positions
+    if options.token_ids is not None:
+        length = len(options.token_ids)
+    elif options.seq_len is not None:
+        length = options.seq_len
+    else:
+        length = DEFAULT_SEQ_LEN if declared is None else min(DEFAULT_SEQ_LEN, declared)
+    if length < 4:
+        raise PosdiagError(f"--seq-len {length} is too short: the probes need at least 4 tokens")
+    if declared is not None and length > declared:
+        raise PosdiagError(f"--seq-len {length} exceeds the model's declared context of {declared} tokens")
+    return length
+
+
+def probe_ids(subject: Any, options: RunOptions, batch: int = 1, seed_offset: int = 0):
+    """Probe token ids [batch, T]: the --text tokens repeated, or random ordinary ids."""
+    import torch
+
+    length = probe_length(subject, options)
+    if options.token_ids is not None:
+        row = torch.tensor(options.token_ids, dtype=torch.long, device=subject.device)
+        return row[None].expand(batch, -1).clone()
+    return subject.sample_ids(batch, length, options.seed + seed_offset)

@@ -1,0 +1,177 @@
+"""Results are data: frozen dataclasses that checks return and renderers consume.
+
+Nothing here prints. `Report.exit_code` is decided here, not in the CLI, so tests can
+reach it without running a command.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+
+class Status(str, enum.Enum):
+    """Outcome of one check. Order matters: later is worse for `worst()`."""
+
+    PASS = "pass"
+    SKIP = "skip"
+    WARN = "warn"
+    FAIL = "fail"
+    ERROR = "error"
+
+    @property
+    def rank(self) -> int:
+        return _RANK[self]
+
+    @staticmethod
+    def worst(statuses: "list[Status]") -> "Status":
+        """The most severe status; an empty list is a SKIP (nothing was judged)."""
+        return max(statuses, key=lambda s: s.rank) if statuses else Status.SKIP
+
+
+_RANK = {Status.PASS: 0, Status.SKIP: 1, Status.WARN: 2, Status.FAIL: 3, Status.ERROR: 4}
+
+
+@dataclass(frozen=True)
+class Table:
+    """A small table a check wants shown (per-layer residuals, per-step errors...)."""
+
+    title: str
+    columns: tuple[str, ...]
+    rows: tuple[tuple[Any, ...], ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"title": self.title, "columns": list(self.columns), "rows": [list(r) for r in self.rows]}
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """What one check found.
+
+    name:    stable check name (`shuffle`, `load`, ...), used by --only/--skip, JSON and JUnit.
+    status:  the verdict.
+    summary: one line a person can act on, with the number behind the verdict.
+    metrics: the numbers that decided the verdict (residual, noise_floor, ratio, tolerance...).
+    details: everything else worth keeping (per-permutation numbers, reasons, where it went wrong).
+    tables:  tables for the console renderer; also serialised into JSON details.
+    """
+
+    name: str
+    status: Status
+    summary: str
+    metrics: dict[str, Any] = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)
+    tables: tuple[Table, ...] = ()
+    seconds: float = 0.0
+    forward_passes: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        details = dict(self.details)
+        if self.tables:
+            details["tables"] = [t.to_dict() for t in self.tables]
+        return {
+            "name": self.name,
+            "status": self.status.value,
+            "summary": self.summary,
+            "metrics": _jsonable(self.metrics),
+            "details": _jsonable(details),
+            "seconds": round(self.seconds, 4),
+            "forward_passes": self.forward_passes,
+        }
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What was loaded, as the report states it."""
+
+    id: str
+    family: str
+    kind: str  # causal | encoder | seq2seq
+    position_kind: str  # rope | learned | sinusoidal | alibi | relative_bias | none found
+    dtype: str
+    device: str
+    check_dtype: str = ""  # the dtype equivariance checks ran in (after upcasting)
+    source: str = ""  # what files were read (safetensors / pickle / factory / in-memory)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def causal(self) -> bool:
+        return self.kind in ("causal", "seq2seq")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "family": self.family,
+            "kind": self.kind,
+            "position_kind": self.position_kind,
+            "causal": self.causal,
+            "dtype": self.dtype,
+            "check_dtype": self.check_dtype or self.dtype,
+            "device": self.device,
+            "source": self.source,
+            "notes": list(self.notes),
+        }
+
+
+@dataclass(frozen=True)
+class Report:
+    """A finished run: the model and every check's result."""
+
+    model: ModelInfo
+    checks: tuple[CheckResult, ...]
+    versions: dict[str, str] = field(default_factory=dict)
+    incomplete: bool = False
+
+    @property
+    def status(self) -> Status:
+        return Status.worst([c.status for c in self.checks])
+
+    @property
+    def exit_code(self) -> int:
+        """0: nothing failed (warnings and skips allowed); 1: a check failed; 2: the run was cut short."""
+        if self.incomplete:
+            return 2
+        if any(c.status in (Status.FAIL, Status.ERROR) for c in self.checks):
+            return 1
+        return 0
+
+    def check(self, name: str) -> CheckResult:
+        for c in self.checks:
+            if c.name == name:
+                return c
+        raise KeyError(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        from posdiag import __version__
+
+        return {
+            "schema": SCHEMA_VERSION,
+            "posdiag": __version__,
+            "versions": dict(self.versions),
+            "model": self.model.to_dict(),
+            "checks": [c.to_dict() for c in self.checks],
+            "incomplete": self.incomplete,
+            "exit_code": self.exit_code,
+        }
+
+
+def _jsonable(value: Any) -> Any:
+    """Plain JSON types only: floats stay floats (NaN/Inf as strings), tuples become lists."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, Status):
+        return value.value
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    try:  # numpy / torch scalars
+        return _jsonable(value.item())
+    except Exception:
+        return str(value)

@@ -1,0 +1,625 @@
+"""The model adapter: load once, then forward with explicit tokens, attention pattern and positions.
+
+Checks talk to a `Subject` only. They describe an attention pattern by the *order* of the
+tokens (the logical index of each token in the sequence: arange normally, the permutation
+for a shuffled input) and validity (padding); the subject turns that into whatever form the
+family honours (an additive 4D mask, a dict per layer type, a window written in) using the
+quirk row in `posdiag.families`.
+
+Forward protocol for `module.path:factory` models (bring-up of models not in transformers):
+the factory takes no arguments and returns an `nn.Module` whose forward accepts
+`input_ids` [B, T] (long), `attention_mask` (an additive float mask [B, 1, T, T]: 0 where a
+query may see a key, a large negative number where not; or None for the default pattern)
+and `position_ids` [B, T] (long) as keyword arguments, and returns either a tensor
+[B, T, D] or an object with `hidden_states` (a tuple of [B, T, D], embeddings first) and/or
+`last_hidden_state` / `logits`. Set `model.posdiag_kind = "encoder"` for a bidirectional model
+(default "causal") and `model.posdiag_position_kind` to say what it uses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from posdiag.errors import PosdiagError
+from posdiag.families import Family, GENERIC, family_for
+from posdiag.results import ModelInfo
+from posdiag.tensors import additive_mask
+
+DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How to load MODEL. Mirrors the command-line options one to one."""
+
+    revision: str | None = None
+    trust_remote_code: bool = False
+    dtype: str = "auto"  # auto = the checkpoint's dtype
+    device: str = "auto"
+    device_map: str | None = None
+    attn_implementation: str = "eager"  # custom masks need eager; kernels compares the rest
+    upcast: bool = True  # run equivariance checks in float32 when the model is half precision
+    allow_pickle: bool = False  # never unpickle .bin checkpoints unless asked
+    max_batch: int | None = None  # rows per forward; None = all rows a check needs in one call
+
+
+@dataclass(frozen=True)
+class LoadInfo:
+    """What the checkpoint provided, for the `load` check."""
+
+    checkpoint_keys: tuple[str, ...] | None  # None: no checkpoint files (factory / in-memory)
+    missing_keys: tuple[str, ...] = ()
+    unexpected_keys: tuple[str, ...] = ()
+    mismatched_keys: tuple[str, ...] = ()
+    files: tuple[str, ...] = ()
+    source: str = ""
+
+
+@dataclass
+class Outputs:
+    """hidden: embeddings output then each block's output, each [B, T, D]; logits may be None."""
+
+    hidden: list[torch.Tensor]
+    logits: torch.Tensor | None = None
+
+    @property
+    def final(self) -> torch.Tensor:
+        return self.hidden[-1]
+
+
+@dataclass
+class Subject:
+    model: torch.nn.Module
+    config: Any
+    family: Family
+    spec: str
+    kind: str
+    position_kind: str
+    dtype: torch.dtype
+    load_dtype: torch.dtype
+    device: torch.device
+    load_info: LoadInfo
+    options: LoadOptions = field(default_factory=LoadOptions)
+    forward_count: int = 0
+    is_hf: bool = True
+    notes: list[str] = field(default_factory=list)
+
+    # ---------------------------------------------------------------- description
+    @property
+    def info(self) -> ModelInfo:
+        return ModelInfo(
+            id=self.spec,
+            family=self.family.name,
+            kind=self.kind,
+            position_kind=self.position_kind,
+            dtype=_dtype_name(self.load_dtype),
+            device=str(self.device),
+            check_dtype=_dtype_name(self.dtype),
+            source=self.load_info.source,
+            notes=tuple(self.notes),
+        )
+
+    @property
+    def dtype_name(self) -> str:
+        return _dtype_name(self.dtype)
+
+    @property
+    def stacks(self) -> tuple[str, ...]:
+        return ("encoder", "decoder") if self.kind == "seq2seq" else (("encoder",) if self.kind == "encoder" else ("decoder",))
+
+    @property
+    def vocab_size(self) -> int:
+        size = getattr(self.config, "vocab_size", None)
+        if size is None:
+            emb = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
+            size = emb.num_embeddings if emb is not None else None
+        if not size:
+            raise PosdiagError("cannot tell the vocabulary size: set config.vocab_size or expose get_input_embeddings()")
+        return int(size)
+
+    @property
+    def max_positions(self) -> int | None:
+        """The declared context, where the config states one."""
+        for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+            value = getattr(self.config, attr, None)
+            if isinstance(value, int) and value > 0:
+                return value
+        return None
+
+    @property
+    def sliding_window(self) -> int | None:
+        window = getattr(self.config, "sliding_window", None)
+        if window and (getattr(self.config, "use_sliding_window", True) is not False):
+            return int(window)
+        return None
+
+    def layer_types(self) -> list[str]:
+        types = getattr(self.config, "layer_types", None)
+        return list(types) if types else ["full_attention"]
+
+    # ---------------------------------------------------------------- inputs
+    def special_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for obj in (self.config, getattr(self.config, "text_config", None)):
+            if obj is None:
+                continue
+            for name in dir(obj):
+                if name.endswith("_token_id") and not name.startswith("_"):
+                    value = getattr(obj, name, None)
+                    if isinstance(value, int):
+                        ids.add(value)
+                    elif isinstance(value, (list, tuple)):
+                        ids.update(v for v in value if isinstance(v, int))
+        return ids
+
+    def sample_ids(self, batch: int, seq_len: int, seed: int) -> torch.Tensor:
+        """Random token ids [batch, seq_len], distinct within a row where the vocabulary allows.
+
+        Special and padding ids are excluded (and the first few ids, which tokenizers reserve):
+        a padding id can be masked or position-shifted by the model itself (RoBERTa, OPT).
+        """
+        vocab = self.vocab_size
+        reserved = self.special_ids() | set(range(min(4, vocab)))
+        allowed = torch.tensor([i for i in range(vocab) if i not in reserved], dtype=torch.long)
+        if allowed.numel() < 2:
+            raise PosdiagError(f"vocabulary of {vocab} ids leaves no ordinary tokens to probe with")
+        gen = torch.Generator().manual_seed(seed)
+        rows = []
+        for _ in range(batch):
+            if allowed.numel() >= seq_len:
+                pick = torch.randperm(allowed.numel(), generator=gen)[:seq_len]
+            else:
+                pick = torch.randint(0, allowed.numel(), (seq_len,), generator=gen)
+            rows.append(allowed[pick])
+        return torch.stack(rows).to(self.device)
+
+    # ---------------------------------------------------------------- attention patterns
+    @property
+    def explicit_mask_supported(self) -> tuple[bool, str]:
+        if self.family.mask_form == "none":
+            return False, self.family.mask_note or f"{self.family.name} cannot take an explicit attention mask"
+        return True, ""
+
+    def allowed(self, order: torch.Tensor, valid: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+        """Causal pattern, bool [B, T, T]: may query i see key j, given each token's logical index `order` [B, T].
+
+        order[j] <= order[i] (and order[i] - order[j] < window, transformers' convention).
+        Keys at padding (valid False) are never visible; a padded query keeps its own key so
+        its softmax stays finite (its output is excluded from every comparison).
+        """
+        order = order.to(self.device)
+        oi = order[:, :, None]
+        oj = order[:, None, :]
+        allowed = oj <= oi
+        if window is not None:
+            allowed &= (oi - oj) < window
+        return self._with_padding(allowed, valid)
+
+    def mask_argument(self, order: torch.Tensor, valid: torch.Tensor | None = None, stack: str = "decoder",
+                      edit: Any = None) -> Any:
+        """The attention-mask argument that makes the model attend by `order` (in the family's form).
+
+        edit: optional function bool[B,T,T] -> bool[B,T,T] applied to every layer type's pattern
+        (the mask-fidelity probes block or open single keys with it).
+        """
+        causal_stack = stack == "decoder" and self.kind != "encoder"
+        window = self.sliding_window if causal_stack else None
+        if causal_stack and getattr(self.config, "layer_types", None) and "sliding_attention" not in self.layer_types():
+            window = None  # the config names every layer full attention: no window anywhere
+        edit = edit or (lambda a: a)
+        if not causal_stack:
+            return additive_mask(edit(self._encoder_allowed(order, valid))[:, None], self.dtype)
+        if self.family.mask_form == "layer_dict":
+            return {
+                layer_type: additive_mask(
+                    edit(self.allowed(order, valid, window if layer_type == "sliding_attention" else None))[:, None],
+                    self.dtype)
+                for layer_type in sorted(set(self.layer_types()))
+            }
+        return additive_mask(edit(self.allowed(order, valid, window))[:, None], self.dtype)
+
+    def _encoder_allowed(self, order: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        b, t = order.shape
+        return self._with_padding(torch.ones(b, t, t, dtype=torch.bool, device=self.device), valid)
+
+    def _with_padding(self, allowed: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        if valid is None:
+            return allowed
+        valid = valid.to(self.device).bool()
+        eye = torch.eye(allowed.shape[-1], dtype=torch.bool, device=self.device)[None]
+        return (allowed & valid[:, None, :]) | (eye & ~valid[:, :, None])
+
+    @contextlib.contextmanager
+    def explicit_pattern(self) -> Iterator[None]:
+        """Open the family's hard-coded buffers (GPT-Neo's causal `bias`) for explicit masks."""
+        saved = []
+        if self.family.open_buffers:
+            for name, buf in self.model.named_buffers():
+                if any(name.endswith(suffix) for suffix in self.family.open_buffers) and buf.dtype == torch.bool:
+                    saved.append((buf, buf.clone()))
+                    buf.fill_(True)
+        try:
+            yield
+        finally:
+            for buf, old in saved:
+                buf.copy_(old)
+
+    # ---------------------------------------------------------------- forward
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        mask: Any = None,
+        position_ids: torch.Tensor | None = None,
+        stack: str = "decoder",
+        encoder_ids: torch.Tensor | None = None,
+        want_hidden: bool = True,
+    ) -> Outputs:
+        """One forward pass, split into chunks of at most `max_batch` rows.
+
+        stack: for encoder-decoders, "encoder" runs the encoder alone on input_ids; "decoder"
+        runs the whole model with `encoder_ids` fixed (default: the input ids themselves) and
+        input_ids as decoder inputs, `mask` going to decoder_attention_mask.
+        """
+        rows = input_ids.shape[0]
+        step = self.options.max_batch or rows
+        parts = []
+        for start in range(0, rows, step):
+            sl = slice(start, start + step)
+            parts.append(self._forward_once(
+                input_ids[sl],
+                mask=_slice_mask(mask, sl),
+                position_ids=None if position_ids is None else position_ids[sl],
+                stack=stack,
+                encoder_ids=None if encoder_ids is None else encoder_ids[sl],
+                want_hidden=want_hidden,
+            ))
+        if len(parts) == 1:
+            return parts[0]
+        hidden = [torch.cat([p.hidden[i] for p in parts]) for i in range(len(parts[0].hidden))]
+        logits = None if parts[0].logits is None else torch.cat([p.logits for p in parts])
+        return Outputs(hidden, logits)
+
+    def _forward_once(self, input_ids, *, mask, position_ids, stack, encoder_ids, want_hidden) -> Outputs:
+        self.forward_count += 1
+        kwargs: dict[str, Any] = {}
+        if position_ids is not None:
+            kwargs["position_ids"] = position_ids.to(self.device)
+        with torch.inference_mode():
+            if not self.is_hf:
+                out = self.model(input_ids=input_ids, attention_mask=mask, **kwargs)
+                return _outputs_from_custom(out)
+            if self.kind == "seq2seq":
+                if stack == "encoder":
+                    out = self.model.get_encoder()(input_ids=input_ids, attention_mask=mask,
+                                                   output_hidden_states=want_hidden, return_dict=True)
+                    return Outputs(list(out.hidden_states or (out.last_hidden_state,)))
+                enc = input_ids if encoder_ids is None else encoder_ids
+                out = self.model(input_ids=enc, decoder_input_ids=input_ids, decoder_attention_mask=mask,
+                                 output_hidden_states=want_hidden, use_cache=False, return_dict=True)
+                return Outputs(list(out.decoder_hidden_states), getattr(out, "logits", None))
+            out = self.model(input_ids=input_ids, attention_mask=mask, output_hidden_states=want_hidden,
+                             use_cache=False, return_dict=True, **kwargs)
+            hidden = out.hidden_states if out.hidden_states is not None else (out.last_hidden_state,)
+            return Outputs(list(hidden), getattr(out, "logits", None))
+
+
+def _slice_mask(mask: Any, sl: slice) -> Any:
+    if mask is None:
+        return None
+    if isinstance(mask, dict):
+        return {k: v[sl] for k, v in mask.items()}
+    return mask[sl]
+
+
+def _outputs_from_custom(out: Any) -> Outputs:
+    if isinstance(out, torch.Tensor):
+        return Outputs([out])
+    hidden = getattr(out, "hidden_states", None)
+    if hidden:
+        return Outputs(list(hidden), getattr(out, "logits", None))
+    for attr in ("last_hidden_state", "logits"):
+        value = getattr(out, attr, None)
+        if value is not None:
+            return Outputs([value], getattr(out, "logits", None))
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return Outputs([out[0]])
+    raise PosdiagError("the factory model returned neither a tensor nor hidden_states/last_hidden_state/logits")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# =====================================================================================
+# Loading
+# =====================================================================================
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise PosdiagError(f"--device {name}: CUDA is not available on this machine (use --device cpu)")
+    if name == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise PosdiagError("--device mps: MPS is not available on this machine (use --device cpu)")
+    return torch.device(name)
+
+
+def from_module(model: torch.nn.Module, *, name: str = "in-memory model", options: LoadOptions | None = None) -> Subject:
+    """Wrap an already-built model (unit tests, the Python API): nothing is loaded or written."""
+    options = options or LoadOptions()
+    config = getattr(model, "config", None)
+    is_hf = config is not None and hasattr(config, "model_type") and hasattr(model, "get_input_embeddings")
+    param = next(iter(model.parameters()), None)
+    load_dtype = param.dtype if param is not None else torch.float32
+    device = param.device if param is not None else torch.device("cpu")
+    if is_hf:
+        family = family_for(config)
+        _check_attn_implementation(model, options)
+    else:
+        config = _CustomConfig(model)
+        family = Family(name="custom", kind=getattr(model, "posdiag_kind", "causal"),
+                        position_kind=getattr(model, "posdiag_position_kind", "none found"))
+    subject = Subject(
+        model=model.eval(), config=config, family=family, spec=name, kind=family.kind,
+        position_kind=family.position_kind if family.position_kind != "none found" else detect_position_kind(model),
+        dtype=load_dtype, load_dtype=load_dtype, device=device,
+        load_info=LoadInfo(checkpoint_keys=None, source="in-memory module"),
+        options=options, is_hf=is_hf,
+    )
+    _maybe_upcast(subject)
+    return subject
+
+
+class _CustomConfig:
+    """Stand-in config for factory models: reads what it can off the module."""
+
+    model_type = "custom"
+
+    def __init__(self, model: torch.nn.Module):
+        cfg = getattr(model, "posdiag_config", None) or {}
+        for k, v in dict(cfg).items():
+            setattr(self, k, v)
+        if not hasattr(self, "vocab_size"):
+            emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+            if emb is None:
+                emb = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
+            if emb is not None:
+                self.vocab_size = emb.num_embeddings
+
+
+def _check_attn_implementation(model: torch.nn.Module, options: LoadOptions) -> None:
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl not in (None, "eager") and options.attn_implementation == "eager":
+        # Explicit-mask checks are only faithful under eager attention (see DESIGN pitfalls).
+        try:
+            model.set_attn_implementation("eager")
+        except Exception as exc:  # pragma: no cover - depends on the family
+            raise PosdiagError(f"cannot switch the model to eager attention: {exc}") from None
+
+
+def detect_position_kind(model: torch.nn.Module) -> str:
+    """Best effort for families not in the table: look at module and parameter names."""
+    names = [n for n, _ in model.named_modules()]
+    buffers = [n for n, _ in model.named_buffers()]
+    params = [n for n, _ in model.named_parameters()]
+    if any("rotary" in n.lower() or n.endswith("inv_freq") for n in names + buffers):
+        return "rope"
+    if any("alibi" in n.lower() for n in names + buffers):
+        return "alibi"
+    if any("relative_attention_bias" in n for n in params):
+        return "relative_bias"
+    if any(k in n for n in params for k in ("position_embeddings", "wpe", "embed_positions", "pos_emb")):
+        return "learned"
+    return "none found"
+
+
+def load_subject(spec: str, options: LoadOptions | None = None) -> Subject:
+    """MODEL -> Subject. Every failure becomes a PosdiagError with one line of advice."""
+    options = options or LoadOptions()
+    if _looks_like_factory(spec):
+        return _load_factory(spec, options)
+    return _load_pretrained(spec, options)
+
+
+def _looks_like_factory(spec: str) -> bool:
+    if ":" not in spec or os.path.exists(spec):
+        return False
+    module, _, attr = spec.rpartition(":")
+    return bool(module) and attr.isidentifier() and all(p.isidentifier() for p in module.split("."))
+
+
+def _load_factory(spec: str, options: LoadOptions) -> Subject:
+    module_name, _, attr = spec.rpartition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise PosdiagError(f"cannot import factory module '{module_name}': {_one_line(exc)}") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise PosdiagError(f"'{attr}' in module '{module_name}' is not a callable factory")
+    try:
+        model = factory()
+    except Exception as exc:
+        raise PosdiagError(f"factory '{spec}' raised {type(exc).__name__}: {_one_line(exc)}") from None
+    if not isinstance(model, torch.nn.Module):
+        raise PosdiagError(f"factory '{spec}' returned {type(model).__name__}, not a torch.nn.Module")
+    device = resolve_device(options.device)
+    dtype = None if options.dtype == "auto" else DTYPES[options.dtype]
+    model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
+    subject = from_module(model, name=spec, options=options)
+    subject.load_info = LoadInfo(checkpoint_keys=None, source=f"factory {spec}")
+    return subject
+
+
+def _load_pretrained(spec: str, options: LoadOptions) -> Subject:
+    from transformers import AutoConfig
+
+    local = Path(spec)
+    is_local = local.exists()
+    if is_local:
+        if not local.is_dir():
+            raise PosdiagError(f"'{spec}' is a file; MODEL is a checkpoint directory, a hub id, or module:factory")
+        if not (local / "config.json").is_file():
+            raise PosdiagError(f"'{spec}' has no config.json: not a transformers checkpoint directory")
+    elif spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+        raise PosdiagError(f"'{spec}' does not exist")
+
+    try:
+        config = AutoConfig.from_pretrained(spec, revision=options.revision, trust_remote_code=options.trust_remote_code)
+    except Exception as exc:
+        raise PosdiagError(_explain_config_error(spec, exc, options, is_local)) from None
+
+    family = family_for(config)
+    auto_cls = _auto_class(config, family)
+    weights = _weight_files(spec, options, is_local)
+    if weights["source"] == "pickle" and not options.allow_pickle:
+        raise PosdiagError(
+            f"'{spec}' ships only pickle weights (.bin); unpickling can run code. Convert to safetensors or pass --allow-pickle"
+        )
+
+    device = resolve_device(options.device) if not options.device_map else None
+    dtype: Any = "auto" if options.dtype == "auto" else DTYPES[options.dtype]
+    kwargs: dict[str, Any] = dict(
+        revision=options.revision,
+        trust_remote_code=options.trust_remote_code,
+        dtype=dtype,
+        attn_implementation=options.attn_implementation,
+        output_loading_info=True,
+        use_safetensors=weights["source"] != "pickle",
+    )
+    if options.device_map:
+        kwargs["device_map"] = options.device_map
+    try:
+        model, loading_info = auto_cls.from_pretrained(spec, **kwargs)
+    except Exception as exc:
+        raise PosdiagError(f"cannot load weights of '{spec}': {_one_line(exc)}") from None
+    if device is not None:
+        model = model.to(device)
+    model.eval()
+
+    param = next(iter(model.parameters()))
+    info = LoadInfo(
+        checkpoint_keys=weights["keys"],
+        missing_keys=tuple(loading_info.get("missing_keys", ()) or ()),
+        unexpected_keys=tuple(loading_info.get("unexpected_keys", ()) or ()),
+        mismatched_keys=tuple(str(k[0]) if isinstance(k, tuple) else str(k) for k in (loading_info.get("mismatched_keys", ()) or ())),
+        files=tuple(weights["files"]),
+        source=weights["source"],
+    )
+    subject = Subject(
+        model=model, config=model.config, family=family, spec=spec, kind=family.kind,
+        position_kind=family.position_kind if family.position_kind != "none found" else detect_position_kind(model),
+        dtype=param.dtype, load_dtype=param.dtype, device=param.device, load_info=info, options=options,
+    )
+    _maybe_upcast(subject)
+    return subject
+
+
+def _maybe_upcast(subject: Subject) -> None:
+    """Equivariance is a property of the function: test it in float32 when memory allows."""
+    if not subject.options.upcast or subject.dtype not in (torch.float16, torch.bfloat16):
+        return
+    if subject.options.device_map:
+        subject.notes.append("kept in half precision: --device-map models are not upcast")
+        return
+    if subject.device.type == "cuda":
+        need = sum(p.numel() for p in subject.model.parameters()) * 2  # the extra bytes of fp32
+        free, _ = torch.cuda.mem_get_info(subject.device)
+        if need > 0.8 * free:
+            subject.notes.append("kept in half precision: not enough free GPU memory to upcast")
+            return
+    subject.model.to(torch.float32)
+    subject.dtype = torch.float32
+    subject.notes.append(f"upcast from {_dtype_name(subject.load_dtype)} to float32 for the checks (--no-upcast keeps it)")
+
+
+def _auto_class(config: Any, family: Family):
+    import transformers
+
+    if family.kind == "seq2seq" or getattr(config, "is_encoder_decoder", False):
+        return transformers.AutoModelForSeq2SeqLM
+    if family.kind == "encoder":
+        return transformers.AutoModel
+    return transformers.AutoModelForCausalLM
+
+
+def _weight_files(spec: str, options: LoadOptions, is_local: bool) -> dict[str, Any]:
+    """Which weight files the checkpoint has, and the tensor names in its safetensors.
+
+    Reading the keys ourselves is the only way to know a position table was really in the
+    checkpoint: transformers re-initialises a missing one and only logs a warning.
+    """
+    from safetensors import safe_open
+
+    if is_local:
+        root = Path(spec)
+        files = sorted(root.glob("*.safetensors"))
+        pickles = sorted(list(root.glob("*.bin")) + list(root.glob("*.pt")))
+    else:
+        files, pickles = _hub_weight_files(spec, options)
+    if files:
+        keys: list[str] = []
+        for f in files:
+            try:
+                with safe_open(str(f), framework="pt") as handle:
+                    keys.extend(handle.keys())
+            except Exception as exc:
+                raise PosdiagError(f"unreadable safetensors file {f.name}: {_one_line(exc)} (re-download or re-save it)") from None
+        return {"keys": tuple(keys), "files": [str(f) for f in files], "source": "safetensors"}
+    if pickles:
+        return {"keys": None, "files": [str(f) for f in pickles], "source": "pickle"}
+    raise PosdiagError(f"'{spec}' has no weight files (*.safetensors or *.bin)")
+
+
+def _hub_weight_files(spec: str, options: LoadOptions) -> tuple[list[Path], list[Path]]:
+    from huggingface_hub import snapshot_download
+
+    try:
+        root = Path(snapshot_download(spec, revision=options.revision,
+                                      allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+    except Exception as exc:
+        raise PosdiagError(f"cannot fetch '{spec}' from the hub: {_one_line(exc)} (check the id, the network, or HF_TOKEN)") from None
+    files = sorted(root.glob("*.safetensors"))
+    pickles: list[Path] = []
+    if not files:
+        pickles = [Path("pytorch_model.bin")]  # not downloaded: refused unless --allow-pickle
+    return files, pickles
+
+
+def _explain_config_error(spec: str, exc: Exception, options: LoadOptions, is_local: bool) -> str:
+    text = _one_line(exc)
+    if "trust_remote_code" in text or "custom code" in text:
+        return f"'{spec}' needs its own Python code to load; rerun with --trust-remote-code if you trust it"
+    if isinstance(exc, (json.JSONDecodeError, ValueError)) and is_local and "Unrecognized model" not in text:
+        return f"'{spec}/config.json' is not a valid config: {text}"
+    if "Unrecognized model" in text or "does not recognize this architecture" in text or "model_type" in text:
+        return f"'{spec}': unknown model type for this transformers version ({text[:160]})"
+    if not is_local:
+        return f"cannot fetch '{spec}' from the hub: {text[:200]} (check the id, the network, or HF_TOKEN)"
+    return f"cannot read the config of '{spec}': {text[:200]}"
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:300]

@@ -1,0 +1,44 @@
+"""Small tensor helpers shared by every check (imported lazily: they need torch)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def relative_l2(actual: torch.Tensor, expected: torch.Tensor, valid: torch.Tensor | None = None) -> float:
+    """||actual - expected|| / ||expected|| in float64, over `valid` positions (bool, broadcastable to [B, T])."""
+    a = actual.detach().to(torch.float64)
+    e = expected.detach().to(torch.float64)
+    if valid is not None:
+        a = a[valid]
+        e = e[valid]
+    denom = e.norm().item()
+    num = (a - e).norm().item()
+    if denom == 0.0:
+        return 0.0 if num == 0.0 else float("inf")
+    return num / denom
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bool 'may attend' -> additive float mask (0 / finfo.min).
+
+    Why not pass the bool mask: under eager attention transformers adds the 4D mask to the
+    scores, so a bool mask adds 1/0 and blocks nothing (measured in every family, 5.x).
+    """
+    out = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return out.masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def causal_allowed(seq_len: int, device: torch.device | str = "cpu", window: int | None = None) -> torch.Tensor:
+    """[T, T] bool: query i may see key j when j <= i (and i - j < window, if given)."""
+    i = torch.arange(seq_len, device=device)[:, None]
+    j = torch.arange(seq_len, device=device)[None, :]
+    allowed = j <= i
+    if window is not None:
+        allowed &= (i - j) < window
+    return allowed
+
+
+def permute_square(m: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """P M Pᵀ on the last two dims: row i of the result is row perm[i], column j is column perm[j]."""
+    return m[..., perm, :][..., :, perm]

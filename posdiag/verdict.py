@@ -1,0 +1,87 @@
+"""The one rule for judging an equivariance residual against its noise floor.
+
+A model without positions gives a residual at floating-point rounding; a model with
+positions gives a residual far above it, however weak its position signal. So the
+residual is judged as a ratio to a floor measured in the same run (the *consistent*
+permutation, which must reproduce P f(x) exactly in exact arithmetic), never against a
+fixed threshold: tiny default-init models have residuals near 1e-2 (Llama) or 5e-5
+(ModernBERT), and both are healthy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from posdiag.results import Status
+
+# Unit roundoff per dtype. The floor is never taken below one unit of the dtype the
+# comparison ran in: a floor of exactly 0 (a bitwise-identical consistent run) would
+# make any rounding difference look infinitely large.
+UNIT_ROUNDOFF = {
+    "float64": 1.1e-16,
+    "float32": 1.2e-7,
+    "bfloat16": 7.8e-3,
+    "float16": 9.8e-4,
+}
+
+# A residual below FAIL_RATIO floors is indistinguishable from reordering the sums: the
+# model is permutation-equivariant. Above PASS_RATIO, position clearly entered. Between
+# them the signal exists but is too weak to call: WARN. A model without positions
+# measures a ratio of ~0.3-3 (same rounding, different order), so 10 leaves a margin of
+# several times on the failing side; 100 keeps the weakest healthy default-init families
+# (ModernBERT ~5e-5 against 1e-7) a factor of 5 above the band.
+FAIL_RATIO = 10.0
+PASS_RATIO = 100.0
+
+LOW_PRECISION = ("bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class FloorVerdict:
+    status: Status
+    residual: float
+    noise_floor: float
+    ratio: float
+    reason: str
+
+
+def noise_floor(measured: float, dtype: str) -> float:
+    """The floor to divide by: the measured consistent residual, at least one unit roundoff."""
+    return max(measured, UNIT_ROUNDOFF.get(dtype, 1.2e-7))
+
+
+def judge_position_signal(residual: float, measured_floor: float, dtype: str) -> FloorVerdict:
+    """Did position enter? PASS when the residual stands far above the floor.
+
+    In bf16/fp16 a ratio below PASS_RATIO is *inconclusive* (WARN): a weak but real position
+    signal is about the size of half-precision rounding, so "no positions" and "weak
+    positions" cannot be told apart there. Only fp32/fp64 runs may FAIL.
+    """
+    floor = noise_floor(measured_floor, dtype)
+    ratio = residual / floor
+    if residual != residual:  # NaN
+        return FloorVerdict(Status.FAIL, residual, floor, ratio, "non-finite outputs")
+    if ratio >= PASS_RATIO:
+        return FloorVerdict(Status.PASS, residual, floor, ratio, "position signal far above the noise floor")
+    if dtype in LOW_PRECISION:
+        return FloorVerdict(
+            Status.WARN, residual, floor, ratio,
+            f"inconclusive in {dtype}: residual within {PASS_RATIO:g}x of rounding; rerun in float32",
+        )
+    if ratio < FAIL_RATIO:
+        return FloorVerdict(Status.FAIL, residual, floor, ratio, "outputs merely permute: position never entered")
+    return FloorVerdict(
+        Status.WARN, residual, floor, ratio,
+        f"weak position signal: {ratio:.3g}x the noise floor (pass needs {PASS_RATIO:g}x)",
+    )
+
+
+def judge_agreement(error: float, measured_floor: float, dtype: str, factor: float = FAIL_RATIO) -> FloorVerdict:
+    """The mirror rule: two computations that must agree. FAIL when the error stands above the floor."""
+    floor = noise_floor(measured_floor, dtype)
+    ratio = error / floor
+    if error != error:
+        return FloorVerdict(Status.FAIL, error, floor, ratio, "non-finite outputs")
+    if ratio <= factor:
+        return FloorVerdict(Status.PASS, error, floor, ratio, "agrees within the noise floor")
+    return FloorVerdict(Status.FAIL, error, floor, ratio, f"differs by {ratio:.3g}x the noise floor")
