@@ -140,14 +140,10 @@ def tiny_config(family: str, **overrides: Any) -> PretrainedConfig:
     kwargs: dict[str, Any] = {"vocab_size": _V}
     if family not in _OWN_SIZES:
         kwargs.update(_LLAMA_SIZES)
-        if family in _NO_GQA:
+        if family in _NO_GQA or family.startswith("falcon"):  # Falcon names it num_kv_heads (set below)
             kwargs.pop("num_key_value_heads")
-        if family in ("bloom", "falcon_rope", "falcon_alibi"):
+        if family in ("bloom", "opt") or family.startswith("falcon"):  # 4*hidden / ffn_dim instead
             kwargs.pop("intermediate_size")
-        if family == "opt":
-            kwargs.pop("intermediate_size")
-        if family in ("falcon_rope", "falcon_alibi"):
-            kwargs.pop("num_key_value_heads")
     if family not in ("gpt2", "gptj", "mpt", "t5"):
         kwargs["max_position_embeddings"] = _P
     if family not in ("roberta", "t5"):
@@ -231,7 +227,9 @@ def remove_positions(model: nn.Module, family: str) -> None:
 
     - RoPE: every ``*inv_freq`` buffer (``inv_freq``, ``original_inv_freq``, and the per-layer-type
       ``{layer_type}_inv_freq`` of Gemma3/ModernBERT) is zeroed: cos = 1, sin = 0, the rotation is the
-      identity (the rotary forward reads the buffer every call). GPT-J keeps a precomputed
+      identity (the rotary forward reads the buffer every call); dynamic/longrope modules are
+      switched to ``rope_type="default"`` on the instance so they cannot recompute frequencies
+      from the config at longer lengths. GPT-J keeps a precomputed
       ``embed_positions`` buffer (sin | cos halves): set to sin 0 / cos 1.
     - Learned / sinusoidal tables (``wpe``, ``embed_positions``, ``position_embeddings``): zeroed.
     - T5: every ``relative_attention_bias`` table zeroed (only block 0 of each stack has one).
@@ -252,8 +250,8 @@ def remove_positions(model: nn.Module, family: str) -> None:
                     if name.endswith("inv_freq"):
                         buf.zero_()
                         done += 1
-                for attr in [a for a in vars(module) if a.endswith("long_inv_freq")]:
-                    setattr(module, attr, None)  # longrope: plain attribute, recomputed from the config
+                if any(n.endswith("inv_freq") for n, _ in module.named_buffers(recurse=False)):
+                    _freeze_rope_type(module)
                 if type(module).__name__ == "GPTJRotaryEmbedding":
                     half = module.embed_positions.shape[-1] // 2
                     module.embed_positions[:, :half] = 0.0
@@ -285,6 +283,25 @@ def remove_positions(model: nn.Module, family: str) -> None:
                 done += 1
     if not done:
         raise RuntimeError(f"remove_positions({family!r}) found nothing to remove in {type(model).__name__}")
+
+
+def _freeze_rope_type(module: nn.Module) -> None:
+    """Stop dynamic/longrope modules from recomputing non-zero frequencies from the config.
+
+    ``@dynamic_rope_update`` re-derives ``inv_freq`` when the sequence outgrows
+    ``max_seq_len_cached`` (dynamic) or past ``original_max_position_embeddings`` (longrope, whose
+    ``long_inv_freq`` attribute is rebuilt from the config when missing). The wrapper dispatches on
+    the instance's ``rope_type`` (a dict per layer type for Gemma3/ModernBERT), so calling them
+    "default" on this instance keeps the zeroed buffers; ``attention_scaling`` is left as it was.
+    """
+    rope_type = getattr(module, "rope_type", None)
+    frozen = lambda t: "default" if ("dynamic" in t or t == "longrope") else t  # noqa: E731
+    if isinstance(rope_type, str):
+        module.rope_type = frozen(rope_type)
+    elif isinstance(rope_type, dict):
+        module.rope_type = {k: frozen(v) for k, v in rope_type.items()}
+    for attr in [a for a in vars(module) if a.endswith("long_inv_freq")]:
+        setattr(module, attr, None)
 
 
 def _zero_alibi(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -1,0 +1,162 @@
+"""The command line, end to end, on committed fixtures: exit codes, JSON, and bad input."""
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from posdiag.cli import app
+
+runner = CliRunner()
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def tree_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(path.rglob("*")):
+        h.update(str(f.relative_to(path)).encode())
+        h.update(str(f.stat().st_mtime_ns).encode())
+        if f.is_file():
+            h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def test_healthy_fixture_passes(fixtures_dir):
+    result = invoke("shuffle", fixtures_dir / "llama-tiny")
+    assert result.exit_code == 0, result.output
+    assert "PASS" in result.output and "no position bug found" in result.output
+
+
+def test_zeroed_table_fails_with_the_numbers(fixtures_dir):
+    result = invoke("shuffle", fixtures_dir / "gpt2-tiny-zeroed-wpe", "--quiet")
+    assert result.exit_code == 1
+    assert "FAIL shuffle" in result.output and "noise floor" in result.output
+
+
+def test_missing_table_fails_load_while_shuffle_passes(fixtures_dir):
+    result = invoke("check", fixtures_dir / "gpt2-tiny-missing-wpe", "--json", "-")
+    assert result.exit_code == 1
+    data = json.loads(result.stdout[result.stdout.index("{"):])
+    statuses = {c["name"]: c["status"] for c in data["checks"]}
+    assert statuses == {"load": "fail", "shuffle": "pass"}
+    assert data["checks"][0]["details"]["missing"] == ["transformer.wpe.weight"]
+
+
+def test_json_file_report(fixtures_dir, tmp_path):
+    out = tmp_path / "r.json"
+    result = invoke("check", fixtures_dir / "bert-tiny", "--only", "shuffle", "--json", out, "--quiet")
+    assert result.exit_code == 0
+    data = json.loads(out.read_text())
+    assert data["schema"] == 1 and data["model"]["kind"] == "encoder" and data["model"]["causal"] is False
+    shuffle = data["checks"][0]
+    assert shuffle["name"] == "shuffle" and set(shuffle["metrics"]) >= {"residual", "noise_floor", "ratio"}
+    assert data["versions"]["torch"] and data["exit_code"] == 0
+
+
+def test_factory_models(fixtures_dir):
+    assert invoke("shuffle", "fixtures.custom_model:healthy", "-q").exit_code == 0
+    result = invoke("shuffle", "fixtures.custom_model:no_positions", "-q")
+    assert result.exit_code == 1 and "position never entered" in result.output
+
+
+def test_same_seed_same_numbers(fixtures_dir):
+    a = invoke("shuffle", fixtures_dir / "llama-tiny", "--seed", "3", "--json", "-", "-q").stdout
+    b = invoke("shuffle", fixtures_dir / "llama-tiny", "--seed", "3", "--json", "-", "-q").stdout
+    strip = lambda s: [c["metrics"] for c in json.loads(s[s.index("{"):])["checks"]]
+    assert strip(a) == strip(b)
+
+
+def test_checkpoint_directory_is_never_written(fixtures_dir, tmp_path):
+    copy = tmp_path / "gpt2"
+    shutil.copytree(fixtures_dir / "gpt2-tiny", copy)
+    before = tree_digest(copy)
+    invoke("check", copy, "--json", tmp_path / "out.json")
+    assert tree_digest(copy) == before
+
+
+# ------------------------------------------------------------------ bad input: exit 2, one line
+def corrupt_copy(fixtures_dir, tmp_path, how):
+    copy = tmp_path / "ckpt"
+    shutil.copytree(fixtures_dir / "llama-tiny", copy)
+    how(copy)
+    return copy
+
+
+def truncate(copy):
+    f = copy / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: 4000])
+
+
+def garble_header(copy):
+    f = copy / "model.safetensors"
+    f.write_bytes(b"\xff" * 64 + f.read_bytes()[64:])
+
+
+def unknown_type(copy):
+    cfg = json.loads((copy / "config.json").read_text())
+    cfg["model_type"] = "nonesuch"
+    (copy / "config.json").write_text(json.dumps(cfg))
+
+
+def bad_json(copy):
+    (copy / "config.json").write_text("{not json")
+
+
+def no_weights(copy):
+    (copy / "model.safetensors").unlink()
+
+
+def pickle_only(copy):
+    (copy / "model.safetensors").rename(copy / "pytorch_model.bin")
+
+
+@pytest.mark.parametrize("damage", [truncate, garble_header, unknown_type, bad_json, no_weights, pickle_only])
+def test_broken_checkpoints_exit_2_with_one_line(fixtures_dir, tmp_path, damage):
+    path = corrupt_copy(fixtures_dir, tmp_path, damage)
+    result = invoke("shuffle", path)
+    assert result.exit_code == 2, result.output
+    lines = [l for l in result.output.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("posdiag: error:"), result.output
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("args", [
+    ("shuffle", "/no/such/path"),
+    ("shuffle", "fixtures"),  # a directory without config.json
+    ("shuffle", "fixtures/make_fixtures.py"),  # a file
+    ("shuffle", "no-such-org/no-such-model"),  # hub id, no network in tests
+    ("shuffle", "fixtures/llama-tiny", "--seq-len", "100000"),
+    ("shuffle", "fixtures.custom_model:does_not_exist"),
+    ("shuffle", "no_such_module_xyz:factory"),
+    ("check", "fixtures/llama-tiny", "--only", "nonesuch"),
+    ("shuffle", "fixtures/llama-tiny", "--text", "hello world"),  # no tokenizer shipped
+])
+def test_bad_input_exits_2(args):
+    result = invoke(*args)
+    assert result.exit_code == 2, result.output
+    assert "posdiag: error:" in result.output and "Traceback" not in result.output
+
+
+def test_factory_that_raises(tmp_path, monkeypatch):
+    (tmp_path / "boom_factory.py").write_text("def make():\n    raise RuntimeError('weights not found')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    result = invoke("shuffle", "boom_factory:make")
+    assert result.exit_code == 2 and "weights not found" in result.output
+
+
+def test_help_does_not_import_torch():
+    code = "import sys; from posdiag.cli import app; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_version():
+    result = invoke("--version")
+    assert result.exit_code == 0 and result.output.startswith("posdiag ")
