@@ -216,5 +216,9 @@ def _tokenize(model: str, text: str, revision, trust_remote_code: bool) -> tuple
     return tuple(int(i) for i in ids)
 
 
+# Commands that live in their own modules register themselves on `app` when imported.
+from posdiag import cli_kernels, cli_rope  # noqa: E402,F401
+
+
 if __name__ == "__main__":  # pragma: no cover
     app()

@@ -10,8 +10,8 @@ are *measured* (mask fidelity, position_ids effect) before any verdict relies on
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Callable
 
 
 @dataclass(frozen=True)
@@ -21,14 +21,17 @@ class Family:
     kind:             causal | encoder | seq2seq (which stacks exist and how they attend).
     position_kind:    rope | learned | sinusoidal | alibi | relative_bias | none found.
     mask_form:        how an explicit attention pattern is handed over:
-                      "4d"          one additive float [B,1,T,T] mask (window written in, if any);
+                      "4d"          one additive float [B,1,T,T] mask (a uniform window written in);
                       "layer_dict"  {"full_attention": m, "sliding_attention": m_w} by layer type;
+                      "layer_hook"  no top-level mask: `injector` hands the pattern to every layer;
                       "none"        the family cannot take an explicit pattern (reason in mask_note).
+    injector:         fn(subject, patterns) -> undo: for families whose layers do not (only) read
+                      attention_mask (per-layer hooks, hard-coded causal buffers).
     position_ids:     "honoured" (passed and used), "ignored" (accepted via **kwargs and dropped:
                       positions derived inside), or "required" (must be passed with a 4D mask).
     position_offset:  index of the first position row in the learned table (OPT 2, RoBERTa pad+1).
-    open_buffers:     bool buffers ANDed into the scores that an explicit mask cannot open; set to
-                      all-True while an explicit pattern is in use, restored after.
+    explicit_position_offset: added to logical positions when passing position_ids explicitly
+                      (RoBERTa reads the ids as table rows; OPT adds its 2 inside).
     eager_only:       the family refuses attn_implementation="sdpa" in transformers 5.x.
     mask_note:        why mask_form is "none" (shown in skips).
     """
@@ -39,10 +42,10 @@ class Family:
     mask_form: str = "4d"
     position_ids: str = "honoured"
     position_offset: int = 0
-    open_buffers: tuple[str, ...] = ()
+    injector: Callable[[Any, dict], Callable[[], None]] | None = None
+    explicit_position_offset: int = 0
     eager_only: bool = False
     mask_note: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def takes_position_ids(self) -> bool:
@@ -50,6 +53,60 @@ class Family:
 
 
 GENERIC = Family(name="generic")
+
+
+# ------------------------------------------------------------------ injectors (imports torch lazily)
+def _gpt_neo_buffers(subject: Any, patterns: dict) -> Callable[[], None]:
+    """GPT-Neo ANDs a hard-coded causal `bias` buffer (windowed on local layers) into the scores
+    before adding attention_mask, so a mask can block but never open a key (measured: opening a
+    future key changed 0.0). Filling the buffer with True opens it but drops the local window
+    (0.49 off the default). So each layer's buffer is swapped for the per-row pattern
+    [B,1,T,T] (it broadcasts over heads), windowed where attention_type == "local"."""
+    import torch
+
+    saved = []
+    for module in subject.model.modules():
+        if hasattr(module, "attention_type") and isinstance(getattr(module, "bias", None), torch.Tensor):
+            saved.append((module, module.bias))
+            key = "sliding" if module.attention_type == "local" and "sliding" in patterns else "full"
+            module.bias = patterns[key][:, None]
+
+    def undo() -> None:
+        for module, buf in saved:
+            module.bias = buf
+    return undo
+
+
+def _layer_mask_hook(build: Callable[[Any, dict, dict], Any]) -> Callable[[Any, dict], Callable[[], None]]:
+    """Bloom and Falcon-alibi build their ALiBi bias from a 2D padding mask and crash on a 4D one
+    (ValueError: too many values to unpack). The model gets no mask (ALiBi from arange key
+    positions, as in training) and a forward pre-hook on each block replaces the layer's
+    attention_mask with ours."""
+    def inject(subject: Any, patterns: dict) -> Callable[[], None]:
+        def hook(module, args, kwargs):
+            kwargs["attention_mask"] = build(subject, patterns, kwargs)
+            return args, kwargs
+        handles = [layer.register_forward_pre_hook(hook, with_kwargs=True) for layer in subject.model.transformer.h]
+        return lambda: [h.remove() for h in handles]
+    return inject
+
+
+def _bloom_mask(subject: Any, patterns: dict, kwargs: dict) -> Any:
+    from posdiag.tensors import additive_mask
+    return additive_mask(patterns["full"][:, None], subject.dtype)
+
+
+def _falcon_alibi_mask(subject: Any, patterns: dict, kwargs: dict) -> Any:
+    """FalconModel folds alibi/sqrt(head_dim) into the float mask it hands the layers; rebuild that."""
+    import math
+    import torch
+    alibi = kwargs["alibi"]
+    head_dim = subject.config.hidden_size // subject.config.num_attention_heads
+    if alibi.ndim == 3:  # [B*H, 1, T] as built; FalconModel hands the blocks [B, H, 1, T]
+        alibi = alibi.reshape(-1, subject.config.num_attention_heads, *alibi.shape[1:])
+    bias = alibi / math.sqrt(head_dim)
+    bias = bias.expand(patterns["full"].shape[0], -1, patterns["full"].shape[1], -1).to(subject.dtype)
+    return bias.masked_fill(~patterns["full"][:, None], torch.finfo(subject.dtype).min)
 
 _ROWS: dict[str, Family] = {
     # --- RoPE decoders: 4D additive masks are used as-is; position_ids honoured. ---------------
@@ -76,20 +133,22 @@ _ROWS: dict[str, Family] = {
     "gpt2": Family("gpt2", position_kind="learned"),
     # GPT-Neo ANDs a hard-coded causal `bias` buffer into every layer: a permuted mask cannot
     # open a future key until the buffer is opened (measured: "open" probe unchanged).
-    "gpt_neo": Family("gpt_neo", position_kind="learned", open_buffers=("attn.attention.bias",), eager_only=True),
+    "gpt_neo": Family("gpt_neo", position_kind="learned", injector=_gpt_neo_buffers, eager_only=True),
     # OPT derives positions from the 2D mask cumsum (+2); with a 4D mask it needs explicit ids.
     "opt": Family("opt", position_kind="learned", position_ids="required", position_offset=2),
-    # --- ALiBi: bias built from a 2D padding mask; a 4D mask crashes (Bloom) or reads inverted
-    #     (MPT). Positions come from the mask, so position_ids are not accepted. -----------
-    "bloom": Family("bloom", position_kind="alibi", mask_form="none", position_ids="ignored", eager_only=True,
-                    mask_note="Bloom builds its ALiBi bias from a 2D padding mask and rejects a 4D mask"),
-    "mpt": Family("mpt", position_kind="alibi", mask_form="none", position_ids="ignored", eager_only=True,
-                  mask_note="MPT reads explicit masks inverted and its ALiBi bias ignores them"),
+    # --- ALiBi: positions come from the 2D mask (Bloom, Falcon) or arange (MPT); position_ids
+    #     are accepted and dropped (bit-identical outputs). --------------------------------
+    "bloom": Family("bloom", position_kind="alibi", mask_form="layer_hook", position_ids="ignored", eager_only=True,
+                    injector=_layer_mask_hook(_bloom_mask)),
+    # MPT turns the mask into bool itself: an additive float mask works, a bool one reads inverted.
+    "mpt": Family("mpt", position_kind="alibi", position_ids="ignored", eager_only=True),
     # --- Encoders: bidirectional; the permutation needs no mask at all. -----------------------
     "bert": Family("bert", kind="encoder", position_kind="learned"),
-    "roberta": Family("roberta", kind="encoder", position_kind="learned", extra={"offset_from": "pad_token_id+1"}),
+    # RoBERTa reads explicit position_ids as table rows; its own ids start at padding_idx + 1.
+    "roberta": Family("roberta", kind="encoder", position_kind="learned"),
     "distilbert": Family("distilbert", kind="encoder", position_kind="learned"),
-    "modernbert": Family("modernbert", kind="encoder", position_kind="rope"),
+    # Local layers attend |q - k| <= local_attention // 2 (config.sliding_window): dict by layer type.
+    "modernbert": Family("modernbert", kind="encoder", position_kind="rope", mask_form="layer_dict"),
     # --- Encoder-decoders: the 4D pattern goes to decoder_attention_mask (a top-level mask would
     #     be reused as the cross-attention mask). Positions are derived inside. -----------------
     "t5": Family("t5", kind="seq2seq", position_kind="relative_bias", position_ids="ignored"),
@@ -106,8 +165,11 @@ def family_for(config: Any) -> Family:
         return replace(GENERIC, name=model_type, kind=_guess_kind(config))
     if model_type == "falcon" and getattr(config, "alibi", False):
         # Falcon-alibi builds the bias from the 2D mask like Bloom.
-        return replace(row, position_kind="alibi", mask_form="none", position_ids="ignored",
-                       mask_note="Falcon-alibi builds its bias from a 2D padding mask")
+        return replace(row, position_kind="alibi", mask_form="layer_hook", position_ids="ignored",
+                       injector=_layer_mask_hook(_falcon_alibi_mask))
+    if model_type in ("roberta", "xlm-roberta", "camembert"):
+        offset = (getattr(config, "pad_token_id", None) or 0) + 1
+        return replace(row, position_offset=offset, explicit_position_offset=offset)
     if model_type == "distilbert" and getattr(config, "sinusoidal_pos_embds", False):
         return replace(row, position_kind="sinusoidal")
     return row

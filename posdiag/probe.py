@@ -14,7 +14,7 @@ import torch
 
 from posdiag.subject import Outputs, Subject
 from posdiag.tensors import relative_l2
-from posdiag.verdict import PASS_RATIO, FAIL_RATIO, noise_floor
+from posdiag.verdict import FAIL_RATIO, MACHINE_EPSILON, noise_floor
 
 
 @dataclass
@@ -41,12 +41,19 @@ def arange_like(ids: torch.Tensor) -> torch.Tensor:
 
 def run_rows(subject: Subject, rows: list[Row], *, stack: str = "decoder", explicit_mask: bool = True,
              encoder_ids: torch.Tensor | None = None) -> Outputs:
-    """Run every row in one forward (per --max-batch chunk). Masks are explicit unless told otherwise."""
+    """Run every row in one forward (per --max-batch chunk).
+
+    explicit_mask=True hands the model the rows' patterns in the family's form (the only way
+    to attend by a permuted order, and the only safe way with non-consecutive position ids:
+    without a mask transformers reads such ids as packed sequences and builds a block-diagonal
+    mask). explicit_mask=False lets the model build its own default mask.
+    """
     ids = torch.stack([r.ids for r in rows]).to(subject.device)
+    patterns = None
     mask: Any = None
     if explicit_mask:
         per_row = [
-            subject.mask_argument(
+            subject.patterns(
                 (r.order if r.order is not None else arange_like(r.ids))[None],
                 None if r.valid is None else r.valid[None],
                 stack=stack,
@@ -54,26 +61,14 @@ def run_rows(subject: Subject, rows: list[Row], *, stack: str = "decoder", expli
             )
             for r in rows
         ]
-        mask = _cat_masks(per_row)
+        patterns = {k: torch.cat([p[k] for p in per_row]) for k in per_row[0]}
+        mask = subject.mask_argument(patterns)
     position_ids = None
     if subject.family.takes_position_ids:
-        position_ids = torch.stack([r.positions if r.positions is not None else arange_like(r.ids) for r in rows])
-    with subject.explicit_pattern() if explicit_mask else _null():
+        logical = torch.stack([r.positions if r.positions is not None else arange_like(r.ids) for r in rows])
+        position_ids = subject.position_ids_for(logical.to(subject.device))
+    with subject.injected(patterns):
         return subject.forward(ids, mask=mask, position_ids=position_ids, stack=stack, encoder_ids=encoder_ids)
-
-
-def _cat_masks(masks: list[Any]) -> Any:
-    if isinstance(masks[0], dict):
-        return {k: torch.cat([m[k] for m in masks]) for k in masks[0]}
-    return torch.cat(masks)
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 # ------------------------------------------------------------------------ mask fidelity
@@ -100,39 +95,49 @@ class Fidelity:
 
 
 def fidelity_rows(ids: torch.Tensor) -> tuple[list[Row], tuple[int, int, int]]:
-    """Rows: explicit causal, one past key blocked for later queries, one future key opened."""
+    """Rows: explicit causal; keys [T/4, T/2) blocked for every later query; the first T/4
+    queries allowed to see every key (future ones included). Edits are wide on purpose: a
+    single key can carry almost no attention weight in a random model."""
     t = ids.shape[-1]
-    blocked_key, open_query, open_key = t // 3, t // 4, t // 2
+    block_from, block_to, open_upto = t // 4, t // 2, max(1, t // 4)
 
     def block(a: torch.Tensor) -> torch.Tensor:
         a = a.clone()
-        a[:, blocked_key + 1:, blocked_key] = False
+        a[:, block_to:, block_from:block_to] = False
         return a
 
     def open_(a: torch.Tensor) -> torch.Tensor:
         a = a.clone()
-        a[:, open_query, open_key] = True
+        a[:, :open_upto, :] = True
         return a
 
-    return [Row(ids), Row(ids, edit=block), Row(ids, edit=open_)], (blocked_key, open_query, open_key)
+    return [Row(ids), Row(ids, edit=block), Row(ids, edit=open_)], (block_to, open_upto, block_from)
 
 
 def judge_fidelity(default: torch.Tensor, explicit: torch.Tensor, blocked: torch.Tensor, opened: torch.Tensor,
                    where: tuple[int, int, int], measured_floor: float, dtype: str) -> Fidelity:
-    """Each input is a final hidden state [T, D] of the matching fidelity row."""
-    blocked_key, open_query, _ = where
-    floor = noise_floor(measured_floor, dtype)
+    """Each input is a final hidden state [T, D] of the matching fidelity row.
+
+    Reproduction is judged against the dtype's floor (two computations that must agree).
+    Block/open effects are judged against what an *ignored* edit gives: the same row
+    recomputed in the same batch, bitwise identical in practice (0.0 measured in every
+    family, bf16 included). So the threshold is a few float32 epsilons whatever the dtype,
+    and does not lean on the consistent-permutation floor (itself meaningless when the mask
+    is not honoured).
+    """
+    changed_from, opened_upto, _ = where
     reproduces = relative_l2(explicit, default)
-    block_effect = relative_l2(blocked[blocked_key + 1:], explicit[blocked_key + 1:])
-    open_effect = relative_l2(opened[open_query:open_query + 1], explicit[open_query:open_query + 1])
-    tolerance = FAIL_RATIO * floor
+    block_effect = relative_l2(blocked[changed_from:], explicit[changed_from:])
+    open_effect = relative_l2(opened[:opened_upto], explicit[:opened_upto])
+    tolerance = FAIL_RATIO * noise_floor(measured_floor, dtype)
+    effect_needed = FAIL_RATIO * MACHINE_EPSILON["float32"]
     if reproduces > tolerance:
         reason = f"explicit causal mask does not reproduce the model's default output (rel. error {reproduces:.2e} > {tolerance:.1e})"
         return Fidelity(False, reason, reproduces, block_effect, open_effect, tolerance)
-    if block_effect < PASS_RATIO * floor:
-        reason = f"blocking a key in the explicit mask changes nothing (effect {block_effect:.1e}): the mask is ignored"
+    if block_effect < effect_needed:
+        reason = f"blocking keys in the explicit mask changes nothing (effect {block_effect:.1e}): the mask is ignored"
         return Fidelity(False, reason, reproduces, block_effect, open_effect, tolerance)
-    if open_effect < PASS_RATIO * floor:
-        reason = f"opening a future key changes nothing (effect {open_effect:.1e}): a causal pattern is hard-coded"
+    if open_effect < effect_needed:
+        reason = f"opening future keys changes nothing (effect {open_effect:.1e}): a causal pattern is hard-coded"
         return Fidelity(False, reason, reproduces, block_effect, open_effect, tolerance)
     return Fidelity(True, "explicit mask honoured", reproduces, block_effect, open_effect, tolerance)

@@ -142,7 +142,7 @@ class Subject:
 
     @property
     def sliding_window(self) -> int | None:
-        window = getattr(self.config, "sliding_window", None)
+        window = getattr(self.config, "sliding_window", None) or getattr(self.config, "window_size", None)
         if window and (getattr(self.config, "use_sliding_window", True) is not False):
             return int(window)
         return None
@@ -194,47 +194,37 @@ class Subject:
             return False, self.family.mask_note or f"{self.family.name} cannot take an explicit attention mask"
         return True, ""
 
-    def allowed(self, order: torch.Tensor, valid: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
-        """Causal pattern, bool [B, T, T]: may query i see key j, given each token's logical index `order` [B, T].
+    def windowed_layers(self) -> str:
+        """Which layers attend through a sliding window: "none", "some" or "all"."""
+        if self.sliding_window is None:
+            return "none"
+        types = getattr(self.config, "layer_types", None) or getattr(self.config, "attention_layers", None)
+        if types:  # layer_types: full/sliding_attention; GPT-Neo attention_layers: global/local
+            windowed = [t in ("sliding_attention", "local") for t in types]
+            return "all" if all(windowed) else ("some" if any(windowed) else "none")
+        return "all"  # Mistral-style: one window for every layer
 
-        order[j] <= order[i] (and order[i] - order[j] < window, transformers' convention).
-        Keys at padding (valid False) are never visible; a padded query keeps its own key so
-        its softmax stays finite (its output is excluded from every comparison).
+    def patterns(self, order: torch.Tensor, valid: torch.Tensor | None = None, stack: str = "decoder",
+                 edit: Any = None) -> dict[str, torch.Tensor]:
+        """Bool attention patterns [B, T, T] by logical token order: {"full": ..., "sliding": ...}.
+
+        Causal stacks: key j visible to query i when order[j] <= order[i] ("sliding" adds
+        order[i] - order[j] < window, transformers' convention). Bidirectional stacks: every
+        key ("sliding": |order[i] - order[j]| <= window, ModernBERT's local attention).
+        Padding keys are never visible; a padded query keeps its own key so its softmax stays
+        finite (its output is excluded from every comparison). `edit` (bool[B,T,T] -> same)
+        is applied to every variant: the mask-fidelity probes block or open single keys with it.
         """
         order = order.to(self.device)
-        oi = order[:, :, None]
-        oj = order[:, None, :]
-        allowed = oj <= oi
-        if window is not None:
-            allowed &= (oi - oj) < window
-        return self._with_padding(allowed, valid)
-
-    def mask_argument(self, order: torch.Tensor, valid: torch.Tensor | None = None, stack: str = "decoder",
-                      edit: Any = None) -> Any:
-        """The attention-mask argument that makes the model attend by `order` (in the family's form).
-
-        edit: optional function bool[B,T,T] -> bool[B,T,T] applied to every layer type's pattern
-        (the mask-fidelity probes block or open single keys with it).
-        """
-        causal_stack = stack == "decoder" and self.kind != "encoder"
-        window = self.sliding_window if causal_stack else None
-        if causal_stack and getattr(self.config, "layer_types", None) and "sliding_attention" not in self.layer_types():
-            window = None  # the config names every layer full attention: no window anywhere
+        oi, oj = order[:, :, None], order[:, None, :]
+        causal = stack == "decoder" and self.kind != "encoder"
+        full = (oj <= oi) if causal else torch.ones_like(oi == oj)
+        out = {"full": full}
+        if self.windowed_layers() != "none":
+            w = self.sliding_window
+            out["sliding"] = full & ((oi - oj) < w) if causal else (oi - oj).abs() <= w
         edit = edit or (lambda a: a)
-        if not causal_stack:
-            return additive_mask(edit(self._encoder_allowed(order, valid))[:, None], self.dtype)
-        if self.family.mask_form == "layer_dict":
-            return {
-                layer_type: additive_mask(
-                    edit(self.allowed(order, valid, window if layer_type == "sliding_attention" else None))[:, None],
-                    self.dtype)
-                for layer_type in sorted(set(self.layer_types()))
-            }
-        return additive_mask(edit(self.allowed(order, valid, window))[:, None], self.dtype)
-
-    def _encoder_allowed(self, order: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
-        b, t = order.shape
-        return self._with_padding(torch.ones(b, t, t, dtype=torch.bool, device=self.device), valid)
+        return {k: edit(self._with_padding(v, valid)) for k, v in out.items()}
 
     def _with_padding(self, allowed: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         if valid is None:
@@ -243,20 +233,36 @@ class Subject:
         eye = torch.eye(allowed.shape[-1], dtype=torch.bool, device=self.device)[None]
         return (allowed & valid[:, None, :]) | (eye & ~valid[:, :, None])
 
+    def mask_argument(self, patterns: dict[str, torch.Tensor]) -> Any:
+        """The attention_mask argument for these patterns, in the family's form (None: injected per layer)."""
+        form = self.family.mask_form
+        if form == "layer_hook":
+            return None
+        if form == "layer_dict" and "sliding" in patterns:
+            return {t: additive_mask(patterns["sliding" if t == "sliding_attention" else "full"][:, None], self.dtype)
+                    for t in sorted(set(self.layer_types()) | {"full_attention", "sliding_attention"})}
+        # One mask for every layer: the window goes in only when every layer slides (Mistral);
+        # per-layer windows are the injector's business (GPT-Neo's buffers).
+        uniform_window = "sliding" in patterns and self.windowed_layers() == "all"
+        return additive_mask(patterns["sliding" if uniform_window else "full"][:, None], self.dtype)
+
     @contextlib.contextmanager
-    def explicit_pattern(self) -> Iterator[None]:
-        """Open the family's hard-coded buffers (GPT-Neo's causal `bias`) for explicit masks."""
-        saved = []
-        if self.family.open_buffers:
-            for name, buf in self.model.named_buffers():
-                if any(name.endswith(suffix) for suffix in self.family.open_buffers) and buf.dtype == torch.bool:
-                    saved.append((buf, buf.clone()))
-                    buf.fill_(True)
+    def injected(self, patterns: dict[str, torch.Tensor] | None) -> Iterator[None]:
+        """Hand the patterns to families that do not read them from attention_mask (families.py
+        says which and why): per-layer hooks or per-row causal buffers, undone on exit."""
+        injector = self.family.injector
+        if patterns is None or injector is None:
+            yield
+            return
+        undo = injector(self, patterns)
         try:
             yield
         finally:
-            for buf, old in saved:
-                buf.copy_(old)
+            undo()
+
+    def position_ids_for(self, logical: torch.Tensor) -> torch.Tensor:
+        """Logical positions (0-based) -> the ids the model expects (RoBERTa starts at pad+1)."""
+        return logical + self.family.explicit_position_offset
 
     # ---------------------------------------------------------------- forward
     def forward(

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 from posdiag.results import Status
 
-# Unit roundoff per dtype. The floor is never taken below one unit of the dtype the
+# Machine epsilon per dtype. The floor is never taken below one unit of the dtype the
 # comparison ran in: a floor of exactly 0 (a bitwise-identical consistent run) would
 # make any rounding difference look infinitely large.
-UNIT_ROUNDOFF = {
+MACHINE_EPSILON = {
     "float64": 1.1e-16,
     "float32": 1.2e-7,
     "bfloat16": 7.8e-3,
@@ -46,8 +46,8 @@ class FloorVerdict:
 
 
 def noise_floor(measured: float, dtype: str) -> float:
-    """The floor to divide by: the measured consistent residual, at least one unit roundoff."""
-    return max(measured, UNIT_ROUNDOFF.get(dtype, 1.2e-7))
+    """The floor to divide by: the measured consistent residual, at least one machine epsilon."""
+    return max(measured, MACHINE_EPSILON.get(dtype, 1.2e-7))
 
 
 def judge_position_signal(residual: float, measured_floor: float, dtype: str) -> FloorVerdict:

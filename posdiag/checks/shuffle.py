@@ -79,7 +79,9 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
     first_consistent = len(rows)
     if consistent:
         rows += [Row(ids[p], order=p, positions=p) for p in perms]
-    out = run_rows(subject, rows, stack=stack, explicit_mask=causal)
+    # Encoder-decoders: the decoder is tested against one fixed encoder input for every row.
+    encoder_ids = ids[None].expand(len(rows), -1) if subject.kind == "seq2seq" and stack == "decoder" else None
+    out = run_rows(subject, rows, stack=stack, encoder_ids=encoder_ids)
     base = [h[0] for h in out.hidden]
 
     if not all(torch.isfinite(h).all() for h in out.hidden):
@@ -95,13 +97,14 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
     final_residual = min(residual[-1])
     final_floor = max(floor[-1])
     floor_source = "consistent permutation (tokens, mask and position ids permuted together)" if consistent else \
-        f"{dtype} unit roundoff ({subject.family.name} derives positions inside: no consistent permutation)"
+        f"{dtype} machine epsilon ({subject.family.name} derives positions inside: no consistent permutation)"
     details: dict = {"stack": stack, "seq_len": length, "permutations": len(perms), "floor_source": floor_source,
                      "residual_per_permutation": residual[-1], "floor_per_permutation": floor[-1]}
     metrics: dict = {}
 
     if causal:
-        default = run_rows(subject, [Row(ids)], stack=stack, explicit_mask=False).final[0]
+        default = run_rows(subject, [Row(ids)], stack=stack, explicit_mask=False,
+                           encoder_ids=None if encoder_ids is None else encoder_ids[:1]).final[0]
         fid = judge_fidelity(default, out.final[0], out.final[1], out.final[2], fidelity_where, final_floor, dtype)
         metrics.update(fid.metrics())
         if not fid.ok:
@@ -110,7 +113,7 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
         if consistent and final_floor > 0 and final_residual > 0 and max(floor[-1]) >= 0.5 * final_residual:
             # Permuting position ids with the tokens did not restore P f(x): the ids are not what
             # the model positions by. The consistent run is then no floor; say so, don't guess.
-            details["floor_source"] = f"{dtype} unit roundoff (position ids passed but not honoured)"
+            details["floor_source"] = f"{dtype} machine epsilon (position ids passed but not honoured)"
             floor = [[0.0] for _ in range(layers)]
             final_floor = 0.0
 
