@@ -63,3 +63,21 @@ def versions() -> dict[str, str]:
     from posdiag import __version__
 
     return {"posdiag": __version__, "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def check_model(model: Any, checks: Iterable[str] | None = None, *, skip: Iterable[str] | None = None,
+                options: RunOptions | None = None, name: str | None = None, **load_options: Any) -> Report:
+    """Run posdiag on an in-memory `nn.Module`, a checkpoint directory or a hub id.
+
+    checks: names to run (default: every applicable check); skip: names to leave out.
+    load_options: fields of `posdiag.subject.LoadOptions` (dtype, device, upcast, max_batch...).
+    Nothing is printed; the returned Report is data (`report.exit_code`, `report.check(name)`).
+    """
+    from posdiag.subject import LoadOptions, from_module, load_subject
+
+    load = LoadOptions(**load_options)
+    if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
+        subject = load_subject(str(model), load)
+    else:
+        subject = from_module(model, name=name or type(model).__name__, options=load)
+    return run_checks(subject, select_checks(checks, skip), options)

@@ -1,4 +1,6 @@
 import os
+
+pytest_plugins = ["pytester"]
 from pathlib import Path
 
 import pytest

@@ -22,6 +22,9 @@ from posdiag.verdict import PASS_RATIO, judge_position_signal, noise_floor
 
 TITLE = "Permutation equivariance"
 
+# --baseline watches these: a collapsing ratio means position is fading out of the model.
+BASELINE_METRICS = {"ratio": "higher"}
+
 
 def run(subject: Subject, options: RunOptions) -> CheckResult:
     stack_results = [_run_stack(subject, options, stack) for stack in subject.stacks]
