@@ -1,0 +1,363 @@
+"""Pure RoPE math from a config: frequencies, wavelengths, turns, the critical pair, aliasing, decay.
+
+No model is built here. The config is read the way transformers 5.x reads it
+(`config.rope_parameters`, possibly one dict per layer type), and every scaled frequency set
+comes from transformers' own `ROPE_INIT_FUNCTIONS`; the unscaled ("default") set is computed
+here in float64 (transformers keeps it in each model's rotary class).
+
+Definitions (DESIGN.md, "RoPE analysis"): with frequencies θ_i after scaling, wavelength
+λ_i = 2π/θ_i, training length L (the original length when the scaling block gives one) and
+target length N:
+- critical pair: the first pair (0-based) with λ_i > L; from it on, pairs never finished a
+  turn in training and meet unseen phases past L.
+- pattern similarity s(D) = mean_i cos(D θ_i); the alias is the smallest D past the curve's
+  first dip below 1-ε at which s(D) returns to >= 1-ε ("none up to N" is a valid answer).
+- decay: sum_i cos(D θ_i) (q = k = ones); its first zero is information, never a verdict.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+ALIAS_EPSILON = 0.02
+SCAN_LIMIT = 1 << 21  # offsets scanned for aliasing / decay (64 pairs x 2M cos: about a second)
+STATEFUL_TYPES = ("dynamic", "longrope")
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """One rotary setup (one per layer type where the config gives several).
+
+    layer_type:   the key in config.rope_parameters (None when one dict serves every layer).
+    rope_type:    default | linear | dynamic | yarn | longrope | llama3 | proportional | ...
+    theta:        the base.
+    head_dim / rotary_dim: dims per head / dims that rotate (head_dim x partial_rotary_factor).
+    factor:       the scaling factor when the block gives one.
+    original_max: original_max_position_embeddings when the block (or config) gives one.
+    declared:     max_position_embeddings (the declared context).
+    params:       the raw parameter block, for the report.
+    """
+
+    layer_type: str | None
+    rope_type: str
+    theta: float
+    head_dim: int
+    rotary_dim: int
+    partial_rotary_factor: float = 1.0
+    factor: float | None = None
+    original_max: int | None = None
+    declared: int | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def training_length(self) -> int | None:
+        """L: the original length when the config records one, else the declared context."""
+        return self.original_max or self.declared
+
+    @property
+    def stateful(self) -> bool:
+        """dynamic / longrope modules change their frequencies with the sequence length."""
+        return "dynamic" in self.rope_type or self.rope_type == "longrope"
+
+    @property
+    def switch_length(self) -> int | None:
+        """The length at which a stateful type switches (dynamic: the declared context; longrope: the original)."""
+        if "dynamic" in self.rope_type:
+            return self.declared
+        if self.rope_type == "longrope":
+            return self.original_max or self.declared
+        return None
+
+    @property
+    def claimed_length(self) -> int | None:
+        """The longest context the config claims: the declared context, or factor x original for a scaling block."""
+        claims = [v for v in (self.declared,) if v]
+        if self.factor and self.original_max and self.rope_type != "default":
+            claims.append(int(self.factor * self.original_max))
+        return max(claims) if claims else None
+
+    @property
+    def label(self) -> str:
+        return self.layer_type or "all layers"
+
+
+# --------------------------------------------------------------------------- reading the config
+def text_config(config: Any) -> Any:
+    getter = getattr(config, "get_text_config", None)
+    if callable(getter):
+        try:
+            return getter()
+        except Exception:  # pragma: no cover - odd configs
+            return config
+    return config
+
+
+def head_dim_of(config: Any) -> int | None:
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim:
+        return int(head_dim)
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+    return int(hidden // heads) if hidden and heads else None
+
+
+def declared_context(config: Any) -> int | None:
+    for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def rope_parameters(config: Any) -> dict[str, Any] | None:
+    """config.rope_parameters as transformers 5.x standardises it (None when the config has none)."""
+    config = text_config(config)
+    standardize = getattr(config, "standardize_rope_params", None)
+    if callable(standardize):
+        try:
+            standardize()
+        except Exception:
+            pass
+    params = getattr(config, "rope_parameters", None)
+    return dict(params) if isinstance(params, dict) and params else None
+
+
+def rope_specs(config: Any) -> list[RopeSpec]:
+    """Every rotary setup in the config; [] when the config describes no RoPE."""
+    config = text_config(config)
+    head_dim = head_dim_of(config)
+    declared = declared_context(config)
+    params = rope_parameters(config)
+    if params is None:
+        rotary_dim = getattr(config, "rotary_dim", None)  # GPT-J: a fixed base of 10000 in the model code
+        if rotary_dim and head_dim:
+            return [RopeSpec(None, "default", 10000.0, head_dim, int(rotary_dim), rotary_dim / head_dim,
+                             declared=declared, params={"rotary_dim": rotary_dim})]
+        return []
+    if head_dim is None:
+        return []
+    if all(isinstance(v, dict) for v in params.values()):
+        blocks = [(k, v) for k, v in params.items() if v]
+    else:
+        blocks = [(None, params)]
+    specs = []
+    for layer_type, block in blocks:
+        partial = float(block.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0)
+        rope_type = str(block.get("rope_type", block.get("type", "default")))
+        original = block.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
+        factor = block.get("factor")
+        specs.append(RopeSpec(
+            layer_type=layer_type, rope_type=rope_type, theta=float(block.get("rope_theta", 10000.0)),
+            head_dim=head_dim, rotary_dim=int(head_dim * partial), partial_rotary_factor=partial,
+            factor=float(factor) if factor is not None else None,
+            original_max=int(original) if original else None, declared=declared, params=dict(block),
+        ))
+    return specs
+
+
+# --------------------------------------------------------------------------- frequencies
+def default_inv_freq(theta: float, rotary_dim: int) -> np.ndarray:
+    """θ_i = theta^(-2i/d) in float64, i = 0 .. d/2-1."""
+    return 1.0 / theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
+
+
+def inv_freq(config: Any, spec: RopeSpec, seq_len: int | None = None) -> tuple[np.ndarray, float]:
+    """(θ_i, attention_scaling) for `spec` at sequence length `seq_len` (stateful types depend on it).
+
+    Scaled types come from transformers' ROPE_INIT_FUNCTIONS (their float32 values, as the model's
+    buffers hold them); the default set is computed in float64.
+    """
+    if spec.rope_type == "default":
+        return default_inv_freq(spec.theta, spec.rotary_dim), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    fn = ROPE_INIT_FUNCTIONS.get(spec.rope_type)
+    if fn is None:
+        raise ValueError(f"rope_type '{spec.rope_type}' is unknown to this transformers version "
+                         f"(known: default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))})")
+    freqs, scaling = fn(text_config(config), "cpu", seq_len=seq_len, layer_type=spec.layer_type)
+    return freqs.detach().to("cpu").double().numpy(), float(scaling)
+
+
+def unscaled_inv_freq(spec: RopeSpec) -> np.ndarray:
+    """The frequencies before scaling: the default set with the same base and rotary dims."""
+    return default_inv_freq(spec.theta, spec.rotary_dim)
+
+
+# --------------------------------------------------------------------------- analysis
+@dataclass(frozen=True)
+class Analysis:
+    """The figures DESIGN asks for, for one frequency set."""
+
+    freqs: np.ndarray
+    wavelengths: np.ndarray
+    training_length: int
+    target_length: int
+    turns_training: np.ndarray
+    turns_target: np.ndarray
+    unseen: np.ndarray  # bool per pair: meets phases never seen in training at the target length
+    critical_pair: int | None  # first pair with λ > L (0-based); None: every pair turned within L
+    alias_offset: int | None  # smallest far D with s(D) >= 1-ε; None: none up to alias_scanned
+    alias_epsilon: float
+    alias_scanned: int
+    decay_first_zero: int | None
+    decay_scanned: int
+
+    @property
+    def pairs(self) -> int:
+        return int(self.freqs.shape[0])
+
+    @property
+    def longest_wavelength(self) -> float:
+        finite = self.wavelengths[np.isfinite(self.wavelengths)]
+        return float(finite.max()) if finite.size else math.inf
+
+    @property
+    def unseen_pairs(self) -> int:
+        return int(self.unseen.sum())
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "pairs": self.pairs,
+            "training_length": self.training_length,
+            "target_length": self.target_length,
+            "critical_pair": self.critical_pair,
+            "shortest_wavelength": float(self.wavelengths.min()),
+            "longest_wavelength": self.longest_wavelength,
+            "unseen_pairs_at_target": self.unseen_pairs,
+            "alias_offset": self.alias_offset,
+            "alias_epsilon": self.alias_epsilon,
+            "alias_scanned_to": self.alias_scanned,
+            "decay_first_zero": self.decay_first_zero,
+            "decay_scanned_to": self.decay_scanned,
+        }
+
+
+def wavelengths(freqs: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore"):
+        return np.where(freqs > 0, 2 * np.pi / np.where(freqs > 0, freqs, 1.0), np.inf)
+
+
+def critical_pair(freqs: np.ndarray, training_length: int) -> int | None:
+    over = np.nonzero(wavelengths(freqs) > training_length)[0]
+    return int(over[0]) if over.size else None
+
+
+def _scan(freqs: np.ndarray, limit: int, chunk: int = 1 << 15):
+    """Yield (offsets, mean_i cos(D θ_i)) for D = 1 .. limit, in chunks."""
+    theta = freqs[freqs > 0]
+    if theta.size == 0:
+        return
+    start = 1
+    while start <= limit:
+        d = np.arange(start, min(limit, start + chunk - 1) + 1, dtype=np.float64)
+        yield d, np.cos(np.outer(d, theta)).mean(axis=1)
+        start += chunk
+
+
+def alias_offset(freqs: np.ndarray, limit: int, epsilon: float = ALIAS_EPSILON) -> int | None:
+    """Smallest D past the first dip below 1-ε where s(D) = mean_i cos(D θ_i) returns to >= 1-ε."""
+    left = False
+    for d, s in _scan(freqs, limit):
+        if not left:
+            below = np.nonzero(s < 1 - epsilon)[0]
+            if not below.size:
+                continue
+            left = True
+            d, s = d[below[0]:], s[below[0]:]
+        back = np.nonzero(s >= 1 - epsilon)[0]
+        if back.size:
+            return int(d[back[0]])
+    return None
+
+
+def decay_first_zero(freqs: np.ndarray, limit: int) -> int | None:
+    """First offset D where sum_i cos(D θ_i) <= 0 (the long-range decay of <R_m 1, R_n 1>)."""
+    for d, s in _scan(freqs, limit):
+        hit = np.nonzero(s <= 0)[0]
+        if hit.size:
+            return int(d[hit[0]])
+    return None
+
+
+def decay_curve(freqs: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    theta = freqs[freqs > 0]
+    return np.cos(np.outer(offsets.astype(np.float64), theta)).sum(axis=1)
+
+
+def analyze(freqs: np.ndarray, training_length: int, target_length: int,
+            epsilon: float = ALIAS_EPSILON, scan_limit: int = SCAN_LIMIT) -> Analysis:
+    freqs = np.asarray(freqs, dtype=np.float64)
+    lam = wavelengths(freqs)
+    limit = int(min(max(target_length, training_length), scan_limit))
+    return Analysis(
+        freqs=freqs, wavelengths=lam, training_length=int(training_length), target_length=int(target_length),
+        turns_training=training_length * freqs / (2 * np.pi), turns_target=target_length * freqs / (2 * np.pi),
+        unseen=(lam > training_length) & (target_length > training_length),
+        critical_pair=critical_pair(freqs, training_length),
+        alias_offset=alias_offset(freqs, limit, epsilon), alias_epsilon=epsilon, alias_scanned=limit,
+        decay_first_zero=decay_first_zero(freqs, limit), decay_scanned=limit,
+    )
+
+
+@dataclass(frozen=True)
+class SpecReport:
+    """Before/after scaling for one spec, plus the evidence-backed warnings."""
+
+    spec: RopeSpec
+    attention_scaling: float
+    before: Analysis
+    after: Analysis
+    warnings: tuple[str, ...]
+    notes: tuple[str, ...]
+
+
+def report_spec(config: Any, spec: RopeSpec, target_length: int | None = None) -> SpecReport:
+    """Static analysis of one spec: unscaled vs scaled frequencies at L and N, and warnings on evidence."""
+    training = spec.training_length or target_length or 4096
+    target = int(target_length or spec.declared or training)
+    seq_len = target if spec.stateful else None
+    after_freqs, scaling = inv_freq(config, spec, seq_len=seq_len)
+    before = analyze(unscaled_inv_freq(spec), training, target)
+    after = analyze(after_freqs, training, target) if spec.rope_type != "default" else before
+    warnings, notes = [], []
+    claimed = spec.claimed_length
+    if claimed and target > claimed:
+        warnings.append(
+            f"{spec.label}: target {target} is beyond the {claimed} tokens the config claims; "
+            f"{after.unseen_pairs} of {after.pairs} pairs meet phases never seen in training"
+        )
+    if (spec.rope_type == "default" and spec.original_max and spec.declared and spec.declared > spec.original_max):
+        at_declared = analyze(after.freqs, spec.original_max, spec.declared, scan_limit=1)
+        if at_declared.unseen_pairs:
+            warnings.append(
+                f"{spec.label}: declared context {spec.declared} exceeds the original training length "
+                f"{spec.original_max} with no scaling; {at_declared.unseen_pairs} pairs meet unseen phases before it"
+            )
+    if spec.stateful:
+        notes.append(f"{spec.rope_type} frequencies depend on the sequence length (switch at {spec.switch_length}); "
+                     f"shown at length {target}")
+    if after.decay_first_zero is not None:
+        notes.append(f"{spec.label}: decay curve first crosses zero at offset {after.decay_first_zero} (information)")
+    return SpecReport(spec, scaling, before, after, tuple(warnings), tuple(notes))
+
+
+def analyze_config(config: Any, target_length: int | None = None) -> list[SpecReport]:
+    return [report_spec(config, spec, target_length) for spec in rope_specs(config)]
+
+
+# --------------------------------------------------------------------------- references for probes
+def reference_angles(freqs: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """[P, pairs] angles p θ_i in float64."""
+    return np.outer(np.asarray(positions, dtype=np.float64), np.asarray(freqs, dtype=np.float64))
+
+
+def angle_tolerance(freqs: np.ndarray, positions: np.ndarray, out_epsilon: float) -> np.ndarray:
+    """[P, pairs] bound of an honest implementation: angles rounded in float32 (as transformers computes
+    them whatever the model dtype), then cos/sin rounded to the output dtype."""
+    eps32 = float(np.finfo(np.float32).eps)
+    return eps32 * (1.0 + np.abs(reference_angles(freqs, positions))) + out_epsilon
