@@ -134,7 +134,9 @@ class Subject:
     @property
     def max_positions(self) -> int | None:
         """The declared context, where the config states one."""
-        for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        # max_seq_len: MPT builds its ALiBi bias for exactly that many keys; a longer probe crashes
+        # (measured: RuntimeError, size 320 vs 128, in the shift check's prefix rows).
+        for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "max_seq_len"):
             value = getattr(self.config, attr, None)
             if isinstance(value, int) and value > 0:
                 return value
@@ -516,6 +518,9 @@ def _load_pretrained(spec: str, options: LoadOptions) -> Subject:
     )
     if options.device_map:
         kwargs["device_map"] = options.device_map
+    # Parameters missing from the checkpoint are re-initialised randomly: seed it so the same
+    # checkpoint gives the same report every time (the `load` check names what was missing).
+    torch.manual_seed(0)
     try:
         model, loading_info = auto_cls.from_pretrained(spec, **kwargs)
     except Exception as exc:

@@ -1,0 +1,112 @@
+"""posdiag's cost against the bare minimum: from_pretrained + one forward of the same shape.
+
+    python benchmarks/bench.py fixtures/llama-tiny --seq-len 64 [--checks shuffle,load] [--device cpu]
+
+Each side runs in its own fresh process, so wall time includes Python + torch + transformers
+imports for both, and peak memory is each process's max RSS (plus CUDA peak when on GPU).
+Prints a markdown table (paste it into the README's performance section) and --json writes
+the raw numbers. Not a test: timings depend on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+BARE = r"""
+import json, resource, sys, time
+t0 = time.perf_counter()
+import torch, transformers
+from posdiag.subject import _auto_class
+from posdiag.families import family_for
+path, seq_len, device = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+transformers.utils.logging.set_verbosity_error(); transformers.utils.logging.disable_progress_bar()
+t1 = time.perf_counter()
+config = transformers.AutoConfig.from_pretrained(path)
+model = _auto_class(config, family_for(config)).from_pretrained(path, attn_implementation="eager").to(device).eval()
+t2 = time.perf_counter()
+ids = torch.randint(4, config.vocab_size, (1, seq_len), device=device)
+with torch.inference_mode():
+    kw = {"decoder_input_ids": ids} if config.is_encoder_decoder else {}
+    model(input_ids=ids, **kw)
+t3 = time.perf_counter()
+cuda = torch.cuda.max_memory_allocated() if device.startswith("cuda") else 0
+print(json.dumps({"imports": t1 - t0, "load": t2 - t1, "forward": t3 - t2, "total": t3 - t0,
+                  "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "cuda_mb": cuda / 2**20}))
+"""
+
+POSDIAG = r"""
+import json, resource, sys, time
+t0 = time.perf_counter()
+from typer.testing import CliRunner
+from posdiag.cli import app
+args = sys.argv[1:]
+result = CliRunner().invoke(app, args)
+t1 = time.perf_counter()
+print(json.dumps({"total": t1 - t0, "exit_code": result.exit_code,
+                  "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def child(code: str, *args: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def startup(flag: str, repeats: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "posdiag.cli", flag], capture_output=True, check=True)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--checks", default=None, help="comma-separated (default: every check)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", default=None)
+    a = parser.parse_args()
+
+    bare = child(BARE, a.model, str(a.seq_len), a.device)
+    with tempfile.TemporaryDirectory() as tmp:
+        report_path = os.path.join(tmp, "r.json")
+        args = ["check", a.model, "--seq-len", str(a.seq_len), "--device", a.device, "--json", report_path, "-q"]
+        if a.checks:
+            args += ["--only", a.checks]
+        run = child(POSDIAG, *args)
+        report = json.load(open(report_path))
+
+    checks = report["checks"]
+    load_and_imports = bare["imports"] + bare["load"]
+    rows = [("bare load + 1 forward", f"{bare['total']:.2f}", "1", f"{bare['rss_mb']:.0f}", "1.00")]
+    for c in checks:
+        # Each check against (load + the forwards it needed, at the bare forward's cost).
+        minimum = load_and_imports + max(1, c["forward_passes"]) * bare["forward"]
+        rows.append((f"check `{c['name']}` ({c['status']})", f"{c['seconds']:.2f}", str(c["forward_passes"]), "",
+                     f"{(load_and_imports + c['seconds']) / minimum:.2f}"))
+    floor = load_and_imports + len(checks) * bare["forward"]
+    rows.append((f"posdiag check, whole run ({len(checks)} checks)", f"{run['total']:.2f}",
+                 str(sum(c["forward_passes"] for c in checks)), f"{run['rss_mb']:.0f}", f"{run['total'] / floor:.2f}"))
+    print(f"model {a.model}, seq-len {a.seq_len}, device {a.device}; imports {bare['imports']:.2f}s, "
+          f"load {bare['load']:.2f}s, one forward {bare['forward'] * 1000:.1f}ms")
+    print(f"startup: posdiag --help {startup('--help'):.2f}s, posdiag --version {startup('--version'):.2f}s")
+    print(f"peak memory ratio (posdiag / bare): {run['rss_mb'] / bare['rss_mb']:.2f}\n")
+    print("| what | wall s | forwards | peak RSS MB | ratio to minimum |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+    if a.json:
+        json.dump({"bare": bare, "posdiag": run, "checks": checks}, open(a.json, "w"), indent=2)
+
+
+if __name__ == "__main__":
+    main()
