@@ -1,0 +1,444 @@
+"""kernels — every attention implementation must compute the same function as eager attention.
+
+Tiled online-softmax attention (FlashAttention, SDPA) is exact in math: a running max m, a
+running sum l, partial sums rescaled by exp(m_old − m_new). It differs from naive attention only
+in summation order. So, with the same weights and inputs, each implementation's hidden states
+must stay within rounding of a higher-precision eager reference (float64 on CPU when memory
+allows, else float32), by FlashAttention's own rule:
+    err(impl) <= 2 · err(eager in the run dtype) + atol,      err = ||h − h_ref|| / ||h_ref||
+per layer, over valid (non-padding) positions, on three inputs: an unpadded batch (the model
+builds no mask: the is_causal path), a left-padded batch (the mask handed to the kernel, fully
+masked padding queries), and a chunk of several new tokens decoded against a KV cache (causal
+alignment when q_len != k_len). NaN/Inf at valid positions fails; what a kernel writes at
+padding queries is reported as information.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+from posdiag.options import RunOptions, probe_ids
+from posdiag.results import CheckResult, Status, Table
+from posdiag.subject import Subject
+from posdiag.verdict import MACHINE_EPSILON
+
+TITLE = "Attention kernels agree with eager"
+
+FACTOR = 2.0  # FlashAttention's rule: at most 2x the error of plain attention in the same dtype
+BLOCK_NAMES = ("layers", "layer", "h", "block", "blocks")
+# Which class flag says an implementation is supported (transformers 5.x PreTrainedModel).
+SUPPORT_FLAG = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn",
+                "flash_attention_3": "_supports_flash_attn", "flex_attention": "_supports_flex_attn"}
+
+
+# ------------------------------------------------------------------------------ what to compare
+def default_implementations(subject: Subject) -> tuple[list[str], dict[str, str]]:
+    """(implementations to run, {implementation: why not run}) for this machine."""
+    run, skipped = ["sdpa"], {}
+    cuda = subject.device.type == "cuda"
+    for name, module in (("flash_attention_2", "flash_attn"), ("flash_attention_3", "flash_attn_interface")):
+        if not cuda:
+            skipped[name] = "needs a CUDA device"
+        elif importlib.util.find_spec(module) is None:
+            skipped[name] = f"package {module} is not installed"
+        else:
+            run.append(name)
+    skipped["flex_attention"] = ("run by `posdiag kernels MODEL --flex` in a subprocess (flex_attention with a 4D "
+                                 "mask has crashed the process on CPU)")
+    return run, skipped
+
+
+@dataclass
+class Scenario:
+    name: str
+    ids: torch.Tensor
+    mask: torch.Tensor | None  # 2D padding mask (long) or None
+    position_ids: torch.Tensor | None
+    valid: torch.Tensor  # bool [B, T] of the tokens whose outputs are compared
+    prefill: int = 0  # > 0: decode; the first `prefill` tokens go in first, the rest as one chunk
+
+
+@dataclass
+class Run:
+    hidden: list[torch.Tensor] = field(default_factory=list)  # per layer, [B, T, D] (decode: the chunk)
+    logits: torch.Tensor | None = None  # [B, V] at the last position
+    layer_names: list[str] = field(default_factory=list)
+
+
+def _scenarios(subject: Subject, options: RunOptions) -> list[Scenario]:
+    ids = probe_ids(subject, options, batch=3)
+    b, t = ids.shape
+    mask = torch.ones(b, t, dtype=torch.long, device=subject.device)
+    mask[1, : t // 4] = 0
+    mask[2, : t // 2] = 0
+    causal = subject.kind == "causal"
+    pos = None
+    if causal and subject.family.takes_position_ids:  # as generate() builds them for left padding
+        pos = subject.position_ids_for((mask.cumsum(-1) - 1).masked_fill(mask == 0, 1))
+    ones = torch.ones(b, t, dtype=torch.bool, device=subject.device)
+    out = [Scenario("unpadded", ids, None, None, ones),
+           Scenario("left-padded", ids, mask, pos, mask.bool())]
+    if causal and getattr(subject.model, "can_generate", lambda: False)() and t >= 8:
+        prefill = t - max(2, t // 4)
+        out.append(Scenario("decode", ids, None, None, ones[:, prefill:], prefill))
+        out.append(Scenario("decode left-padded", ids, mask, pos, mask[:, prefill:].bool(), prefill))
+    return out
+
+
+# ------------------------------------------------------------------------------ running the model
+def _forward(subject: Subject, sc: Scenario) -> Run:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # past_key_values -> cache rename (5.x)
+        return _forward_once(subject, sc)
+
+
+def _forward_once(subject: Subject, sc: Scenario) -> Run:
+    model = subject.model
+    with torch.inference_mode():
+        if subject.kind == "seq2seq":
+            subject.forward_count += 1
+            out = model(input_ids=sc.ids, attention_mask=sc.mask, decoder_input_ids=sc.ids, use_cache=False,
+                        output_hidden_states=True, return_dict=True)
+            enc, dec = list(out.encoder_hidden_states), list(out.decoder_hidden_states)
+            names = [f"encoder {i}" for i in range(len(enc))] + [f"decoder {i}" for i in range(len(dec))]
+            return Run(enc + dec, out.logits[:, -1].double(), names)
+        kwargs: dict[str, Any] = {"output_hidden_states": True, "return_dict": True}
+        if subject.kind == "causal":
+            kwargs["use_cache"] = sc.prefill > 0
+        if sc.prefill:
+            p = sc.prefill
+            subject.forward_count += 1
+            first = model(input_ids=sc.ids[:, :p], attention_mask=None if sc.mask is None else sc.mask[:, :p],
+                          **({"position_ids": sc.position_ids[:, :p]} if sc.position_ids is not None else {}), **kwargs)
+            kwargs["past_key_values"] = first.past_key_values
+            ids, mask = sc.ids[:, p:], sc.mask  # the chunk sees the whole mask (cache + chunk)
+            pos = None if sc.position_ids is None else sc.position_ids[:, p:]
+        else:
+            ids, mask, pos = sc.ids, sc.mask, sc.position_ids
+        if pos is not None:
+            kwargs["position_ids"] = pos
+        subject.forward_count += 1
+        out = model(input_ids=ids, attention_mask=mask, **kwargs)
+        hidden = list(out.hidden_states if out.hidden_states is not None else (out.last_hidden_state,))
+        logits = getattr(out, "logits", None)
+        names = ["embeddings"] + [f"block {i}" for i in range(1, len(hidden))]
+        return Run(hidden, None if logits is None else logits[:, -1].double(), names)
+
+
+def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and name.split(".")[-1] in BLOCK_NAMES and len(module):
+            found.extend(module)
+    return found
+
+
+@contextlib.contextmanager
+def _finite_padding(model: torch.nn.Module, enabled: bool) -> Iterator[None]:
+    """For the float64 reference only: transformers' eager softmax runs in float32, so finfo(float64).min
+    becomes -inf and a fully masked (padding) query row turns NaN; the next layer then multiplies
+    that NaN value by a zero weight at every valid query (0 · NaN = NaN). Valid queries never see
+    padding keys, so zeroing non-finite values in block outputs changes no valid output."""
+    if not enabled:
+        yield
+        return
+
+    def hook(module, args, output):
+        def clean(x):
+            return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+        if isinstance(output, tuple):
+            return (clean(output[0]), *output[1:])
+        return clean(output)
+
+    handles = [b.register_forward_hook(hook) for b in _blocks(model)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _configs(model: torch.nn.Module) -> list[Any]:
+    seen: dict[int, Any] = {}
+    stack = [m.config for m in model.modules() if getattr(m, "config", None) is not None]
+    while stack:
+        cfg = stack.pop()
+        if id(cfg) in seen or not hasattr(cfg, "_attn_implementation_internal"):
+            continue
+        seen[id(cfg)] = cfg
+        for key in getattr(cfg, "sub_configs", {}) or {}:
+            sub = getattr(cfg, key, None)
+            if sub is not None:
+                stack.append(sub)
+    return list(seen.values())
+
+
+@contextlib.contextmanager
+def implementation(subject: Subject, name: str) -> Iterator[str]:
+    """Switch the model to `name` for the block; restore every config afterwards (a failed switch
+    can leave the shared config changed). Yields a note; raises _Refused with the reason."""
+    model = subject.model
+    configs = _configs(model)
+    saved = [(c, c._attn_implementation_internal) for c in configs]
+    note = ""
+    try:
+        if name != "eager" and name == "sdpa" and subject.family.eager_only:
+            raise _Refused(f"{subject.family.name} refuses sdpa in transformers 5.x (eager only)")
+        try:
+            model.set_attn_implementation(name)
+        except Exception as exc:
+            text = str(exc).strip().splitlines()
+            raise _Refused((text[0] if text else type(exc).__name__)[:200]) from None
+        if model.config._attn_implementation != name:
+            flag = SUPPORT_FLAG.get(name)
+            if flag and getattr(model, flag, False):
+                # The class declares support but cannot switch after init (reads the config at forward: Falcon).
+                for c in configs:
+                    c._attn_implementation_internal = name
+                note = "set on the config (this class cannot switch implementations after loading)"
+            else:
+                raise _Refused(f"{type(model).__name__} does not support {name}")
+        yield note
+    finally:
+        for c, value in saved:
+            c._attn_implementation_internal = value
+
+
+class _Refused(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _as_dtype(model: torch.nn.Module, dtype: torch.dtype, current: torch.dtype) -> Iterator[None]:
+    """Convert in place and back (exact: float32/bf16/fp16 -> float64 -> back is lossless)."""
+    if dtype == current:
+        yield
+        return
+    model.to(dtype)
+    try:
+        yield
+    finally:
+        model.to(current)
+
+
+def _reference_dtype(subject: Subject) -> torch.dtype:
+    """float64 where the copy fits (CPU: a fraction of RAM; CUDA: of free memory), else float32."""
+    params = sum(p.numel() for p in subject.model.parameters())
+    for dtype in (torch.float64, torch.float32):
+        if dtype.itemsize <= subject.dtype.itemsize:
+            return subject.dtype
+        extra = params * dtype.itemsize
+        if subject.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(subject.device)
+            if extra < 0.5 * free:
+                return dtype
+        elif subject.device.type == "cpu":
+            try:
+                import os
+                avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            except (ValueError, OSError, AttributeError):
+                avail = 8 << 30
+            if extra < 0.4 * avail:
+                return dtype
+    return subject.dtype
+
+
+# ------------------------------------------------------------------------------ judging
+def _rel(a: torch.Tensor, ref: torch.Tensor, valid: torch.Tensor) -> float:
+    a, r = a.double()[valid], ref.double()[valid]
+    denom = r.norm().item()
+    num = (a - r).norm().item()
+    return num / denom if denom else (0.0 if num == 0 else float("inf"))
+
+
+def _valid_for(run: Run, sc: Scenario, layer: int) -> torch.Tensor:
+    name = run.layer_names[layer]
+    if name.startswith("decoder"):
+        return torch.ones(run.hidden[layer].shape[:2], dtype=torch.bool, device=run.hidden[layer].device)
+    return sc.valid.to(run.hidden[layer].device)
+
+
+def _padding_content(run: Run, sc: Scenario) -> str:
+    if bool(sc.valid.all()):
+        return ""
+    h = run.hidden[-1 if not run.layer_names[-1].startswith("decoder") else 0]
+    pad = h[~sc.valid.to(h.device)]
+    if not bool(torch.isfinite(pad).all()):
+        return "NaN/Inf"
+    return "zeros" if bool((pad == 0).all()) else "finite"
+
+
+def _first_non_finite(run: Run, sc: Scenario) -> str | None:
+    for layer, h in enumerate(run.hidden):
+        valid = _valid_for(run, sc, layer)
+        bad = ~torch.isfinite(h[valid]).all(-1)
+        if bool(bad.any()):
+            rows, cols = torch.nonzero(valid, as_tuple=True)
+            i = int(torch.nonzero(bad)[0])
+            return f"{run.layer_names[layer]}, row {int(rows[i])}, position {int(cols[i])}"
+    return None
+
+
+def _next_token(ref: torch.Tensor | None, got: torch.Tensor | None) -> tuple[float, float] | None:
+    if ref is None or got is None or not bool(torch.isfinite(got).all()):
+        return None
+    agree = (ref.argmax(-1) == got.argmax(-1)).double().mean().item()
+    logp, logq = torch.log_softmax(ref, -1), torch.log_softmax(got, -1)
+    kl = (logp.exp() * (logp - logq)).sum(-1).mean().item()
+    return agree, max(kl, 0.0)
+
+
+# ------------------------------------------------------------------------------ the check
+def run(subject: Subject, options: RunOptions) -> CheckResult:
+    settings = options.for_check("kernels")
+    if not subject.is_hf:
+        return CheckResult("kernels", Status.SKIP, "factory models have a single attention path: nothing to compare")
+    if not hasattr(subject.model, "set_attn_implementation"):
+        return CheckResult("kernels", Status.SKIP, "the model cannot switch attention implementations")
+    names, skipped = default_implementations(subject)
+    if settings.get("implementations"):
+        names = [n for n in settings["implementations"] if n != "eager"]
+        skipped = {}
+    extra = subject.options.attn_implementation
+    if extra not in ("eager", *names) and extra not in skipped:
+        names.append(extra)
+
+    dtype = subject.dtype
+    dname = subject.dtype_name
+    scenarios = _scenarios(subject, options)
+    base_impl = subject.config._attn_implementation
+    if base_impl not in (None, "eager"):
+        return CheckResult("kernels", Status.SKIP, f"the model runs {base_impl}; load it with eager attention to compare")
+
+    # Reference and the same-dtype eager baseline.
+    ref_dtype = _reference_dtype(subject)
+    with _as_dtype(subject.model, ref_dtype, dtype), _finite_padding(subject.model, ref_dtype == torch.float64):
+        reference = [_forward(subject, sc) for sc in scenarios]
+    eager = [_forward(subject, sc) for sc in scenarios]
+
+    runs: dict[str, list[Run] | str] = {"eager": eager}
+    notes: dict[str, str] = {}
+    for name in names:
+        try:
+            with implementation(subject, name) as note:
+                runs[name] = [_forward(subject, sc) for sc in scenarios]
+                if note:
+                    notes[name] = note
+        except _Refused as exc:
+            runs[name] = str(exc)
+        except Exception as exc:  # the implementation crashed on these inputs: that is a finding
+            text = str(exc).strip().splitlines()
+            runs[name] = f"crashed: {type(exc).__name__}: {(text[0] if text else '')[:160]}"
+            notes[name] = "crash"
+
+    atol = MACHINE_EPSILON.get(dname, 1.2e-7) / 2  # unit roundoff of the run dtype (relative)
+    floor_note = f"reference eager in {str(ref_dtype).removeprefix('torch.')}" + (
+        "" if ref_dtype != dtype else " (no higher precision fits: the eager baseline is the reference itself)")
+
+    rows_table: list[tuple] = []
+    layer_rows: list[tuple] = []
+    impl_results: dict[str, dict[str, Any]] = {}
+    worst_status = []
+    for name, got in runs.items():
+        if isinstance(got, str):
+            crashed = notes.get(name) == "crash"
+            impl_results[name] = {"status": "fail" if crashed else "skip", "reason": got}
+            worst_status.append(Status.FAIL if crashed else Status.SKIP)
+            rows_table.append((name, "all", "-", "-", "-", "-", "-", "CRASH" if crashed else "SKIP", got[:80]))
+            continue
+        result: dict[str, Any] = {"status": "pass", "scenarios": {}}
+        status = Status.PASS
+        for si, sc in enumerate(scenarios):
+            r, e, g = reference[si], eager[si], got[si]
+            where_bad = _first_non_finite(g, sc)
+            errs = [_rel(g.hidden[l], r.hidden[l], _valid_for(g, sc, l)) for l in range(len(g.hidden))]
+            base = [_rel(e.hidden[l], r.hidden[l], _valid_for(g, sc, l)) for l in range(len(g.hidden))]
+            tols = [FACTOR * b + atol for b in base]
+            ratios = [x / t for x, t in zip(errs, tols)]
+            worst = max(range(len(errs)), key=lambda l: ratios[l])
+            crossing = next((g.layer_names[l] for l in range(len(errs)) if errs[l] > tols[l]), None)
+            nt = _next_token(r.logits, g.logits) if subject.kind != "encoder" else None
+            sc_status = Status.FAIL if (where_bad or crossing) else Status.PASS
+            status = Status.worst([status, sc_status])
+            result["scenarios"][sc.name] = {
+                "error": errs[worst], "eager_error": base[worst], "tolerance": tols[worst], "ratio": ratios[worst],
+                "worst_layer": g.layer_names[worst], "first_layer_over_tolerance": crossing,
+                "final_error": errs[-1], "final_eager_error": base[-1],
+                "non_finite_at": where_bad, "padding_rows": _padding_content(g, sc),
+                "top1_agreement": None if nt is None else nt[0], "kl": None if nt is None else nt[1],
+            }
+            verdict = "FAIL" if sc_status is Status.FAIL else "ok"
+            why = f"NaN/Inf at {where_bad}" if where_bad else (f"over tolerance from {crossing}" if crossing else "")
+            rows_table.append((name, sc.name, f"{errs[worst]:.2e}", f"{base[worst]:.2e}", f"{ratios[worst]:.3g}",
+                               g.layer_names[worst], "-" if nt is None else f"{nt[0]:.0%} / {nt[1]:.1e}",
+                               verdict, why or result["scenarios"][sc.name]["padding_rows"]))
+            if name != "eager":
+                for l in range(len(errs)):
+                    layer_rows.append((name, sc.name, g.layer_names[l], f"{errs[l]:.2e}", f"{base[l]:.2e}",
+                                       f"{tols[l]:.2e}", "over" if errs[l] > tols[l] else ""))
+        result["status"] = status.value
+        if name in notes:
+            result["note"] = notes[name]
+        impl_results[name] = result
+        worst_status.append(status)
+
+    compared = [n for n in runs if n != "eager" and not isinstance(runs[n], str)]
+    status = Status.worst(worst_status)
+    metrics: dict[str, Any] = {"reference_dtype": str(ref_dtype).removeprefix("torch."), "factor": FACTOR, "atol": atol}
+    # The deciding numbers: the worst (implementation, scenario) by ratio.
+    decided = None
+    for name in compared or ["eager"]:
+        for sc_name, s in impl_results[name]["scenarios"].items():
+            if decided is None or s["ratio"] > decided[2]["ratio"] or (s["non_finite_at"] and not decided[2]["non_finite_at"]):
+                decided = (name, sc_name, s)
+    if decided:
+        name, sc_name, s = decided
+        metrics.update({"implementation": name, "scenario": sc_name, "error": s["error"], "eager_error": s["eager_error"],
+                        "tolerance": s["tolerance"], "ratio": s["ratio"], "worst_layer": s["worst_layer"]})
+    for name in compared:
+        sc = impl_results[name]["scenarios"]
+        metrics[f"{name}_ratio"] = max(s["ratio"] for s in sc.values())
+    details = {"implementations": impl_results, "scenarios": [s.name for s in scenarios], "reference": floor_note,
+               "not_run": skipped, "rule": f"error <= {FACTOR:g} x eager {dname} error + {atol:.1e} (relative L2, valid positions)"}
+    tables = (Table("error vs reference (worst layer per input)",
+                    ("implementation", "input", "error", "eager error", "ratio", "worst layer", "top-1 / KL", "verdict", "where"),
+                    tuple(rows_table)),
+              Table("per-layer error", ("implementation", "input", "layer", "error", "eager error", "tolerance", ""),
+                    tuple(layer_rows)))
+
+    if not compared:
+        reasons = "; ".join(f"{n}: {r}" for n, r in runs.items() if isinstance(r, str))
+        if status is Status.FAIL:
+            summary = f"an attention implementation crashed: {reasons}"
+        else:
+            status = Status.SKIP
+            summary = f"nothing to compare with eager here ({reasons})"
+        return CheckResult("kernels", status, summary, metrics, details, tables)
+
+    failed = [(n, sn, s) for n in compared + ["eager"] for sn, s in impl_results[n].get("scenarios", {}).items()
+              if s["non_finite_at"] or s["first_layer_over_tolerance"]]
+    crashed = [n for n in runs if isinstance(runs[n], str) and notes.get(n) == "crash"]
+    if failed:
+        n, sn, s = max(failed, key=lambda f: (bool(f[2]["non_finite_at"]), f[2]["ratio"]))
+        if s["non_finite_at"]:
+            summary = f"{n} gives NaN/Inf at valid positions on the {sn} input ({s['non_finite_at']})"
+        else:
+            summary = (f"{n} differs from eager on the {sn} input: error {s['error']:.3g} vs eager's {s['eager_error']:.3g} "
+                       f"in {dname} = {s['ratio']:.3g}x the tolerance {s['tolerance']:.2g}, from {s['first_layer_over_tolerance']} "
+                       f"(worst {s['worst_layer']})")
+    elif crashed:
+        summary = f"{', '.join(crashed)} crashed: " + "; ".join(str(runs[n]) for n in crashed)
+    else:
+        name, sc_name, s = decided
+        refused = [n for n in runs if isinstance(runs[n], str)]
+        summary = (f"{', '.join(compared)} agree with eager: worst error {s['error']:.3g} vs eager's {s['eager_error']:.3g} "
+                   f"in {dname} ({s['ratio']:.2g}x the tolerance, {name}, {sc_name}, {s['worst_layer']})"
+                   + (f"; not compared: {', '.join(refused)}" if refused else ""))
+    return CheckResult("kernels", status, summary, metrics, details, tables)
