@@ -1,0 +1,287 @@
+"""positions — are position_ids honoured?
+
+Two measurements in one batched forward (plus one default-mask pass for mask fidelity):
+
+1. Consistent permutation. Permute the tokens, the attention pattern *and* the position ids
+   together: in exact arithmetic f(P x, P M Pᵀ, P pos) = P f(x, M, pos), because the model
+   sees the same (token, position, visible keys) triples, only stored in another order. A
+   model that rebuilds positions internally (arange) instead of reading position_ids sees
+   permuted tokens at unpermuted positions, so the agreement breaks by the whole position
+   signal. error = ||f(P x, P M Pᵀ, P pos) − P f(x)|| / ||f(x)||, judged as *agreement*.
+2. Non-contiguous positions. Gaps (random strides) and a restart halfway (as in packed
+   sequences), with the ordinary causal/bidirectional pattern, must change the outputs of a
+   position-aware model. Non-affine on purpose: RoPE (and any relative scheme) is invariant to
+   a constant offset, so "shift everything by k" would prove nothing. residual =
+   ||f(x, pos') − f(x)|| / ||f(x)||, judged as *position signal*.
+
+Noise floor (same forward): the baseline row is repeated with its token embeddings jittered by
+~1 ulp of the dtype (x·(1 + ε·n), n ~ N(0,1), via a forward hook on the input embedding). Its
+output change is how far rounding-level noise at the input travels through this model — the
+same size as the rounding of a reordered computation (measured on the tiny zoo: jitter 1.2e-7 to
+4.6e-7, consistent permutation 2e-8 to 3.3e-7, fp32), and it is measured, not assumed: deeper
+or badly conditioned models get a larger floor. The floor never goes below one machine epsilon.
+
+Families whose positions are derived inside (position_ids accepted and dropped: ALiBi, T5
+buckets, BART/Marian offsets — `Family.position_ids == "ignored"`) are skipped with that reason:
+there is nothing to honour, and a pass would claim something never measured.
+
+The jitter helpers here are shared with the `batch` and `causal` checks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+from posdiag.options import RunOptions, probe_ids
+from posdiag.probe import Row, fidelity_rows, judge_fidelity, run_rows
+from posdiag.results import CheckResult, Status, Table
+from posdiag.subject import Subject
+from posdiag.tensors import relative_l2
+from posdiag.verdict import FAIL_RATIO, MACHINE_EPSILON, judge_agreement, judge_position_signal, noise_floor
+
+TITLE = "Position ids honoured"
+
+FLOOR_SOURCE = "token embeddings of one row jittered by ~1 ulp, same forward (rounding sensitivity)"
+
+
+# ------------------------------------------------------------------ shared: the jitter floor
+def embedding_module(subject: Subject, stack: str) -> torch.nn.Module | None:
+    """The token-embedding module that feeds `stack` (None when none can be found)."""
+    model = subject.model
+    with contextlib.suppress(Exception):
+        if subject.kind == "seq2seq":
+            part = model.get_encoder() if stack == "encoder" else model.get_decoder()
+            return part.get_input_embeddings()
+        if hasattr(model, "get_input_embeddings"):
+            emb = model.get_input_embeddings()
+            if emb is not None:
+                return emb
+    return next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
+
+
+@contextlib.contextmanager
+def jittered(subject: Subject, stack: str, row: int, total_rows: int, seed: int = 0) -> Iterator[bool]:
+    """Within the block, the token embeddings of batch row `row` are multiplied by (1 + ε·n).
+
+    Works across --max-batch chunks: forward() splits rows in order into chunks of
+    `max_batch`, and the hooked module is called once per chunk (twice when an encoder-decoder
+    shares one embedding between its stacks and the decoder stack is run — then both calls of
+    that row are jittered, still rounding-level noise). Yields False when no embedding module
+    was found (the caller falls back to the machine epsilon and says so).
+    """
+    emb = embedding_module(subject, stack)
+    if emb is None:
+        yield False
+        return
+    step = subject.options.max_batch or total_rows
+    target_chunk, local = divmod(row, step)
+    calls_per_chunk = 1
+    if subject.kind == "seq2seq" and stack == "decoder":
+        with contextlib.suppress(Exception):
+            if subject.model.get_encoder().get_input_embeddings() is emb:
+                calls_per_chunk = 2
+    state = {"calls": 0}
+
+    def hook(module, args, out):
+        chunk = state["calls"] // calls_per_chunk
+        state["calls"] += 1
+        if chunk != target_chunk or not isinstance(out, torch.Tensor) or not out.is_floating_point():
+            return None
+        gen = torch.Generator().manual_seed(seed + 104729)
+        noise = torch.randn(out[local].shape, generator=gen).to(out.device, out.dtype)
+        out = out.clone()
+        out[local] = out[local] * (1 + torch.finfo(out.dtype).eps * noise)
+        return out
+
+    handle = emb.register_forward_hook(hook)
+    try:
+        yield True
+    finally:
+        handle.remove()
+
+
+def per_token_change(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """||a_t − e_t|| / ||e_t|| per token [T] in float64 (0 where both vanish)."""
+    a, e = actual.detach().double(), expected.detach().double()
+    num = (a - e).norm(dim=-1)
+    den = e.norm(dim=-1)
+    return torch.where(den > 0, num / den.clamp_min(1e-300), torch.where(num > 0, torch.inf, 0.0))
+
+
+def tolerance(floor: float, dtype: str) -> float:
+    """The largest disagreement judge_agreement passes for this measured floor."""
+    return FAIL_RATIO * noise_floor(floor, dtype)
+
+
+def position_limit(subject: Subject) -> int | None:
+    """Largest logical position id the probes may use (the declared context, less table offsets)."""
+    declared = subject.max_positions
+    if declared is None:
+        return None
+    return declared - 1 - max(0, subject.family.position_offset - subject.family.explicit_position_offset)
+
+
+# ------------------------------------------------------------------ the check
+def _permutations(length: int, count: int, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed + 6151)
+    out = []
+    for _ in range(count):
+        perm = torch.randperm(length, generator=gen)
+        for _ in range(20):  # move every token where possible: a fixed point tests nothing
+            if not bool((perm == torch.arange(length)).any()):
+                break
+            perm = torch.randperm(length, generator=gen)
+        out.append(perm)
+    return out
+
+
+def gapped_positions(length: int, limit: int | None, seed: int) -> torch.Tensor | None:
+    """0, then strides of 1..4 drawn at random (at least one stride > 1); None when no room."""
+    room = None if limit is None else limit - (length - 1)
+    if room is not None and room < 1:
+        return None
+    gen = torch.Generator().manual_seed(seed + 2749)
+    strides = torch.randint(1, 5, (length - 1,), generator=gen)
+    if room is not None:
+        extra = (strides - 1).cumsum(0)
+        strides = torch.where(extra <= room, strides, torch.ones_like(strides))
+    if bool((strides == 1).all()):
+        strides[length // 2 - 1] = 2
+    return torch.cat([torch.zeros(1, dtype=torch.long), strides.cumsum(0)])
+
+
+def restart_positions(length: int) -> torch.Tensor:
+    """Two packed documents: 0..h-1, 0..T-h-1 (the pattern stays one causal/bidirectional block)."""
+    half = length // 2
+    return torch.cat([torch.arange(half), torch.arange(length - half)])
+
+
+def run(subject: Subject, options: RunOptions) -> CheckResult:
+    fam = subject.family
+    if not fam.takes_position_ids:
+        return CheckResult(
+            "positions", Status.SKIP,
+            f"{fam.name} takes no position_ids (accepted and dropped; {subject.position_kind} positions are "
+            f"derived inside the model), so there are none to honour",
+            details={"position_ids": fam.position_ids, "position_kind": subject.position_kind})
+    if subject.kind == "seq2seq":
+        return CheckResult("positions", Status.SKIP,
+                           "position_ids are not passed to encoder-decoder stacks by posdiag (positions derived inside)")
+    stack = subject.stacks[0]
+    causal = stack == "decoder"
+    dtype = subject.dtype_name
+    if causal:
+        ok, why = subject.explicit_mask_supported
+        if not ok:
+            return CheckResult("positions", Status.SKIP, f"cannot permute the causal mask: {why}")
+
+    ids = probe_ids(subject, options)[0]
+    length = ids.shape[0]
+    perms = [p.to(subject.device) for p in _permutations(length, options.permutations, options.seed)]
+    gaps = gapped_positions(length, position_limit(subject), options.seed)
+    variants: list[tuple[str, torch.Tensor]] = [("restart", restart_positions(length))]
+    if gaps is not None:
+        variants.insert(0, ("gaps", gaps))
+    variants = [(n, p.to(subject.device)) for n, p in variants]
+
+    # One forward: [baseline (+ fidelity rows) | jittered baseline | consistent perms | non-contiguous]
+    rows: list[Row] = []
+    where = None
+    if causal:
+        fid, where = fidelity_rows(ids)
+        rows += fid
+    else:
+        rows.append(Row(ids))
+    jitter_row = len(rows)
+    rows.append(Row(ids))
+    first_perm = len(rows)
+    rows += [Row(ids[p], order=p, positions=p) for p in perms]
+    first_variant = len(rows)
+    rows += [Row(ids, positions=pos) for _, pos in variants]
+    with jittered(subject, stack, jitter_row, len(rows), options.seed) as has_jitter:
+        out = run_rows(subject, rows, stack=stack)
+
+    for i, h in enumerate(out.hidden):
+        if not torch.isfinite(h).all():
+            bad_row = int((~torch.isfinite(h)).flatten(1).any(1).nonzero()[0])
+            return CheckResult("positions", Status.FAIL, f"non-finite hidden states at layer {i}, probe row {bad_row}",
+                               details={"layer": i, "row": bad_row})
+
+    layers = len(out.hidden)
+    base = [h[0] for h in out.hidden]
+    floors = [relative_l2(out.hidden[l][jitter_row], base[l]) for l in range(layers)]
+    consistent = [[relative_l2(out.hidden[l][first_perm + i], base[l][p]) for i, p in enumerate(perms)]
+                  for l in range(layers)]
+    moved = [[relative_l2(out.hidden[l][first_variant + i], base[l]) for i in range(len(variants))]
+             for l in range(layers)]
+    floor = floors[-1] if has_jitter else 0.0
+    details: dict = {
+        "seq_len": length, "permutations": len(perms),
+        "floor_source": FLOOR_SOURCE if has_jitter else f"{dtype} machine epsilon (no token embedding found to jitter)",
+        "consistent_error_per_permutation": consistent[-1],
+        "variants": {n: [int(v) for v in p.tolist()] for n, p in variants},
+        "residual_per_variant": dict(zip([n for n, _ in variants], moved[-1])),
+    }
+    metrics: dict = {}
+
+    if causal:
+        default = run_rows(subject, [Row(ids)], stack=stack, explicit_mask=False).final[0]
+        fid_result = judge_fidelity(default, out.final[0], out.final[1], out.final[2], where, floor, dtype)
+        metrics.update(fid_result.metrics())
+        if not fid_result.ok:
+            return CheckResult("positions", Status.SKIP, f"mask not faithful, no verdict: {fid_result.reason}",
+                               metrics, details)
+
+    agree = judge_agreement(max(consistent[-1]), floor, dtype)
+    # Judged on the strongest variant: any non-affine change that moves the outputs proves the ids
+    # are read (an ignoring model gives exactly 0 for every variant); ModernBERT at default init
+    # moves only 1.8e-5 under the restart (126x floor at 64 tokens), 3.6e-5 under the gaps.
+    signal = judge_position_signal(max(moved[-1]), floor, dtype)
+    tol = tolerance(floor, dtype)
+    first_bad = next((l for l in range(layers) if max(consistent[l]) > tolerance(floors[l] if has_jitter else 0.0, dtype)), None)
+    strongest = max(range(len(variants)), key=lambda i: moved[-1][i])
+    metrics.update({
+        "consistent_error": agree.residual, "residual": signal.residual, "noise_floor": agree.noise_floor,
+        "consistent_ratio": agree.ratio, "ratio": signal.ratio, "tolerance": tol,
+    })
+    details["consistent_breaks_at"] = None if first_bad is None else _layer_name(first_bad, layers)
+    details["strongest_variant"] = variants[strongest][0]
+
+    status = Status.worst([agree.status, signal.status])
+    parts = []
+    if agree.status is Status.PASS:
+        parts.append(f"consistent permutation reproduces P f(x) (error {agree.residual:.2g} <= {tol:.2g})")
+    else:
+        at = f", from {details['consistent_breaks_at']}" if first_bad is not None else ""
+        parts.append(f"consistent permutation breaks P f(x): error {agree.residual:.3g} = {agree.ratio:.3g}x "
+                     f"floor{at} (positions not read from each row's position_ids)")
+    name = variants[strongest][0] if signal.status is not Status.FAIL else " and ".join(n for n, _ in variants)
+    if signal.status is Status.PASS:
+        parts.append(f"non-contiguous ids move outputs ({name}: {signal.residual:.3g} = {signal.ratio:.3g}x floor)")
+    elif signal.status is Status.FAIL:
+        parts.append(f"non-contiguous ids ({name}) change nothing: residual {signal.residual:.3g} = "
+                     f"{signal.ratio:.3g}x floor (position_ids ignored)")
+    else:
+        parts.append(f"non-contiguous ids ({name}): {signal.reason}")
+    if status is Status.FAIL and agree.status is Status.FAIL and signal.status is Status.FAIL:
+        parts.insert(0, "position_ids ignored")
+    summary = "; ".join(parts) + f" [noise floor {agree.noise_floor:.2g}, {length} tokens]"
+
+    table_rows = tuple(
+        (_layer_name(l, layers), f"{max(consistent[l]):.3e}", *[f"{m:.3e}" for m in moved[l]],
+         f"{noise_floor(floors[l] if has_jitter else 0.0, dtype):.2e}")
+        for l in range(layers))
+    table = Table("position ids by layer", ("layer", "consistent error", *[f"{n} residual" for n, _ in variants],
+                                            "noise floor"), table_rows)
+    return CheckResult("positions", status, summary, metrics, details, (table,))
+
+
+def _layer_name(index: int, total: int) -> str:
+    return "embeddings" if index == 0 and total > 1 else f"block {index}"
+
+
+__all__ = ["run", "TITLE", "jittered", "embedding_module", "per_token_change", "tolerance", "position_limit",
+           "FLOOR_SOURCE", "MACHINE_EPSILON"]
