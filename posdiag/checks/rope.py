@@ -90,7 +90,7 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     tables = [_static_table(static)]
     if probe_rows:
         tables.append(_position_table(probe_rows))
-    worst = max(findings, key=lambda f: f.ratio, default=None)
+    worst = max(findings, key=_severity, default=None)
     metrics: dict[str, Any] = {
         "target_length": target, "declared_context": declared, "positions_probed": int(sum(len(p) for _, p in plans)),
         "max_position": int(max(int(p.max()) for _, p in plans)), "probes": len(plans),
@@ -103,14 +103,14 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     if worst is not None:
         metrics.update(worst.metrics())
         details["worst"] = worst.where()
-        details["failures"] = [f.where() for f in sorted(findings, key=lambda f: -f.ratio)[:8] if f.failed]
+        details["failures"] = [f.where() for f in sorted(findings, key=_severity, reverse=True)[:8] if f.failed]
 
     if not table_done and not applied_done:
         return CheckResult("rope", Status.SKIP, f"could not observe the rotation: {why_not_applied or 'no rotary module or attention hook found'}",
                            metrics, details, tuple(tables))
     failed = [f for f in findings if f.failed]
     if failed:
-        bad = max(failed, key=lambda f: f.ratio)
+        bad = max(failed, key=_severity)
         return CheckResult("rope", Status.FAIL, bad.sentence(), metrics, details, tuple(tables))
     ratio = f"worst {worst.ratio:.3g}x tolerance" if worst else "no comparison"
     if not applied_done:
@@ -179,6 +179,13 @@ class Finding:
         exp = f": expected {self.expected:.6g}, got {self.actual:.6g}" if self.expected is not None and self.actual is not None else ""
         return (f"{self.kind} disagrees with the config at {where}{exp} "
                 f"(error {self.error:.3g}, {self.ratio:.3g}x the tolerance {self.tolerance:.3g})")
+
+
+def _severity(f: "Finding") -> tuple:
+    """Failures first, then those that say where (layer/position), then by ratio (NaN counts as worst)."""
+    located = f.position is not None or f.layer is not None
+    ratio = f.ratio if f.ratio == f.ratio else float("inf")
+    return (f.failed, located, ratio)
 
 
 # --------------------------------------------------------------------------- planning
