@@ -1,0 +1,57 @@
+"""Generate the README's support matrix: every check on every family's tiny model.
+
+    python benchmarks/support_matrix.py            # print the table
+    python benchmarks/support_matrix.py --write    # also replace it in README.md
+
+Rows are the families of posdiag.zoo at transformers' default init; each cell is the check's
+status on the healthy model. The last column is the shuffle verdict once positions are removed
+(posdiag.zoo.remove_positions) — the planted bug the headline check must catch. The same
+expectations are asserted by the test suite; this script only tabulates them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+SYMBOL = {"pass": "PASS", "fail": "**FAIL**", "warn": "WARN", "skip": "skip", "error": "**ERROR**"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--write", action="store_true")
+    args = parser.parse_args()
+
+    import torch
+    import transformers
+
+    from posdiag import checks, zoo
+    from posdiag.api import run_checks
+    from posdiag.subject import from_module
+
+    transformers.utils.logging.set_verbosity_error()
+    torch.set_num_threads(2)
+    names = [n for n in checks.available() if n != "load"]  # load needs checkpoint files
+    lines = ["| family | kind | positions | " + " | ".join(names) + " | shuffle, positions removed |",
+             "|---" * (len(names) + 4) + "|"]
+    for family in zoo.FAMILIES:
+        report = run_checks(from_module(zoo.tiny_model(family), name=family), names)
+        broken = zoo.tiny_model(family, init="strong")
+        zoo.remove_positions(broken, family)
+        removed = run_checks(from_module(broken), ["shuffle"]).check("shuffle").status.value
+        cells = [SYMBOL[report.check(n).status.value] for n in names]
+        lines.append(f"| {family} | {zoo.model_kind(family)} | {zoo.position_kind(family)} | "
+                     + " | ".join(cells) + f" | {SYMBOL[removed]} |")
+        print(lines[-1], flush=True)
+    table = "\n".join(lines)
+    if args.write:
+        readme = Path(__file__).resolve().parent.parent / "README.md"
+        text = readme.read_text()
+        text = re.sub(r"<!-- matrix:start -->.*?<!-- matrix:end -->",
+                      f"<!-- matrix:start -->\n{table}\n<!-- matrix:end -->", text, flags=re.S)
+        readme.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
