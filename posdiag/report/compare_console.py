@@ -1,0 +1,158 @@
+"""Console rendering of `posdiag compare`: both models, the verdict line, the per-layer table with
+an error-vs-position sparkline, a bucketed bar plot for the layer where the error appears, and a
+verdict panel. Also the optional PNG (matplotlib). Data only comes from the CheckResult and the
+Comparison profiles; nothing is computed here that decides anything."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table as RichTable
+from rich.text import Text
+
+from posdiag.report.console import status_text
+from posdiag.results import CheckResult, Report, Status
+
+BLOCKS = "▁▂▃▄▅▆▇█"
+
+
+def render_compare(report: Report, console: Console, *, quiet: bool = False) -> None:
+    check = report.check("compare")
+    if quiet:
+        console.print(Text.assemble(status_text(check.status), f" compare: {check.summary}"))
+        return
+    details = check.details
+    for role in ("reference", "candidate"):
+        m = details.get(role)
+        if not m:
+            continue
+        console.print(Text.assemble(
+            (f"{role:<9} ", "bold"), (str(m["id"]), "bold cyan"),
+            f"  family {m['family']} · {m['kind']} · positions: {m['position_kind']} · "
+            f"{m['dtype']}{'→' + m['check_dtype'] if m.get('check_dtype') and m['check_dtype'] != m['dtype'] else ''}"
+            f" on {m['device']}",
+        ))
+        for note in m.get("notes", ()):
+            console.print(Text(f"  note: {note}", style="dim"))
+    if "seq_len" in details:
+        ctx = details.get("original_context")
+        console.print(Text(
+            f"{details['seq_len']} tokens · original context {ctx if ctx else 'unknown'} · "
+            f"compared in {details.get('compared_dtype', '?')} · floor: {details.get('floor_source', '?')}", style="dim"))
+    for note in details.get("notes", ()) or ():
+        console.print(Text(f"note: {note}", style="yellow"))
+    console.print(Text.assemble(status_text(check.status), f" compare: {check.summary}"))
+
+    profile = details.get("profile")
+    if profile and check.tables:
+        console.print(_layer_table(check, profile))
+        focus = details.get("first_layer")  # the bar plot only where something differs
+        if focus in profile["mean_error"]:
+            console.print(_bar_plot(focus, profile))
+    console.print(_panel(report))
+
+
+def sparkline(values: list[float], tolerance: float, low: float, high: float) -> Text:
+    """One character per position bucket, log scale from `low` to `high`; at or below the
+    tolerance a dim dot (the floor), above it a red bar."""
+    out = Text()
+    span = math.log10(high) - math.log10(low) if high > low > 0 else 1.0
+    for v in values:
+        if not (v == v):
+            out.append("!", style="bold magenta")
+        elif v <= tolerance:
+            out.append("·", style="dim green")
+        else:
+            frac = (math.log10(max(v, low)) - math.log10(low)) / span if span > 0 else 1.0
+            out.append(BLOCKS[min(len(BLOCKS) - 1, max(0, int(frac * len(BLOCKS))))], style="red")
+    return out
+
+
+def _range(profile: dict[str, Any]) -> tuple[float, float]:
+    values = [v for vs in profile["mean_error"].values() for v in vs if v == v and v > 0]
+    tols = [t for t in profile["tolerance"].values() if t > 0]
+    low = min(tols) if tols else (min(values) if values else 1e-12)
+    high = max(values + [low * 10])
+    return low, high
+
+
+def _layer_table(check: CheckResult, profile: dict[str, Any]) -> RichTable:
+    table = check.tables[0]
+    starts = profile["bucket_starts"]
+    low, high = _range(profile)
+    out = RichTable(title=f"compare: {table.title}", title_justify="left", header_style="bold")
+    for col in table.columns:
+        out.add_column(col, justify="left" if col in ("layer", "pattern") else "right")
+    out.add_column(f"error vs position 0 → {profile['length'] - 1} (log buckets)", no_wrap=True)
+    for row in table.rows:
+        name = row[0]
+        values = profile["mean_error"].get(name, [])
+        out.add_row(*[str(v) for v in row], sparkline(values, profile["tolerance"].get(name, 0.0), low, high))
+    out.caption = f"bucket starts: {', '.join(str(s) for s in starts)}  (· = at the noise floor)"
+    return out
+
+
+def _bar_plot(name: str, profile: dict[str, Any], width: int = 40) -> RichTable:
+    starts, length = profile["bucket_starts"], profile["length"]
+    values = profile["mean_error"][name]
+    tol = profile["tolerance"].get(name, 0.0)
+    low = tol / 10 if tol > 0 else min([v for v in values if v > 0] or [1e-12])
+    high = max([v for v in values if v == v] + [low * 10])
+    span = math.log10(high) - math.log10(low)
+    out = RichTable(title=f"compare: error vs position at {name} (log scale; | = tolerance {tol:.1e})",
+                    title_justify="left", box=None, header_style="bold", show_header=True)
+    out.add_column("positions", justify="right")
+    out.add_column("mean error", justify="right")
+    out.add_column("", no_wrap=True)
+    tol_col = int((math.log10(tol) - math.log10(low)) / span * width) if tol > 0 and span > 0 else -1
+    ends = list(starts[1:]) + [length]
+    for s, e, v in zip(starts, ends, values):
+        label = f"{s}" if e - s == 1 else f"{s}–{e - 1}"
+        n = int((math.log10(max(v, low)) - math.log10(low)) / span * width) if v == v and v > 0 and span > 0 else 0
+        bar = Text()
+        for i in range(width):
+            if i < n:
+                bar.append("█", style="red" if v > tol else "green")
+            elif i == tol_col:
+                bar.append("|", style="dim")
+            else:
+                bar.append(" ")
+        out.add_row(label, f"{v:.2e}", bar)
+    return out
+
+
+def _panel(report: Report) -> Panel:
+    check = report.check("compare")
+    if report.exit_code == 0:
+        title, style = ("SAME MODEL — within rounding", "bold green") if check.status is Status.PASS else \
+            (f"NO DIFFERENCE FOUND — {check.status.value}", "bold yellow")
+    else:
+        title, style = "DIFFERENT — " + str(check.details.get("pattern") or check.status.value), "bold red"
+    body = Group(Text(title, style=style), Text(f"exit code {report.exit_code}", style="dim"))
+    return Panel(body, expand=False)
+
+
+def write_png(path: str, comparison: Any, title: str = "") -> None:
+    """Per-position error of every compared layer (log y), tolerances dashed. Needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5))
+    positions = list(range(comparison.seq_len))
+    tiny = 1e-18
+    for p in comparison.profiles:
+        line, = ax.plot(positions[:len(p.per_position)], [max(v, tiny) for v in p.per_position], label=p.name, lw=1)
+        ax.axhline(max(p.tolerance, tiny), color=line.get_color(), ls="--", lw=0.6)
+    ax.set_yscale("log")
+    ax.set_xlabel("token position")
+    ax.set_ylabel("relative error ||Δh[t]|| / ||h_ref[t]||")
+    ax.set_title(title or "posdiag compare: error vs position (dashed: tolerance)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
