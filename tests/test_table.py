@@ -1,0 +1,216 @@
+"""The `table` check: capacity (clamp / wrap / too few rows), the edge of the context, offsets,
+sinusoid formula and rotation property, health warnings. Planted bugs FAIL (or WARN where the
+evidence is a heuristic), their healthy twins PASS, every zoo family PASSes or SKIPs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import plants_table as P
+from posdiag import zoo
+from posdiag.api import run_checks
+from posdiag.checks.table import sinusoid_report
+from posdiag.results import Status
+from posdiag.subject import from_module, load_subject
+
+OFFSET = {"opt": 2, "bart": 2, "roberta": 2}
+
+
+def table(model):
+    return run_checks(from_module(model), ["table"]).checks[0]
+
+
+def parts(result, name):
+    return result.details["parts"].get(name, [])
+
+
+# ------------------------------------------------------------------ every family
+@pytest.mark.parametrize("family", zoo.FAMILIES)
+def test_zoo_family_passes_or_skips_with_reason(family):
+    r = table(zoo.tiny_model(family))
+    if zoo.position_kind(family) in ("learned", "sinusoidal"):
+        assert r.status is Status.PASS, r.summary
+        assert r.forward_passes <= 8
+    else:
+        assert r.status is Status.SKIP and r.summary, r.summary
+
+
+def test_distilbert_sinusoidal_option_passes_and_is_checked_as_a_sinusoid():
+    r = table(zoo.tiny_model("distilbert", sinusoidal_pos_embds=True))
+    assert r.status is Status.PASS, r.summary
+    (sin,) = parts(r, "sinusoid")
+    assert sin["layout"] == "interleaved"
+
+
+def test_marian_table_is_concatenated_sin_cos():
+    r = table(zoo.tiny_model("marian"))
+    assert r.status is Status.PASS
+    assert {p["layout"] for p in parts(r, "sinusoid")} == {"concatenated"}
+    assert r.metrics["encoder_base"] == pytest.approx(10000.0)
+
+
+# ------------------------------------------------------------------ capacity
+@pytest.mark.parametrize("family", ["gpt2", "opt", "roberta", "bart"])
+def test_clamped_table_fails_naming_first_bad_position_and_twin(family):
+    r = table(P.clamp_rows(zoo.tiny_model(family), 100, OFFSET.get(family, 0)))
+    assert r.status is Status.FAIL, r.summary
+    cap = [p for p in parts(r, "capacity") if p["status"] == "fail"][0]
+    assert (cap["first_bad_position"], cap["twin"], cap["pattern"]) == (100, 99, "clamp")
+    assert "clamp" in r.summary and "100" in r.summary
+
+
+@pytest.mark.parametrize("family", ["bert", "marian", "distilbert", "opt"])
+def test_wrapping_table_fails(family):
+    r = table(P.wrap_rows(zoo.tiny_model(family), 50, OFFSET.get(family, 0)))
+    assert r.status is Status.FAIL, r.summary
+    cap = [p for p in parts(r, "capacity") if p["status"] == "fail"][0]
+    assert (cap["first_bad_position"], cap["twin"], cap["pattern"]) == (50, 0, "wrap")
+    assert "modulo 50" in r.summary
+
+
+def test_capacity_probe_over_a_long_context_is_one_forward():
+    """4096 declared positions: rows of 64 position ids, one batched forward for all of them."""
+    healthy = table(zoo.tiny_model("gpt2", n_positions=4096))
+    assert healthy.status is Status.PASS, healthy.summary
+    assert healthy.metrics["positions_probed"] == 4096
+    assert healthy.metrics["capacity_forwards"] == 1
+    assert healthy.forward_passes <= 5
+    bad = table(P.clamp_rows(zoo.tiny_model("gpt2", n_positions=4096), 3000))
+    assert bad.status is Status.FAIL
+    assert (bad.metrics["first_bad_position"], bad.metrics["twin"]) == (3000, 2999)
+
+
+def test_table_with_fewer_rows_than_declared_fails():
+    r = table(P.shrink_table(zoo.tiny_model("gpt2"), 100))
+    assert r.status is Status.FAIL
+    assert "100 rows" in r.summary and "100..127" in r.summary
+
+
+# ------------------------------------------------------------------ zeroed and missing tables (files)
+def test_zeroed_table_checkpoint_fails_and_warns_why(fixtures_dir):
+    r = run_checks(load_subject(str(fixtures_dir / "gpt2-tiny-zeroed-wpe")), ["table"]).checks[0]
+    assert r.status is Status.FAIL
+    assert "no position signal" in r.summary
+    assert any(h["status"] == "warn" and "zero" in h["message"] for h in parts(r, "health"))
+    twin = run_checks(load_subject(str(fixtures_dir / "gpt2-tiny")), ["table"]).checks[0]
+    assert twin.status is Status.PASS, twin.summary
+
+
+def test_missing_table_fails_in_load_and_table_adds_evidence(fixtures_dir):
+    report = run_checks(load_subject(str(fixtures_dir / "gpt2-tiny-missing-wpe")), ["load", "table"])
+    load, tab = report.checks
+    assert load.status is Status.FAIL
+    assert tab.status is Status.WARN, tab.summary
+    assert "not in the checkpoint" in tab.summary
+
+
+@pytest.mark.parametrize("family", ["bert", "bart"])
+def test_zeroed_table_in_memory_fails(family):
+    r = table(P.zero_table(zoo.tiny_model(family)))
+    assert r.status is Status.FAIL
+    assert any("zero" in h["message"] for h in parts(r, "health"))
+
+
+# ------------------------------------------------------------------ past the declared context
+def test_healthy_table_raises_past_the_context():
+    r = table(zoo.tiny_model("gpt2"))
+    (b,) = parts(r, "beyond")
+    assert b["status"] == "pass" and "IndexError" in b["message"]
+
+
+def test_rows_past_the_declared_context_warn():
+    model = zoo.tiny_model("gpt2")
+    model.config.n_positions = 100  # the table keeps 128 rows
+    r = table(model)
+    assert r.status is Status.WARN, r.summary
+    assert "128-row table" in r.summary
+
+
+def test_clamp_at_the_declared_edge_warns_with_the_twin():
+    r = table(P.clamp_rows(zoo.tiny_model("gpt2"), 128))  # in range it is healthy
+    assert r.status is Status.WARN, r.summary
+    assert "reused position 127" in r.summary
+
+
+# ------------------------------------------------------------------ offsets
+def test_roberta_port_ignoring_padding_offset_fails():
+    r = table(P.roberta_ignoring_offset(zoo.tiny_model("roberta")))
+    assert r.status is Status.FAIL
+    offs = parts(r, "offsets")
+    assert any(o.get("model_offset") == 0 for o in offs)
+    assert any(o.get("matching_shift") == -2 for o in offs), offs
+
+
+def test_opt_with_wrong_internal_offset_fails():
+    r = table(P.opt_wrong_internal_offset(zoo.tiny_model("opt"), 1))
+    assert r.status is Status.FAIL
+    assert any(o.get("model_offset") == 1 for o in parts(r, "offsets"))
+
+
+# ------------------------------------------------------------------ sinusoids
+@pytest.mark.parametrize("build", ["marian", "distilbert_sin", "custom"])
+def test_sinusoidal_table_overwritten_at_init_fails(build):
+    from fixtures import custom_model
+
+    if build == "custom":
+        healthy, bad = custom_model.healthy(), P.randomize_custom_table(custom_model.healthy())
+    else:
+        kw = {"sinusoidal_pos_embds": True} if build == "distilbert_sin" else {}
+        fam = "distilbert" if build == "distilbert_sin" else build
+        healthy, bad = zoo.tiny_model(fam, **kw), P.randomize_table(zoo.tiny_model(fam, **kw))
+    assert table(healthy).status is Status.PASS
+    r = table(bad)
+    assert r.status is Status.FAIL
+    assert any(s["status"] == "fail" for s in parts(r, "sinusoid"))
+    assert "not a sinusoid table" in r.summary
+
+
+def _sinusoid(p, d, base=10000.0, layout="interleaved", dtype=torch.float64):
+    pos = torch.arange(p, dtype=torch.float64)[:, None]
+    theta = base ** (-2 * torch.arange(d // 2, dtype=torch.float64) / d)
+    s, c = torch.sin(pos * theta), torch.cos(pos * theta)
+    if layout == "interleaved":
+        return torch.stack([s, c], -1).reshape(p, d).to(dtype)
+    return torch.cat([s, c], -1).to(dtype)
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "concatenated"])
+@pytest.mark.parametrize("base", [10000.0, 500.0])
+def test_sinusoid_report_detects_layout_and_base(layout, base):
+    rep = sinusoid_report(_sinusoid(512, 64, base, layout, torch.float32))
+    assert rep["status"] is Status.PASS, rep["reason"]
+    assert rep["layout"] == layout
+    assert rep["base"] == pytest.approx(base, rel=1e-3)
+
+
+def test_sinusoid_report_fails_when_rows_are_out_of_order_or_layout_mixed():
+    good = _sinusoid(256, 32, dtype=torch.float32)
+    perm = good.clone()
+    perm[1:] = good[1:][torch.randperm(255, generator=torch.Generator().manual_seed(0))]
+    assert sinusoid_report(perm)["status"] is Status.FAIL
+    swapped = good.clone()
+    swapped[:, 0::2], swapped[:, 1::2] = good[:, 1::2], good[:, 0::2]  # cos/sin swapped: row 0 = (1, 0)
+    assert sinusoid_report(swapped)["status"] is Status.FAIL
+
+
+def test_rotation_property_residual_is_rounding_for_a_true_table():
+    rep = sinusoid_report(_sinusoid(1024, 128, dtype=torch.float32))
+    assert rep["rotation_residual"] <= 10 * rep["rotation_floor"]
+    assert rep["formula_error"] < 1e-5 * math.sqrt(1024)
+
+
+# ------------------------------------------------------------------ health heuristics (WARN only)
+def test_fresh_looking_table_in_trained_looking_model_warns_not_fails():
+    r = table(P.trained_looking_tokens(zoo.tiny_model("gpt2")))
+    assert r.status is Status.WARN, r.summary
+    assert "freshly initialised" in r.summary
+    twin = table(P.smooth_table(P.trained_looking_tokens(zoo.tiny_model("gpt2"))))
+    assert twin.status is Status.PASS, twin.summary
+
+
+def test_default_init_model_does_not_trigger_the_fresh_init_warning():
+    r = table(zoo.tiny_model("bert"))
+    assert not any(h["status"] == "warn" for h in parts(r, "health"))
