@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 from typing import Any, Callable, Iterable
 
@@ -30,24 +31,33 @@ def run_checks(subject: Any, names: Iterable[str] | None = None, options: RunOpt
     options = options or RunOptions()
     names = list(names) if names is not None else checks.available()
     results: list[CheckResult] = []
-    for name in names:
-        if on_progress:
-            on_progress(name)
-        if name not in checks.available():
-            results.append(CheckResult(name, Status.SKIP, "not implemented in this version of posdiag"))
-            continue
-        module = checks.import_check(name)
-        start, passes = time.perf_counter(), subject.forward_count
-        try:
-            result = module.run(subject, options)
-        except PosdiagError:
-            raise
-        except Exception as exc:  # a crash is reported as an error, never as a pass
-            result = CheckResult(name, Status.ERROR, f"check crashed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300])
-        results.append(_timed(result, time.perf_counter() - start, subject.forward_count - passes))
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    try:
+        for name in names:
+            if on_progress:
+                on_progress(name)
+            results.append(_run_one(subject, name, options))
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # release one check's activations before the next
+    except KeyboardInterrupt:
+        # Ctrl-C: hand back what finished, marked incomplete (exit 2), never a report that looks whole.
+        return Report(model=subject.info, checks=tuple(results), versions=versions(), incomplete=True)
     return Report(model=subject.info, checks=tuple(results), versions=versions())
+
+
+def _run_one(subject: Any, name: str, options: RunOptions) -> CheckResult:
+    if name not in checks.available():
+        return CheckResult(name, Status.SKIP, "not implemented in this version of posdiag")
+    module = checks.import_check(name)
+    start, passes = time.perf_counter(), subject.forward_count
+    try:
+        result = module.run(subject, options)
+    except PosdiagError:
+        raise
+    except Exception as exc:  # a crash is reported as an error, never as a pass
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        result = CheckResult(name, Status.ERROR, f"check crashed: {type(exc).__name__}: {first}"[:300])
+    return _timed(result, time.perf_counter() - start, subject.forward_count - passes)
 
 
 def _timed(result: CheckResult, seconds: float, passes: int) -> CheckResult:

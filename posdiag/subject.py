@@ -95,6 +95,7 @@ class Subject:
     load_info: LoadInfo
     options: LoadOptions = field(default_factory=LoadOptions)
     forward_count: int = 0
+    batch_limit: int | None = None  # lowered after an out-of-memory fallback
     is_hf: bool = True
     notes: list[str] = field(default_factory=list)
 
@@ -284,18 +285,32 @@ class Subject:
         input_ids as decoder inputs, `mask` going to decoder_attention_mask.
         """
         rows = input_ids.shape[0]
-        step = self.options.max_batch or rows
+        step = min(self.options.max_batch or rows, self.batch_limit or rows)
         parts = []
-        for start in range(0, rows, step):
+        start = 0
+        while start < rows:
             sl = slice(start, start + step)
-            parts.append(self._forward_once(
-                input_ids[sl],
-                mask=_slice_mask(mask, sl),
-                position_ids=None if position_ids is None else position_ids[sl],
-                stack=stack,
-                encoder_ids=None if encoder_ids is None else encoder_ids[sl],
-                want_hidden=want_hidden,
-            ))
+            try:
+                parts.append(self._forward_once(
+                    input_ids[sl],
+                    mask=_slice_mask(mask, sl),
+                    position_ids=None if position_ids is None else position_ids[sl],
+                    stack=stack,
+                    encoder_ids=None if encoder_ids is None else encoder_ids[sl],
+                    want_hidden=want_hidden,
+                ))
+            except (torch.OutOfMemoryError, RuntimeError) as exc:
+                if step == 1 or not _is_oom(exc):
+                    raise
+                step = max(1, step // 2)  # fall back to smaller batches, and remember it for later checks
+                self.batch_limit = step
+                note = f"out of memory: forward passes fall back to batches of {step}"
+                if note not in self.notes:
+                    self.notes.append(note)
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                continue
+            start += step
         if len(parts) == 1:
             return parts[0]
         hidden = [torch.cat([p.hidden[i] for p in parts]) for i in range(len(parts[0].hidden))]
@@ -324,6 +339,11 @@ class Subject:
                              use_cache=False, return_dict=True, **kwargs)
             hidden = out.hidden_states if out.hidden_states is not None else (out.last_hidden_state,)
             return Outputs(list(hidden), getattr(out, "logits", None))
+
+
+def _is_oom(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text or "not enough memory" in text
 
 
 def _slice_mask(mask: Any, sl: slice) -> Any:

@@ -160,3 +160,42 @@ def test_help_does_not_import_torch():
 def test_version():
     result = invoke("--version")
     assert result.exit_code == 0 and result.output.startswith("posdiag ")
+
+
+def test_interrupt_gives_an_incomplete_report(monkeypatch):
+    """Ctrl-C mid-run: the checks that finished are shown, the report says incomplete, exit 2."""
+    from posdiag import api, zoo
+    from posdiag.subject import from_module
+
+    real = api._run_one
+
+    def interrupt_second(subject, name, options):
+        if name == "shuffle":
+            raise KeyboardInterrupt
+        return real(subject, name, options)
+
+    monkeypatch.setattr(api, "_run_one", interrupt_second)
+    report = api.run_checks(from_module(zoo.tiny_model("llama")), ["load", "shuffle"])
+    assert report.incomplete and report.exit_code == 2
+    assert [c.name for c in report.checks] == ["load"]
+
+
+def test_out_of_memory_falls_back_to_smaller_batches(monkeypatch):
+    import torch
+
+    from posdiag import zoo
+    from posdiag.api import run_checks
+    from posdiag.subject import from_module
+
+    subject = from_module(zoo.tiny_model("llama"))
+    real = subject._forward_once
+
+    def small_memory(input_ids, **kw):
+        if input_ids.shape[0] > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(input_ids, **kw)
+
+    monkeypatch.setattr(subject, "_forward_once", small_memory)
+    result = run_checks(subject, ["shuffle"]).check("shuffle")
+    assert result.status.value == "pass"
+    assert subject.batch_limit == 2 and any("batches of 2" in n for n in subject.notes)
