@@ -208,7 +208,10 @@ def _run(subject: Subject, ids: torch.Tensor, stack: str, role: str) -> Outputs:
         raise
     except Exception as exc:
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise PosdiagError(f"the {role} failed on {ids.numel()} tokens: {type(exc).__name__}: {text[:200]}") from None
+        declared = subject.max_positions
+        hint = (f" (past its declared context of {declared}: a position table has no rows there)"
+                if declared and ids.numel() > declared else "")
+        raise PosdiagError(f"the {role} failed on {ids.numel()} tokens: {type(exc).__name__}: {text[:200]}{hint}") from None
 
 
 def _finer_run(subject: Subject, ids: torch.Tensor, stack: str) -> tuple[Outputs | None, str]:

@@ -55,43 +55,50 @@ def render_compare(report: Report, console: Console, *, quiet: bool = False) -> 
     console.print(_panel(report))
 
 
-def sparkline(values: list[float], tolerance: float, low: float, high: float) -> Text:
-    """One character per position bucket, log scale from `low` to `high`; at or below the
-    tolerance a dim dot (the floor), above it a red bar."""
+def scale(values: list[float], tolerance: float):
+    """v -> bar fraction in (0, 1] for the values above the tolerance: linear when they span
+    less than 100x (the shape of a rise stays visible), log otherwise. Returns (fn, "lin"|"log")."""
+    above = [v for v in values if v == v and v > tolerance]
+    if not above:
+        return (lambda v: 0.0), "lin"
+    lo, hi = min(above), max(above)
+    if hi <= 0:
+        return (lambda v: 0.0), "lin"
+    if hi / lo <= 100:
+        return (lambda v: max(0.0, min(1.0, v / hi))), "lin"
+    base = lo / 2
+    span = math.log10(hi / base)
+    return (lambda v: max(0.0, min(1.0, math.log10(max(v, base) / base) / span))), "log"
+
+
+def sparkline(values: list[float], tolerance: float) -> Text:
+    """One character per position bucket, scaled per row; at or below the tolerance a dim dot
+    (the noise floor), above it a red bar."""
     out = Text()
-    span = math.log10(high) - math.log10(low) if high > low > 0 else 1.0
+    frac, _ = scale(values, tolerance)
     for v in values:
         if not (v == v):
             out.append("!", style="bold magenta")
         elif v <= tolerance:
             out.append("·", style="dim green")
         else:
-            frac = (math.log10(max(v, low)) - math.log10(low)) / span if span > 0 else 1.0
-            out.append(BLOCKS[min(len(BLOCKS) - 1, max(0, int(frac * len(BLOCKS))))], style="red")
+            out.append(BLOCKS[min(len(BLOCKS) - 1, max(0, math.ceil(frac(v) * len(BLOCKS)) - 1))], style="red")
     return out
-
-
-def _range(profile: dict[str, Any]) -> tuple[float, float]:
-    values = [v for vs in profile["mean_error"].values() for v in vs if v == v and v > 0]
-    tols = [t for t in profile["tolerance"].values() if t > 0]
-    low = min(tols) if tols else (min(values) if values else 1e-12)
-    high = max(values + [low * 10])
-    return low, high
 
 
 def _layer_table(check: CheckResult, profile: dict[str, Any]) -> RichTable:
     table = check.tables[0]
     starts = profile["bucket_starts"]
-    low, high = _range(profile)
     out = RichTable(title=f"compare: {table.title}", title_justify="left", header_style="bold")
     for col in table.columns:
         out.add_column(col, justify="left" if col in ("layer", "pattern") else "right")
-    out.add_column(f"error vs position 0 → {profile['length'] - 1} (log buckets)", no_wrap=True)
+    out.add_column(f"error vs position 0 → {profile['length'] - 1}", no_wrap=True)
     for row in table.rows:
         name = row[0]
         values = profile["mean_error"].get(name, [])
-        out.add_row(*[str(v) for v in row], sparkline(values, profile["tolerance"].get(name, 0.0), low, high))
-    out.caption = f"bucket starts: {', '.join(str(s) for s in starts)}  (· = at the noise floor)"
+        out.add_row(*[str(v) for v in row], sparkline(values, profile["tolerance"].get(name, 0.0)))
+    out.caption = (f"one character per position bucket starting at {', '.join(str(s) for s in starts)}; "
+                   "· = at the noise floor; bars scaled per row")
     return out
 
 
@@ -99,27 +106,20 @@ def _bar_plot(name: str, profile: dict[str, Any], width: int = 40) -> RichTable:
     starts, length = profile["bucket_starts"], profile["length"]
     values = profile["mean_error"][name]
     tol = profile["tolerance"].get(name, 0.0)
-    low = tol / 10 if tol > 0 else min([v for v in values if v > 0] or [1e-12])
-    high = max([v for v in values if v == v] + [low * 10])
-    span = math.log10(high) - math.log10(low)
-    out = RichTable(title=f"compare: error vs position at {name} (log scale; | = tolerance {tol:.1e})",
+    frac, kind = scale(values, tol)
+    out = RichTable(title=f"compare: error vs position at {name} ({'linear' if kind == 'lin' else 'log'} bars; "
+                          f"· = within tolerance {tol:.1e})",
                     title_justify="left", box=None, header_style="bold", show_header=True)
     out.add_column("positions", justify="right")
     out.add_column("mean error", justify="right")
     out.add_column("", no_wrap=True)
-    tol_col = int((math.log10(tol) - math.log10(low)) / span * width) if tol > 0 and span > 0 else -1
     ends = list(starts[1:]) + [length]
     for s, e, v in zip(starts, ends, values):
         label = f"{s}" if e - s == 1 else f"{s}–{e - 1}"
-        n = int((math.log10(max(v, low)) - math.log10(low)) / span * width) if v == v and v > 0 and span > 0 else 0
-        bar = Text()
-        for i in range(width):
-            if i < n:
-                bar.append("█", style="red" if v > tol else "green")
-            elif i == tol_col:
-                bar.append("|", style="dim")
-            else:
-                bar.append(" ")
+        if v == v and v > tol:
+            bar = Text("█" * max(1, round(frac(v) * width)), style="red")
+        else:
+            bar = Text("·", style="dim green")
         out.add_row(label, f"{v:.2e}", bar)
     return out
 
