@@ -124,3 +124,24 @@ def generation_positions_off_by_one(model: torch.nn.Module) -> torch.nn.Module:
 
     model.prepare_inputs_for_generation = types.MethodType(prepare, model)
     return model
+
+
+def generation_positions_ignore_padding(model: torch.nn.Module) -> torch.nn.Module:
+    """generate() numbers every row 0, 1, 2, ... from the first (padding) column instead of from
+    each row's first real token (transformers #3021/#18478, nnsight #672). A left-padded row is
+    then shifted by its padding: visible with learned tables, invisible with RoPE (relative)."""
+    original = model.prepare_inputs_for_generation
+    key = "decoder_position_ids" if model.config.is_encoder_decoder else "position_ids"
+
+    def prepare(self, *args, **kwargs):
+        inputs = original(*args, **kwargs)
+        pos = inputs.get(key)
+        cache = inputs.get("cache")
+        if pos is not None:
+            past = int(cache.get_seq_length()) if cache is not None else 0
+            row = torch.arange(past, past + pos.shape[-1], device=pos.device, dtype=pos.dtype)
+            inputs[key] = row.expand_as(pos).clone()
+        return inputs
+
+    model.prepare_inputs_for_generation = types.MethodType(prepare, model)
+    return model

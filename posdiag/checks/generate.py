@@ -1,0 +1,296 @@
+"""generate — greedy generate() must agree with the forward pass, row by row, step by step.
+
+generate() numbers positions itself (position_ids from the attention-mask cumsum, a cache
+offset per step) while a plain forward numbers them its own way (arange, family offsets).
+Where the two disagree, generation drifts although every forward test passes. With teacher
+forcing the forward gives the logits generation should have produced: for a generated
+sequence s = prompt ‖ g, step k's logits must equal f(s)[len(prompt) − 1 + k] (step 0 is the
+last logit of model(prompt)). We generate greedily (a) the full prompt alone and (b) a
+padded batch of prompts of different lengths (left-padded for decoder-only models, the
+encoder input right-padded for encoder-decoders, each one's convention), with the default
+cache and with a static cache where the model declares support, and compare each row
+against the forward of that row *alone* (no padding). Error per step = ||gen − fwd|| / ||fwd||;
+noise floor from the same run: cache-free forwards of short prompt prefixes (decoder-only) or
+of the padded encoder batch (encoder-decoders) against the teacher-forced forward at the
+same positions, max per position. A token
+mismatch is a failure only when the forward's top-2 candidates are not within noise (tiny
+random models have near-ties); after the first mismatch a row is no longer compared.
+Verdict: posdiag.verdict.judge_agreement(max step error, floor, dtype).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from posdiag.checks.cache import cache_support, first_line, output_of, static_support
+from posdiag.options import RunOptions, probe_length
+from posdiag.results import CheckResult, Status, Table
+from posdiag.subject import Subject
+from posdiag.tensors import relative_l2
+from posdiag.verdict import FAIL_RATIO, judge_agreement, noise_floor
+
+TITLE = "generate() vs forward pass"
+
+NEW_TOKENS = 6  # options: {"new_tokens": n}
+ROWS = 3  # prompts in the padded batch
+
+
+@dataclass
+class Run:
+    """One generate() call: which cache, single prompt or padded batch."""
+
+    cache: str
+    variant: str  # "single" | "batch"
+    rows: list[int]  # prompt index of each generated row
+    logits: torch.Tensor | None = None  # [R, N, V] raw logits per step
+    tokens: torch.Tensor | None = None  # [R, N]
+    errors: dict[int, list[float]] = field(default_factory=dict)  # row -> per-step errors (compared steps)
+    notes: list[str] = field(default_factory=list)
+    token_failure: tuple[int, int, float, float] | None = None  # (row, step, gap, tie tolerance)
+    skipped: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"{self.cache}/{self.variant}"
+
+    @property
+    def max_error(self) -> float:
+        return max((max(e) for e in self.errors.values() if e), default=0.0)
+
+
+def _support(subject: Subject) -> tuple[bool, str]:
+    ok, why = cache_support(subject)
+    if not ok:
+        return ok, why
+    can = getattr(subject.model, "can_generate", None)
+    if not callable(can) or not can():
+        return False, f"{type(subject.model).__name__} has no generation head (can_generate() is False)"
+    return True, ""
+
+
+def _pad_id(subject: Subject) -> int:
+    for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
+        value = getattr(subject.config, name, None)
+        if isinstance(value, (list, tuple)):
+            value = value[0] if value else None
+        if isinstance(value, int):
+            return value
+    return 0
+
+
+def run(subject: Subject, options: RunOptions) -> CheckResult:
+    ok, why = _support(subject)
+    if not ok:
+        return CheckResult("generate", Status.SKIP, why)
+    settings = options.for_check("generate")
+    new_tokens = int(settings.get("new_tokens", NEW_TOKENS))
+    length = probe_length(subject, options)
+    window = subject.sliding_window
+    declared = subject.max_positions
+    if window and length + new_tokens <= window + 2:  # run past the window
+        length = window + 4
+    if declared is not None and length + new_tokens > declared:
+        length = max(4, declared - new_tokens)
+    model = subject.model
+    seq2seq = subject.kind == "seq2seq"
+    dtype = subject.dtype_name
+    pad = _pad_id(subject)
+
+    lens = [length, max(2, length - max(1, length // 4)), max(2, length - max(2, length // 2))][:ROWS]
+    prompts = subject.sample_ids(len(lens), length, options.seed)
+    if options.token_ids is not None:
+        prompts = torch.tensor(options.token_ids, device=subject.device)[None].expand(len(lens), -1).clone()
+    prompts = [prompts[r, :n] for r, n in enumerate(lens)]
+    batch = torch.full((len(lens), length), pad, dtype=torch.long, device=subject.device)
+    mask = torch.zeros_like(batch)
+    for r, p in enumerate(prompts):
+        if seq2seq:  # encoder inputs are right-padded by convention
+            batch[r, :len(p)], mask[r, :len(p)] = p, 1
+        else:  # decoder-only generation needs left padding
+            batch[r, length - len(p):], mask[r, length - len(p):] = p, 1
+
+    gen_kwargs = dict(do_sample=False, num_beams=1, max_new_tokens=new_tokens, output_logits=True,
+                      return_dict_in_generate=True, pad_token_id=pad, eos_token_id=None, forced_eos_token_id=None,
+                      forced_bos_token_id=None)
+
+    def generate(ids: torch.Tensor, attn: torch.Tensor, impl: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=attn, cache_implementation=impl, **gen_kwargs)
+        subject.forward_count += len(out.logits)
+        logits = torch.stack(out.logits, 1).float()
+        return logits, out.sequences[:, -logits.shape[1]:]
+
+    static_ok, static_why = static_support(subject)
+    runs: list[Run] = []
+    for kind in ("dynamic", "static"):
+        impl = None if kind == "dynamic" else "static"
+        for variant, ids, attn, rows in (("single", prompts[0][None], torch.ones_like(prompts[0])[None], [0]),
+                                         ("batch", batch, mask, list(range(len(lens))))):
+            run_ = Run(kind, variant, rows)
+            runs.append(run_)
+            if kind == "static" and not static_ok:
+                run_.skipped = static_why
+                continue
+            try:
+                run_.logits, run_.tokens = generate(ids, attn, impl)
+            except Exception as exc:
+                if kind == "dynamic":
+                    raise
+                static_ok, static_why = False, f"static cache not runnable: {first_line(exc)}"
+                run_.skipped = static_why
+
+    done = [r for r in runs if not r.skipped]
+    # Teacher-forced forward of every generated row *alone* (unpadded prompt + its tokens).
+    refs, prompt_logits, floor_measured = _reference(subject, prompts, done, pad, seq2seq)
+    floor = noise_floor(floor_measured, dtype)
+    tolerance = FAIL_RATIO * floor
+
+    first_step_error = 0.0
+    for run_ in done:
+        for i, row in enumerate(run_.rows):
+            ref = refs[(run_.name, i)]
+            start = 0 if seq2seq else len(prompts[row]) - 1
+            errs: list[float] = []
+            first_step_error = max(first_step_error, relative_l2(run_.logits[i, 0], prompt_logits[row][start]))
+            for k in range(run_.logits.shape[1]):
+                want, got = ref[start + k], run_.logits[i, k]
+                errs.append(relative_l2(got, want))
+                token = int(run_.tokens[i, k])
+                if token != int(got.argmax()):
+                    run_.notes.append(f"row {row} step {k}: a logits processor chose the token; stopped comparing")
+                    break
+                if token != int(want.argmax()):
+                    top2 = want.topk(2).values
+                    gap = float(top2[0] - top2[1])
+                    tie = 2 * tolerance * float(want.double().norm())
+                    if gap > tie and run_.token_failure is None:
+                        run_.token_failure = (row, k, gap, tie)
+                    else:
+                        run_.notes.append(f"row {row} step {k}: near-tie token mismatch (gap {gap:.2e} <= {tie:.2e}); "
+                                          "stopped comparing the row")
+                    break
+            run_.errors[row] = errs
+
+    if not done:
+        return CheckResult("generate", Status.SKIP, "no generation could be run")
+    verdicts = {r.name: judge_agreement(r.max_error, floor_measured, dtype) for r in done}
+    status_of = {r.name: (Status.FAIL if r.token_failure else verdicts[r.name].status) for r in done}
+    failing = [r for r in done if status_of[r.name] is Status.FAIL]
+    status = Status.worst(list(status_of.values()))
+    worst = failing[0] if failing else max(done, key=lambda r: r.max_error)
+    v = verdicts[worst.name]
+
+    rows = []
+    details: dict[str, Any] = {"prompt_lengths": lens, "new_tokens": new_tokens,
+                               "padding": "right (encoder input)" if seq2seq else "left",
+                               "floor_source": ("padded encoder batch vs each encoder alone" if seq2seq else
+                                                "short prompt prefixes vs the teacher-forced forward") + " (max per position)",
+                               "runs": {}}
+    for r in runs:
+        if r.skipped:
+            rows.append((r.name, "-", "-", "-", "-", f"skipped: {r.skipped}"))
+            details["runs"][r.name] = {"skipped": r.skipped}
+            continue
+        where = _first_bad(r, tolerance)
+        rows.append((r.name, len(r.rows), f"{r.max_error:.3e}", f"{floor:.2e}", f"{r.max_error / floor:.3g}", where or "-"))
+        details["runs"][r.name] = {"status": status_of[r.name], "step_errors": {str(k): e for k, e in r.errors.items()},
+                                   "first_difference": where, "notes": r.notes}
+    table = Table("generate() vs teacher-forced forward", ("run", "rows", "max step error", "noise floor", "ratio",
+                                                           "first row/step that differs"), tuple(rows))
+    metrics = {"error": v.residual, "noise_floor": v.noise_floor, "ratio": v.ratio, "tolerance": tolerance,
+               "first_step_error": first_step_error, "runs_judged": len(done)}
+    skipped = sorted({r.skipped for r in runs if r.skipped})
+    tail = f"; skipped: {'; '.join(skipped)}" if skipped else ""
+    if status is Status.FAIL:
+        where = _first_bad(worst, tolerance) or "?"
+        details["first_difference"] = {"run": worst.name, "where": where}
+        summary = (f"{worst.name}: {where} (noise floor {floor:.2g}; failing: "
+                   f"{', '.join(r.name for r in failing)}){tail}")
+    else:
+        summary = (f"generate() matches the forward pass: max step error {v.residual:.3g} = {v.ratio:.3g}x noise floor "
+                   f"{v.noise_floor:.2g} ({len(done)} runs, prompts {'/'.join(map(str, lens))} tokens, "
+                   f"{new_tokens} new){tail}")
+    details["reason"] = v.reason
+    return CheckResult("generate", status, summary, metrics, details, (table,))
+
+
+def _first_bad(r: Run, tolerance: float) -> str | None:
+    """The first (step, row) whose logits leave the tolerance, or the token failure if earlier."""
+    best: tuple[int, int, str] | None = None
+    for row, errs in r.errors.items():
+        for k, err in enumerate(errs):
+            if not (err <= tolerance):
+                text = f"row {row} step {k} logits differ by {err:.3g} = {err / (tolerance / FAIL_RATIO):.3g}x the floor"
+                if best is None or (k, row) < best[:2]:
+                    best = (k, row, text)
+                break
+    if r.token_failure is not None:
+        row, k, gap, tie = r.token_failure
+        if best is None or (k, row) < best[:2]:
+            best = (k, row, f"row {row} step {k} token differs (forward top-2 gap {gap:.3g} > tie tolerance {tie:.2g})")
+    return None if best is None else best[2]
+
+
+def _reference(subject: Subject, prompts: list[torch.Tensor], done: list[Run], pad: int,
+               seq2seq: bool) -> tuple[dict[tuple[str, int], torch.Tensor], list[torch.Tensor], float]:
+    """Teacher-forced forward logits for each generated row alone, prompt-only logits per prompt,
+    and the measured noise floor (max per position over equivalent cache-free paths).
+
+    Decoder-only: every sequence right-padded into one forward without a mask (a causal model
+    never sees the keys after a query, so the padding is invisible), prompts likewise.
+    Encoder-decoders: one forward per prompt (its unpadded encoder input), all its decoder
+    sequences stacked; the prompt-only pass is the padded-encoder batch with its mask.
+    """
+    model = subject.model
+    start_id = getattr(subject.config, "decoder_start_token_id", None)
+    items = [(r.name, i, row, r.tokens[i]) for r in done for i, row in enumerate(r.rows)]
+    refs: dict[tuple[str, int], torch.Tensor] = {}
+    with torch.inference_mode():
+        if not seq2seq:
+            seqs = [torch.cat([prompts[row], toks[:-1]]) for _, _, row, toks in items]
+            width = max(len(s) for s in seqs)
+            stacked = torch.full((len(seqs), width), pad, dtype=torch.long, device=subject.device)
+            for j, s in enumerate(seqs):
+                stacked[j, :len(s)] = s
+            subject.forward_count += 1
+            out = output_of(model(input_ids=stacked, use_cache=False, return_dict=True)).float()
+            for j, (name, i, _, _) in enumerate(items):
+                refs[(name, i)] = out[j]
+            plen = max(len(p) for p in prompts)
+            pstack = torch.full((len(prompts), plen), pad, dtype=torch.long, device=subject.device)
+            for j, p in enumerate(prompts):
+                pstack[j, :len(p)] = p
+            subject.forward_count += 2
+            pout = output_of(model(input_ids=pstack, use_cache=False, return_dict=True)).float()
+            # Short prefixes: decode steps run at a small width, and so does this pass (measured on
+            # CPU: widths >= 16 reproduce a longer forward bit for bit, widths 1-8 do not).
+            short = max(1, min(len(p) for p in prompts) // 2)
+            sout = output_of(model(input_ids=pstack[:, :short], use_cache=False, return_dict=True)).float()
+            floor = max(relative_l2(sout[j, t], refs[(name, i)][t])
+                        for j in range(len(prompts)) for name, i, row, _ in items if row == j for t in range(short))
+            return refs, [pout[j] for j in range(len(prompts))], floor
+        for row, prompt in enumerate(prompts):
+            mine = [(name, i, toks) for name, i, r, toks in items if r == row]
+            if not mine:
+                continue
+            start = torch.full((1,), start_id, dtype=torch.long, device=subject.device)
+            dec = torch.stack([torch.cat([start, toks[:-1]]) for _, _, toks in mine])
+            subject.forward_count += 1
+            out = output_of(model(input_ids=prompt[None].expand(len(mine), -1), decoder_input_ids=dec,
+                                  use_cache=False, return_dict=True)).float()
+            for j, (name, i, _) in enumerate(mine):
+                refs[(name, i)] = out[j]
+        width = max(len(p) for p in prompts)
+        enc = torch.full((len(prompts), width), pad, dtype=torch.long, device=subject.device)
+        enc_mask = torch.zeros_like(enc)
+        for j, p in enumerate(prompts):
+            enc[j, :len(p)], enc_mask[j, :len(p)] = p, 1
+        start = torch.full((len(prompts), 1), start_id, dtype=torch.long, device=subject.device)
+        subject.forward_count += 1
+        pout = output_of(model(input_ids=enc, attention_mask=enc_mask, decoder_input_ids=start,
+                               use_cache=False, return_dict=True)).float()
+        floor = max(relative_l2(pout[j, 0], refs[(name, i)][0]) for name, i, row, _ in items for j in (row,))
+        return refs, [pout[j] for j in range(len(prompts))], floor
