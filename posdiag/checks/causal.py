@@ -1,0 +1,147 @@
+"""causal — does any position see the future?
+
+Change the token at position j; in a causal stack every output before j must be unchanged.
+The sweep covers every j = 1..T-1 at once (one edited copy of the probe per j, all in one
+batch), so a leak anywhere is found, not only from a suffix: a mis-gathered relative bias can
+carry token 9 back to query 3 while editing every token from 30 on moves nothing before 30.
+leak(i, j) = ||h_j[i] − h[i]|| / ||h[i]|| for i < j (final hidden state, per token), judged as
+agreement against a floor measured in the same forward: the probe repeated with its token
+embeddings jittered by ~1 ulp (see `positions`). In a correct eager model a masked key gets
+exactly zero weight, so the measured leaks are 0.0; the floor keeps the rule honest for kernels
+whose rows round differently.
+
+Two paths, one forward each: the model's default mask (nothing passed: the model builds its
+causal mask) and the explicit mask (posdiag's additive 4D pattern in the family's form).
+Encoders are bidirectional by design: skipped. Encoder-decoders: the decoder stack, with one
+fixed encoder input for every row. Reports the first leaking (query, key) pair (lowest key),
+the largest leak, the distances j − i that leak, and the first layer where the leak shows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from posdiag.checks.positions import FLOOR_SOURCE, jittered, per_token_change, tolerance
+from posdiag.options import RunOptions, probe_ids
+from posdiag.probe import Row, run_rows
+from posdiag.results import CheckResult, Status, Table
+from posdiag.subject import Subject
+from posdiag.verdict import judge_agreement
+
+TITLE = "Causal masking (no position sees the future)"
+
+
+def run(subject: Subject, options: RunOptions) -> CheckResult:
+    if subject.kind == "encoder":
+        return CheckResult("causal", Status.SKIP,
+                           "bidirectional encoder: every token sees every other by design, there is no future to leak")
+    dtype = subject.dtype_name
+    ids = probe_ids(subject, options)[0]
+    length = ids.shape[0]
+    alt = _replacements(subject, ids, options.seed)
+    rows = [Row(ids), Row(ids)]  # baseline, jittered baseline (the floor)
+    for j in range(1, length):
+        edited = ids.clone()
+        edited[j] = alt[j]
+        rows.append(Row(edited))
+    encoder_ids = ids[None].expand(len(rows), -1) if subject.kind == "seq2seq" else None
+
+    paths = [("default mask", False)]
+    ok, why = subject.explicit_mask_supported
+    if ok:
+        paths.append(("explicit mask", True))
+    results = []
+    for name, explicit in paths:
+        with jittered(subject, "decoder", 1, len(rows), options.seed) as has_jitter:
+            out = run_rows(subject, rows, stack="decoder", explicit_mask=explicit, encoder_ids=encoder_ids)
+        results.append(_judge(name, out.hidden, has_jitter, length, dtype))
+
+    status = Status.worst([r["status"] for r in results])
+    metrics: dict = {}
+    for r in results:
+        key = r["path"].split()[0]
+        metrics.update({f"{key}_{k}": v for k, v in r["metrics"].items()})
+    worst = max(results, key=lambda r: (r["status"].rank, r["metrics"]["leak"]))
+    metrics.update(worst["metrics"])
+    details: dict = {"seq_len": length, "edited_positions": length - 1, "floor_source": FLOOR_SOURCE,
+                     "paths": {r["path"]: r["details"] for r in results}}
+    if not ok:
+        details["explicit_mask"] = f"not run: {why}"
+    if status is Status.PASS:
+        summary = (f"no output before j moves when token j changes, for every j (max change "
+                   f"{worst['metrics']['leak']:.2g} <= {worst['metrics']['tolerance']:.2g}; "
+                   f"{' and '.join(r['path'] for r in results)}; {length} tokens)")
+    else:
+        summary = "; ".join(r["summary"] for r in results if r["status"] is not Status.PASS)
+    table_rows = tuple(
+        (r["path"], r["status"].value, f"{r['metrics']['leak']:.3e}", f"{r['metrics']['noise_floor']:.2e}",
+         str(r["details"].get("first_leak") or "-"), str(r["details"].get("leak_distances") or "-"))
+        for r in results)
+    table = Table("future leaks by mask path", ("path", "status", "max leak", "noise floor", "first (query, key)",
+                                                "distances j-i"), table_rows)
+    return CheckResult("causal", status, summary, metrics, details, (table,))
+
+
+def _replacements(subject: Subject, ids: torch.Tensor, seed: int) -> torch.Tensor:
+    """A different ordinary token for every position."""
+    alt = subject.sample_ids(1, ids.shape[0], seed + 3571)[0]
+    same = alt == ids
+    if bool(same.any()):
+        alt = torch.where(same, ids.roll(1), alt)  # ids are distinct within the row
+    return alt
+
+
+def _judge(path: str, hidden: list[torch.Tensor], has_jitter: bool, length: int, dtype: str) -> dict:
+    for l, h in enumerate(hidden):
+        finite = torch.isfinite(h).flatten(1).all(1)
+        if not bool(finite.all()):
+            row = int((~finite).nonzero()[0])
+            where = "the baseline" if row < 2 else f"the probe with token {row - 1} edited"
+            return {"path": path, "status": Status.FAIL,
+                    "summary": f"non-finite hidden states at layer {l} in {where} ({path})",
+                    "metrics": {"leak": float("nan"), "noise_floor": float("nan"), "ratio": float("nan"),
+                                "tolerance": float("nan")},
+                    "details": {"non_finite_layer": l, "non_finite_row": row}}
+    # Leak matrices [query, key] per layer; the verdict takes the layer with the worst ratio to its
+    # own floor (the final output in practice). The first leaking pair is read at the earliest layer
+    # that leaks: deeper layers compound a leak (query 0 -> key 6 -> key 1 after two layers), the
+    # earliest one shows the direct pair.
+    per_layer = []
+    for h in hidden:
+        floor_l = float(per_token_change(h[1], h[0]).max()) if has_jitter else 0.0
+        leak_l = torch.zeros(length, length, dtype=torch.float64)
+        for j in range(1, length):
+            leak_l[:j, j] = per_token_change(h[1 + j][:j], h[0][:j])
+        per_layer.append((leak_l, floor_l, judge_agreement(float(leak_l.max()), floor_l, dtype)))
+    leak, floor, verdict = max(per_layer, key=lambda x: x[2].ratio)
+    if verdict.status is Status.PASS:
+        leak, floor, verdict = per_layer[-1]  # report the output's numbers
+    tol = tolerance(floor, dtype)
+    metrics = {"leak": verdict.residual, "noise_floor": verdict.noise_floor, "ratio": verdict.ratio, "tolerance": tol}
+    details: dict = {"leaking_pairs": int((per_layer[-1][0] > tolerance(per_layer[-1][1], dtype)).sum())}
+    if verdict.status is Status.PASS:
+        return {"path": path, "status": verdict.status, "summary": f"no leak ({path})", "metrics": metrics,
+                "details": details}
+    first_layer = next(l for l, (m, f, _) in enumerate(per_layer) if float(m.max()) > tolerance(f, dtype))
+    m0, f0, _ = per_layer[first_layer]
+    direct = m0 > tolerance(f0, dtype)
+    key = int(direct.any(0).nonzero().flatten()[0])
+    query = int(m0[:, key].argmax())
+    out_leak = per_layer[-1][0]
+    big_q, big_k = divmod(int(out_leak.argmax()), length)
+    distances = sorted({k - q for q, k in direct.nonzero().tolist()})
+    layer = _layer_name(first_layer, len(hidden))
+    size = float(per_layer[-1][0][query, key])
+    details.update({"first_leak": (query, key), "first_leak_size": size, "leak_shows_at": layer,
+                    "largest_leak": (big_q, big_k), "largest_leak_size": float(out_leak[big_q, big_k]),
+                    "leak_distances": distances[:8], "direct_leaking_pairs": int(direct.sum())})
+    more = "" if len(distances) <= 3 else f" (+{len(distances) - 3} more)"
+    summary = (f"query {query} sees key {key} ({path}): changing token {key} moves output {query} by "
+               f"{size:.3g} = {size / verdict.noise_floor:.3g}x floor {verdict.noise_floor:.2g}; leak shows at "
+               f"{layer} at distances {', '.join(f'+{d}' for d in distances[:3])}{more}; "
+               f"{details['leaking_pairs']} leaking pairs in the output")
+    return {"path": path, "status": verdict.status, "summary": summary, "metrics": metrics, "details": details}
+
+
+def _layer_name(index: int, total: int) -> str:
+    return "embeddings" if index == 0 and total > 1 else f"block {index}"
