@@ -1,0 +1,88 @@
+"""Planted kernel bugs for the `kernels` check (test support; nothing here is imported by posdiag).
+
+- drop_padding_mask(model): the instance's sdpa path loses its mask (BUGS.md H: "a path that drops
+  the padding mask, is_causal=True instead of the mask"). A forward pre-hook on every attention
+  module clears `attention_mask` while the model runs sdpa, so transformers' sdpa_attention_forward
+  falls back to is_causal (decoders) or no mask at all (encoders). Eager is untouched: the bug only
+  shows on padded inputs (and on decode chunks, where is_causal is top-left aligned).
+- register_bad_scale(): a fused path with a wrong softmax scale (1/head_dim instead of the module's
+  own scaling), registered with transformers' AttentionInterface under its own name.
+- register_nan_rows(): a fused path that returns NaN for fully masked (padding) query rows, the
+  PyTorch #103749 / transformers #38690 behaviour; the NaN then reaches valid tokens in the next
+  layer through 0 · NaN.
+- register_sdpa_copy(): the healthy twin of the registered ones: plain sdpa under a new name.
+Every registered name also gets transformers' sdpa mask builder (without one, transformers hands a
+custom implementation no mask at all).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+BAD_SCALE = "posdiag_plant_bad_scale"
+NAN_ROWS = "posdiag_plant_nan_rows"
+SDPA_COPY = "posdiag_plant_sdpa_copy"
+
+
+def drop_padding_mask(model: torch.nn.Module) -> list:
+    """Clear attention_mask in every attention module while the model runs sdpa. Returns the hook handles."""
+
+    def hook(module, args, kwargs):
+        config = getattr(module, "config", None)
+        if config is not None and config._attn_implementation == "sdpa" and "attention_mask" in kwargs:
+            kwargs["attention_mask"] = None
+        return args, kwargs
+
+    handles = []
+    for module in model.modules():
+        name = type(module).__name__
+        if name.endswith("Attention") and getattr(module, "config", None) is not None:
+            handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+    if not handles:
+        raise RuntimeError(f"no attention modules with a config found in {type(model).__name__}")
+    return handles
+
+
+def _register(name: str, fn) -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(name, fn)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
+
+
+def register_bad_scale() -> str:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def bad_scale(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      scaling=1.0 / query.shape[-1], **kwargs)
+
+    _register(BAD_SCALE, bad_scale)
+    return BAD_SCALE
+
+
+def register_nan_rows() -> str:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def nan_rows(module, query, key, value, attention_mask, **kwargs):
+        out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        if attention_mask is not None:
+            blocked = ~attention_mask if attention_mask.dtype == torch.bool else attention_mask < -1
+            empty = blocked.all(-1)  # [B, 1 or H, Tq]: rows that see no key
+            if bool(empty.any()):
+                rows = empty.any(1)  # [B, Tq]
+                out = out.masked_fill(rows[:, :, None, None], math.nan)  # out is [B, Tq, H, D]
+        return out, weights
+
+    _register(NAN_ROWS, nan_rows)
+    return NAN_ROWS
+
+
+def register_sdpa_copy() -> str:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    _register(SDPA_COPY, sdpa_attention_forward)
+    return SDPA_COPY

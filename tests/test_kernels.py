@@ -1,0 +1,137 @@
+"""The `kernels` check: every attention implementation agrees with eager by FlashAttention's rule.
+
+Healthy families PASS (or SKIP when the family refuses sdpa) in float32 and bfloat16; planted
+kernels (tests/plants_kernels.py) FAIL: an sdpa path that drops the padding mask, a fused path with
+a wrong scale, NaN in fully masked rows leaking into valid tokens. Falcon with alibi=True FAILs at
+default init: a real transformers 5.24 bug (eager adds ALiBi twice, see test_falcon_alibi_*).
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from posdiag import zoo
+from posdiag.api import run_checks
+from posdiag.options import RunOptions
+from posdiag.results import Status
+from posdiag.subject import LoadOptions, from_module
+
+sys.path.insert(0, str(Path(__file__).parent))
+import plants_kernels as plants  # noqa: E402
+
+EAGER_ONLY = {"gemma2", "gpt_neo", "bloom", "mpt"}
+
+
+def kernels(model, implementations=None, **load):
+    subject = from_module(model, options=LoadOptions(upcast=False, **load))
+    options = RunOptions(check_options={"kernels": {"implementations": implementations}} if implementations else {})
+    return run_checks(subject, ["kernels"], options).check("kernels")
+
+
+@pytest.mark.parametrize("family", zoo.FAMILIES)
+def test_every_family_passes_or_says_why(family):
+    result = kernels(zoo.tiny_model(family))
+    if family in EAGER_ONLY:
+        assert result.status is Status.SKIP and "eager only" in result.summary
+    elif family == "falcon_alibi":
+        assert result.status is Status.FAIL  # real bug, see test_falcon_alibi_eager_adds_alibi_twice
+    else:
+        assert result.status is Status.PASS, result.summary
+        assert result.metrics["ratio"] <= 1.0
+        assert result.forward_passes <= 18
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "gemma3", "bert", "t5"])
+def test_healthy_bfloat16_passes_without_upcast(family):
+    result = kernels(zoo.tiny_model(family, dtype=torch.bfloat16))
+    assert result.status is Status.PASS, result.summary
+    assert result.metrics["reference_dtype"] == "float64"
+    assert 1e-3 < result.metrics["eager_error"] < 3e-2  # bf16 rounding, measured in the same run
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2", "falcon_rope", "bert"])
+def test_sdpa_without_padding_mask_fails(family):
+    model = zoo.tiny_model(family)
+    plants.drop_padding_mask(model)
+    result = kernels(model)
+    assert result.status is Status.FAIL, result.summary
+    assert "padded" in result.metrics["scenario"]
+    assert result.metrics["ratio"] > 100
+    # the unpadded input alone would not have caught it (qwen2: the dropped mask also carried the window)
+    if family != "qwen2":
+        assert result.details["implementations"]["sdpa"]["scenarios"]["unpadded"]["first_layer_over_tolerance"] is None
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_sdpa_without_padding_mask_fails_in_bfloat16(family):
+    model = zoo.tiny_model(family, dtype=torch.bfloat16)
+    plants.drop_padding_mask(model)
+    assert kernels(model).status is Status.FAIL
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "bert", "t5"])
+def test_wrong_scale_fails_and_registered_copy_passes(family):
+    bad = kernels(zoo.tiny_model(family), [plants.register_bad_scale()])
+    assert bad.status is Status.FAIL, bad.summary
+    assert bad.metrics["implementation"] == plants.BAD_SCALE and bad.metrics["ratio"] > 100
+    good = kernels(zoo.tiny_model(family), [plants.register_sdpa_copy()])
+    assert good.status is Status.PASS, good.summary
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_nan_in_fully_masked_rows_that_leaks_fails(family):
+    result = kernels(zoo.tiny_model(family), [plants.register_nan_rows()])
+    assert result.status is Status.FAIL
+    assert "NaN/Inf at valid positions" in result.summary and "block 2" in result.summary
+
+
+def test_padding_rows_are_reported_as_information():
+    result = kernels(zoo.tiny_model("llama"))
+    padded = result.details["implementations"]["sdpa"]["scenarios"]["left-padded"]
+    assert padded["padding_rows"] in ("zeros", "finite", "NaN/Inf")
+    assert padded["top1_agreement"] == 1.0 and padded["kl"] < 1e-9
+
+
+def test_falcon_alibi_eager_adds_alibi_twice():
+    """transformers 5.24 FalconModel folds alibi/sqrt(head_dim) into the mask, and FalconAttention's eager
+    branch adds alibi again before scaling: eager sees 2·alibi/sqrt(d), sdpa alibi/sqrt(d). Removing the
+    mask's copy from eager reproduces sdpa to rounding, so the kernels FAIL is a true finding."""
+    model = zoo.tiny_model("falcon_alibi")
+    result = kernels(model)
+    assert result.status is Status.FAIL and result.metrics["ratio"] > 100
+    sdpa = zoo.tiny_model("falcon_alibi")
+    sdpa.config._attn_implementation_internal = "sdpa"
+    ids = torch.randint(5, 250, (2, 24), generator=torch.Generator().manual_seed(0))
+
+    def mask_without_alibi(module, args, kwargs):
+        m = kwargs["attention_mask"]
+        kwargs["attention_mask"] = torch.where(m < -1, torch.finfo(m.dtype).min, 0.0).to(m.dtype)
+        return args, kwargs
+
+    with torch.inference_mode():
+        want = sdpa(input_ids=ids).logits
+        for layer in model.transformer.h:
+            layer.register_forward_pre_hook(mask_without_alibi, with_kwargs=True)
+        once = model(input_ids=ids).logits
+    assert ((once - want).norm() / want.norm()).item() < 1e-5
+
+
+def test_config_is_restored_after_each_implementation():
+    model = zoo.tiny_model("llama")
+    kernels(model, [plants.register_bad_scale(), "sdpa"])
+    assert model.config._attn_implementation == "eager"
+
+
+def test_factory_models_skip():
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(32, 8)
+
+        def forward(self, input_ids, attention_mask=None, position_ids=None):
+            return self.emb(input_ids)
+
+    result = run_checks(from_module(Tiny()), ["kernels"]).check("kernels")
+    assert result.status is Status.SKIP
