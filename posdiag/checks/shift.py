@@ -1,0 +1,310 @@
+"""shift — relative invariance: add k to every position; a relative model must not notice.
+
+RoPE scores depend on the offset only, <R_(m+k) q, R_(n+k) k> = <R_m q, R_n k>, so position_ids + k
+must leave every output unchanged for any k (ALiBi and T5 buckets likewise: a constant added to a row
+of scores cancels in the softmax). A q-only rotation, q and k paired in different layouts, or a
+position used absolutely anywhere breaks it at the first rung. In floating point the invariance is
+approximate: the angle m·θ carries a rounding error of about m·θ·eps, i.e. a position error of about
+m·eps in every pair. So the tolerance at rung k grows with the largest position P_k = k + T - 1:
+
+    error(k) = ||f(x, pos + k) - f(x, pos)|| / ||f(x, pos)||
+    tolerance(k) = FAIL_RATIO · (floor + Δ1 · eps · (P_k + 1))
+
+where Δ1 is the measured output change for a one-position change of the relative offsets (half the
+tokens moved one step further away: the model's sensitivity to a position error of 1), eps the
+machine epsilon of the dtype the check runs in, and floor the rounding floor measured in the same
+run (a consistent permutation, as in `shuffle`). The ladder k = 1, 2, 4, ... up to the declared
+context minus T runs in one forward; the first k past its tolerance is where invariance breaks.
+
+Families that derive positions inside (ALiBi, T5, BART, Marian take no position_ids) are shifted by
+a prefix instead: k padding tokens, invisible to every query, placed before the probe. Absolute
+positions (learned or sinusoidal tables) are not meant to be invariant: the check reports how much
+the outputs change and SKIPs. Stateful rope types (dynamic, longrope) choose frequencies from the
+largest position in the batch; the whole ladder shares one forward, so one set of frequencies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from posdiag.options import RunOptions, probe_length
+from posdiag.probe import Row, fidelity_rows, judge_fidelity, run_rows
+from posdiag.results import CheckResult, Status, Table
+from posdiag.subject import Subject
+from posdiag.tensors import relative_l2
+from posdiag.verdict import FAIL_RATIO, MACHINE_EPSILON, PASS_RATIO, noise_floor
+
+TITLE = "Relative invariance under a position shift"
+
+RELATIVE_KINDS = ("rope", "alibi", "relative_bias")
+ABSOLUTE_KINDS = ("learned", "sinusoidal")
+NO_CONTEXT_MAX_SHIFT = 4096  # direct route, when the config declares no context
+PREFIX_MAX_SHIFT = 256  # prefix route: every row carries the longest prefix, so keep it bounded
+
+
+@dataclass
+class _Probe:
+    """The rows of one stack and where each comparison reads them."""
+
+    rows: list[Row]
+    ladder: list[int]
+    base: int  # row of the unshifted probe
+    shifted: list[int]  # row of each rung
+    gap: int  # row with the second half one position further away
+    consistent: int | None  # row of the consistent permutation (floor), direct route only
+    perm: torch.Tensor | None
+    span: int  # tokens of the probe
+    prefix: bool  # shifted by invisible padding tokens instead of position ids
+    make_row: Callable[[int], Row]  # the probe shifted by k
+
+
+def run(subject: Subject, options: RunOptions) -> CheckResult:
+    kind = subject.position_kind
+    if kind not in RELATIVE_KINDS + ABSOLUTE_KINDS:
+        return CheckResult("shift", Status.SKIP, f"no position mechanism found ({kind}): nothing to shift")
+    results = [_run_stack(subject, options, stack) for stack in subject.stacks]
+    if len(results) == 1:
+        return results[0]
+    worst = max(results, key=lambda r: r.status.rank)
+    metrics = dict(worst.metrics)
+    for r in results:
+        metrics.update({f"{r.details.get('stack')}_{k}": v for k, v in r.metrics.items()})
+    summary = "; ".join(f"{r.details.get('stack')}: {r.summary}" for r in results)
+    details = {"stacks": {r.details.get("stack"): r.details for r in results}}
+    return CheckResult("shift", worst.status, summary, metrics, details, tuple(t for r in results for t in r.tables))
+
+
+def _ladder(k_max: int) -> list[int]:
+    ks, k = [], 1
+    while k < k_max:
+        ks.append(k)
+        k *= 2
+    if k_max >= 1:
+        ks.append(k_max)
+    return ks
+
+
+def _build(subject: Subject, options: RunOptions, stack: str) -> _Probe | str:
+    declared = subject.max_positions
+    if declared is not None:  # RoBERTa's table counts its padding_idx+1 offset rows
+        declared -= subject.family.explicit_position_offset
+    length = probe_length(subject, options)
+    if declared is not None:
+        length = min(length, max(4, declared // 2))  # leave room for the ladder
+    prefix = not subject.family.takes_position_ids
+    settings = options.for_check("shift")
+    if prefix:
+        k_max = PREFIX_MAX_SHIFT if declared is None else min(PREFIX_MAX_SHIFT, declared - length)
+    else:
+        k_max = NO_CONTEXT_MAX_SHIFT if declared is None else declared - length
+    k_max = min(k_max, int(settings.get("max_shift", k_max)))
+    if k_max < 1:
+        return f"the declared context ({declared}) leaves no room to shift a {length}-token probe"
+    ladder = _ladder(k_max)
+    ids = subject.sample_ids(1, length, options.seed)[0]
+    causal = stack == "decoder" and subject.kind != "encoder"
+    rows: list[Row] = []
+    if causal and not prefix:
+        rows += fidelity_rows(ids)[0]  # rows[0]: explicit causal mask, arange positions = the base
+    if prefix:
+        width = length + k_max  # every row: the probe at offset k, invisible padding elsewhere
+        filler = ids.roll(1).repeat(width // length + 1)[:width]
+
+        def placed(pieces: list[tuple[int, torch.Tensor]]) -> Row:
+            row_ids, valid = filler.clone(), torch.zeros(width, dtype=torch.bool, device=ids.device)
+            for start, part in pieces:
+                row_ids[start:start + part.numel()] = part
+                valid[start:start + part.numel()] = True
+            return Row(row_ids, valid=valid)
+
+        base = len(rows)
+        rows.append(placed([(0, ids)]))
+        shifted = list(range(len(rows), len(rows) + len(ladder)))
+        rows += [placed([(k, ids)]) for k in ladder]
+        half = length // 2
+        gap = len(rows)
+        rows.append(placed([(0, ids[:half]), (half + 1, ids[half:])]))
+        return _Probe(rows, ladder, base, shifted, gap, None, None, length, True, lambda k: placed([(k, ids)]))
+    base = 0
+    if not rows:
+        rows.append(Row(ids))
+    arange = torch.arange(length, device=ids.device)
+    shifted = list(range(len(rows), len(rows) + len(ladder)))
+    rows += [Row(ids, positions=arange + k) for k in ladder]  # the base row has positions=None: arange
+    gap = len(rows)
+    rows.append(Row(ids, positions=arange + (arange >= length // 2).long()))
+    gen = torch.Generator().manual_seed(options.seed + 7919)
+    perm = torch.randperm(length, generator=gen).to(ids.device)
+    consistent = len(rows)
+    rows.append(Row(ids[perm], order=perm, positions=perm))
+    return _Probe(rows, ladder, base, shifted, gap, consistent, perm, length, False,
+                  lambda k: Row(ids, positions=arange + k))
+
+
+def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult:
+    dtype = subject.dtype_name
+    absolute = subject.position_kind in ABSOLUTE_KINDS
+    ok, why = subject.explicit_mask_supported
+    if not ok:
+        return CheckResult("shift", Status.SKIP, f"cannot hand the model an explicit mask: {why}", details={"stack": stack})
+    probe = _build(subject, options, stack)
+    if isinstance(probe, str):
+        return CheckResult("shift", Status.SKIP, probe, details={"stack": stack})
+    encoder_ids = None
+    if subject.kind == "seq2seq" and stack == "decoder":
+        first = probe.rows[probe.base].ids
+        enc = first if not probe.prefix else first[: probe.span]
+        encoder_ids = enc[None].expand(len(probe.rows), -1)
+    out = run_rows(subject, probe.rows, stack=stack, encoder_ids=encoder_ids)
+    details: dict = {"stack": stack, "route": "prefix of invisible padding" if probe.prefix else "position_ids + k",
+                     "seq_len": probe.span, "ladder": probe.ladder}
+    metrics: dict = {}
+    if not all(torch.isfinite(h).all() for h in out.hidden):
+        return CheckResult("shift", Status.FAIL, "non-finite hidden states under shifted positions", metrics, details)
+
+    span, half = probe.span, probe.span // 2
+
+    def take(layer: int, row: int, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        return out.hidden[layer][row, start:(span if stop is None else stop)]
+
+    layers = len(out.hidden)
+    final = layers - 1
+    # Errors at each rung and layer; the probe sits at offset k in prefix rows.
+    errors = [[relative_l2(take(l, r, k if probe.prefix else 0, (k + span) if probe.prefix else None), take(l, probe.base))
+               for r, k in zip(probe.shifted, probe.ladder)] for l in range(layers)]
+    gap_start = half + 1 if probe.prefix else half
+    delta1 = relative_l2(take(final, probe.gap, gap_start, gap_start + span - half), take(final, probe.base, half))
+    measured_floor = 0.0
+    floor_source = f"{dtype} machine epsilon (positions derived inside: no consistent permutation)"
+    if probe.consistent is not None:
+        measured_floor = relative_l2(out.hidden[final][probe.consistent], out.hidden[final][probe.base][probe.perm])
+        floor_source = "consistent permutation (tokens, mask and position ids permuted together)"
+    floor = noise_floor(measured_floor, dtype)
+    eps = MACHINE_EPSILON.get(dtype, MACHINE_EPSILON["float32"])
+    details["floor_source"] = floor_source
+    metrics.update({"noise_floor": floor, "unit_shift_effect": delta1, "eps": eps})
+
+    # The explicit mask must reproduce the model's own output before any shifted row means anything.
+    plain = Row(probe.rows[probe.base].ids[:span])
+    default = run_rows(subject, [plain], stack=stack, explicit_mask=False,
+                       encoder_ids=None if encoder_ids is None else encoder_ids[:1]).final[0]
+    if probe.prefix:  # the base row is the probe followed by padding no query may see
+        reproduces = relative_l2(take(final, probe.base), default)
+        metrics["mask_reproduces_default"] = reproduces
+        if reproduces > FAIL_RATIO * floor:
+            return CheckResult("shift", Status.SKIP, f"padding in the explicit mask is not honoured: the padded probe "
+                               f"does not reproduce the plain one (rel. error {reproduces:.2e})", metrics, details)
+    elif stack == "decoder" and subject.kind != "encoder":
+        fid = judge_fidelity(default, out.final[0], out.final[1], out.final[2], fidelity_rows(probe.rows[0].ids)[1],
+                             measured_floor, dtype)
+        metrics.update(fid.metrics())
+        if not fid.ok:
+            return CheckResult("shift", Status.SKIP, f"mask not faithful, no verdict: {fid.reason}", metrics, details)
+    else:
+        reproduces = relative_l2(out.final[probe.base], default)
+        metrics["mask_reproduces_default"] = reproduces
+        if reproduces > FAIL_RATIO * floor:
+            return CheckResult("shift", Status.SKIP, f"explicit mask does not reproduce the default output "
+                               f"(rel. error {reproduces:.2e})", metrics, details)
+
+    predicted = [delta1 * eps * (k + span) for k in probe.ladder]  # (P_k + 1) with P_k = k + span - 1
+    tolerance = [FAIL_RATIO * (floor + p) for p in predicted]
+    ratio = [e / (floor + p) for e, p in zip(errors[final], predicted)]
+    breaks = next((i for i, r in enumerate(ratio) if not r <= FAIL_RATIO), None)
+    table = Table(
+        f"shift: error by offset ({stack})" if subject.kind == "seq2seq" else "shift: error by offset",
+        ("k", "max position", "error", "rounding term", "tolerance", "ratio", ""),
+        tuple((k, k + span - 1, f"{e:.3e}", f"{p:.2e}", f"{t:.2e}", f"{r:.3g}", "" if r <= FAIL_RATIO else "BREAKS")
+              for k, e, p, t, r in zip(probe.ladder, errors[final], predicted, tolerance, ratio)),
+    )
+    details["errors"] = errors[final]
+    details["tolerances"] = tolerance
+    worst_i = max(range(len(ratio)), key=lambda i: ratio[i] if ratio[i] == ratio[i] else float("inf"))
+    metrics.update({"error": errors[final][worst_i], "tolerance": tolerance[worst_i], "ratio": ratio[worst_i],
+                    "worst_shift": probe.ladder[worst_i], "max_shift": probe.ladder[-1]})
+
+    signal = delta1 / floor
+    metrics["unit_shift_ratio"] = signal
+    if signal < FAIL_RATIO:
+        return CheckResult("shift", Status.SKIP,
+                           f"moving tokens one position changes the outputs by only {delta1:.2e} ({signal:.3g}x the "
+                           f"noise floor): positions have no measurable effect, so invariance would say nothing",
+                           metrics, details, (table,))
+
+    holds_up_to = None
+    if breaks is not None:
+        k = probe.ladder[breaks]
+        layer = next((l for l in range(layers)
+                      if not errors[l][breaks] <= FAIL_RATIO * (floor + predicted[breaks])), final)
+        token = _worst_token(out, final, probe, breaks)
+        details.update({"first_layer": _layer_name(layer, layers), "worst_token": token})
+        if breaks > 0 and not absolute:  # one more forward: where between the last good rung and this one
+            holds_up_to, k = _refine(subject, probe, stack, encoder_ids, probe.ladder[breaks - 1], k, delta1, eps, floor)
+            details["refined_between"] = [probe.ladder[breaks - 1], probe.ladder[breaks]]
+        details.update({"breaks_at": k, "holds_up_to": holds_up_to})
+        metrics["breaks_at"] = k
+
+    if absolute:
+        if breaks is None:
+            return CheckResult("shift", Status.SKIP,
+                               f"absolute positions ({subject.position_kind}) yet outputs unchanged under shifts up to "
+                               f"{probe.ladder[-1]} (worst {ratio[worst_i]:.3g}x tolerance): are the position ids used?",
+                               metrics, details, (table,))
+        first = errors[final][0]
+        return CheckResult("shift", Status.SKIP,
+                           f"absolute positions ({subject.position_kind}): outputs change by {first:.3g} under a shift "
+                           f"of {probe.ladder[0]} ({ratio[0]:.3g}x the rounding tolerance), as expected; relative "
+                           f"invariance does not apply", metrics, details, (table,))
+
+    if breaks is not None:
+        k = details["breaks_at"]
+        rung = probe.ladder[breaks]
+        summary = (f"relative invariance breaks at shift {k} (max position {k + span - 1}): at shift {rung} error "
+                   f"{errors[final][breaks]:.3g} = {ratio[breaks]:.3g}x (floor {floor:.2g} + rounding term "
+                   f"{predicted[breaks]:.2g}), first in {details['first_layer']}, worst at token {details['worst_token']}")
+        if holds_up_to is not None:
+            summary += f"; holds up to shift {holds_up_to} (max position {holds_up_to + span - 1})"
+        return CheckResult("shift", Status.FAIL, summary, metrics, details, (table,))
+    summary = (f"invariant under shifts up to {probe.ladder[-1]} (max position {probe.ladder[-1] + span - 1}): worst "
+               f"error {errors[final][worst_i]:.3g} = {ratio[worst_i]:.3g}x (floor + rounding term) at shift "
+               f"{probe.ladder[worst_i]}; a one-position change moves outputs {delta1:.3g} ({len(probe.ladder)} shifts, "
+               f"{span} tokens)")
+    if signal < PASS_RATIO:
+        summary += f"; weak position signal ({signal:.3g}x the floor): only breaks larger than that would show"
+    return CheckResult("shift", Status.PASS, summary, metrics, details, (table,))
+
+
+def _refine(subject: Subject, probe: _Probe, stack: str, encoder_ids, lo: int, hi: int, delta1: float, eps: float,
+            floor: float) -> tuple[int, int]:
+    """Up to 16 shifts strictly between lo (held) and hi (broke), in one forward: (last held, first broken)."""
+    step = max(1, (hi - lo) // 17)
+    ks = list(range(lo + step, hi, step))[:16]
+    if not ks:
+        return lo, hi
+    rows = [probe.make_row(0)] + [probe.make_row(k) for k in ks]
+    enc = None if encoder_ids is None else encoder_ids[:1].expand(len(rows), -1)
+    final = run_rows(subject, rows, stack=stack, encoder_ids=enc).final
+    span = probe.span
+    held = lo
+    for i, k in enumerate(ks, start=1):
+        start = k if probe.prefix else 0
+        error = relative_l2(final[i, start:start + span], final[0, :span])
+        if not error <= FAIL_RATIO * (floor + delta1 * eps * (k + span)):
+            return held, k
+        held = k
+    return held, hi
+
+
+def _worst_token(out, layer: int, probe: _Probe, rung: int) -> int:
+    k = probe.ladder[rung]
+    start = k if probe.prefix else 0
+    a = out.hidden[layer][probe.shifted[rung], start:start + probe.span].double()
+    b = out.hidden[layer][probe.base, :probe.span].double()
+    return int((a - b).norm(dim=-1).argmax())
+
+
+def _layer_name(index: int, total: int) -> str:
+    return "embeddings" if index == 0 and total > 1 else f"block {index}"

@@ -1,0 +1,111 @@
+"""shift: position_ids + k must leave a relative model's outputs unchanged, up to fp angle rounding.
+
+Healthy zoo families PASS (relative kinds) or SKIP with a reason (absolute tables: outputs change,
+as expected). Planted bugs (tests/plants_shift.py) FAIL at the first rung on four RoPE layouts;
+positions rounded to bfloat16 break only once positions pass 256, and the check says where.
+"""
+
+import pytest
+import torch
+
+from plants_shift import absolute_leak, bf16_angles, bf16_positions, keys_never_rotated, layout_mismatch
+from posdiag import zoo
+from posdiag.api import run_checks
+from posdiag.results import Status
+from posdiag.subject import from_module
+
+
+def shift(model):
+    return run_checks(from_module(model), ["shift"]).check("shift")
+
+
+@pytest.mark.parametrize("family", zoo.FAMILIES)
+def test_every_family_passes_or_skips_with_a_reason(family):
+    result = shift(zoo.tiny_model(family))
+    kind = zoo.position_kind(family)
+    if kind in ("learned", "sinusoidal"):
+        assert result.status is Status.SKIP, result.summary
+        assert "absolute positions" in result.summary and "as expected" in result.summary
+    else:  # rope, alibi, T5 buckets: relative, so invariant
+        assert result.status is Status.PASS, result.summary
+        assert result.metrics["ratio"] <= 10
+    assert result.forward_passes <= 4  # one batched ladder + one default-mask row, per stack
+
+
+# Declared context 4096 so the ladder reaches past 256 (where bfloat16 stops holding integers exactly).
+CONTEXT = {"llama": {"max_position_embeddings": 4096}, "gpt_neox": {"max_position_embeddings": 4096},
+           "gptj": {"n_positions": 4096}, "qwen2": {"max_position_embeddings": 4096}}
+PLANTS = {"keys_never_rotated": keys_never_rotated, "layout_mismatch": layout_mismatch,
+          "absolute_leak": absolute_leak, "bf16_angles": bf16_angles}
+
+
+@pytest.mark.parametrize("family", CONTEXT)
+def test_healthy_twin_passes_with_long_context(family):
+    result = shift(zoo.tiny_model(family, **CONTEXT[family]))
+    assert result.status is Status.PASS, result.summary
+    assert result.metrics["max_shift"] == 4096 - 64
+
+
+@pytest.mark.parametrize("plant", PLANTS)
+@pytest.mark.parametrize("family", CONTEXT)
+def test_planted_bug_breaks_at_the_first_rung(family, plant):
+    result = shift(PLANTS[plant](zoo.tiny_model(family, **CONTEXT[family])))
+    assert result.status is Status.FAIL, result.summary
+    assert result.metrics["breaks_at"] == 1
+    assert result.metrics["ratio"] > 10
+    where = result.details["first_layer"]
+    assert where == ("embeddings" if plant == "absolute_leak" else "block 1")  # the rotation lives in attention
+
+
+def test_bf16_positions_break_past_256_and_say_where():
+    """Integers are exact in bfloat16 up to 256: positions 0..255 rotate correctly, 257 rounds to 256."""
+    result = shift(bf16_positions(zoo.tiny_model("llama", **CONTEXT["llama"])))
+    assert result.status is Status.FAIL
+    held, broke = result.details["holds_up_to"], result.details["breaks_at"]
+    assert 128 <= held < broke <= 256
+    assert held + 64 - 1 <= 256 < broke + 64 - 1  # the last good max position is <= 256, the first bad one past it
+    assert result.forward_passes == 3  # ladder, default-mask row, one refinement between the two rungs
+    # Within a 128-token context the same rounding never happens: invariant, honestly.
+    assert shift(bf16_positions(zoo.tiny_model("llama"))).status is Status.PASS
+
+
+def test_tolerance_grows_with_position_as_fp32_angles_predict():
+    """Up to 2^20 the healthy error grows ~linearly with the largest position and stays under the
+    predicted rounding term Δ1·eps·P (strong init: large Δ1, so the angle term dominates the floor)."""
+    result = shift(zoo.tiny_model("llama", init="strong", max_position_embeddings=1 << 20))
+    assert result.status is Status.PASS, result.summary
+    errors = result.details["errors"]
+    assert errors[-1] > 100 * errors[0]  # real growth, not a flat floor
+    assert result.metrics["ratio"] < 1
+
+
+def test_alibi_is_shifted_through_an_invisible_prefix():
+    healthy = shift(zoo.tiny_model("bloom", init="strong"))
+    assert healthy.status is Status.PASS and healthy.details["route"].startswith("prefix")
+    leaked = shift(absolute_leak(zoo.tiny_model("bloom", init="strong")))
+    assert leaked.status is Status.FAIL and leaked.metrics["breaks_at"] == 1
+
+
+def test_falcon_alibi_bias_is_computed_in_bfloat16():
+    """A real finding in transformers 5.24: Falcon builds ALiBi as slopes.bfloat16() * positions, so
+    in a float32 model key positions past 256 round and relative invariance breaks there."""
+    result = shift(zoo.tiny_model("falcon_alibi", max_position_embeddings=1024))
+    assert result.status is Status.FAIL
+    assert 128 <= result.details["holds_up_to"] < result.details["breaks_at"] <= 256
+
+
+def test_encoder_decoder_with_relative_buckets_passes_both_stacks():
+    result = shift(zoo.tiny_model("t5", init="strong"))
+    assert result.status is Status.PASS
+    assert set(result.details["stacks"]) == {"encoder", "decoder"}
+
+
+def test_positions_without_effect_skip():
+    model = zoo.tiny_model("llama", init="strong")
+    zoo.remove_positions(model, "llama")
+    result = shift(model)
+    assert result.status is Status.SKIP and "no measurable effect" in result.summary
+
+
+def test_bfloat16_model_is_upcast_and_passes():
+    assert shift(zoo.tiny_model("qwen2", dtype=torch.bfloat16)).status is Status.PASS
