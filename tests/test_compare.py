@@ -165,3 +165,17 @@ def test_cli_usage_errors_exit_2(fixtures_dir, tmp_path):
         result = runner.invoke(app, args)
         assert result.exit_code == 2, (args, result.output)
         assert "posdiag: error:" in result.output
+
+
+def test_cli_plot_png_or_a_clear_usage_error(fixtures_dir, tmp_path):
+    import importlib.util
+
+    from posdiag.cli import app
+
+    path, png = str(fixtures_dir / "llama-tiny"), tmp_path / "err.png"
+    result = runner.invoke(app, ["compare", path, path, "--seq-len", "16", "--plot", str(png), "-q"])
+    if importlib.util.find_spec("matplotlib") is None:
+        assert result.exit_code == 2 and "matplotlib" in result.output
+    else:
+        assert result.exit_code == 0, result.output
+        assert png.read_bytes()[:4] == b"\x89PNG"

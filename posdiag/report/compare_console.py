@@ -144,13 +144,16 @@ def write_png(path: str, comparison: Any, title: str = "") -> None:
 
     fig, ax = plt.subplots(figsize=(9, 5))
     positions = list(range(comparison.seq_len))
-    tiny = 1e-18
+    # Exact zeros (position 0 under a relative-position bug) drawn at the bottom edge:
+    # two decades under the smallest tolerance.
+    tiny = min((p.tolerance for p in comparison.profiles if p.tolerance > 0), default=1e-7) / 100
     for p in comparison.profiles:
         line, = ax.plot(positions[:len(p.per_position)], [max(v, tiny) for v in p.per_position], label=p.name, lw=1)
         ax.axhline(max(p.tolerance, tiny), color=line.get_color(), ls="--", lw=0.6)
     ax.set_yscale("log")
+    ax.set_ylim(bottom=tiny / 2)
     ax.set_xlabel("token position")
-    ax.set_ylabel("relative error ||Δh[t]|| / ||h_ref[t]||")
+    ax.set_ylabel("relative error ||Δh[t]|| / ||h_ref[t]||  (0 drawn at the bottom)")
     ax.set_title(title or "posdiag compare: error vs position (dashed: tolerance)")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
