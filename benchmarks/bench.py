@@ -62,7 +62,7 @@ def startup(flag: str, repeats: int = 3) -> float:
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "posdiag.cli", flag], capture_output=True, check=True)
+        subprocess.run([sys.executable, "-m", "posdiag", flag], capture_output=True, check=True)
         best = min(best, time.perf_counter() - t)
     return best
 

@@ -321,7 +321,3 @@ def _tokenize(model: str, text: str, revision, trust_remote_code: bool) -> tuple
 
 # Commands that live in their own modules register themselves on `app` when imported.
 from posdiag import cli_compare, cli_kernels, cli_rope  # noqa: E402,F401
-
-
-if __name__ == "__main__":  # pragma: no cover
-    app()

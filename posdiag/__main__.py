@@ -1,0 +1,5 @@
+"""`python -m posdiag` runs the command line."""
+
+from posdiag.cli import app
+
+app()
