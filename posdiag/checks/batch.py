@@ -1,0 +1,221 @@
+"""batch — does each row of a padded batch get its own positions (and its own padding mask)?
+
+A row run alone must equal the same row inside a batch, over its valid (non-padding) queries:
+f_batch(x)[row, valid] = f_alone(x_row). Rows of the batch (length T, k = T/4 padding tokens):
+
+  0  a, right-padded           positions 0..n-1 (then continuing over the pads)
+  1  a, left-padded            positions 0 on the pads, then 0..n-1
+  2  b, right-padded           *restart* positions 0..n/2-1, 0..n-n/2-1 (packed-like)
+  3  b, left-padded            pads, then the same restart positions
+  4  row 0 again, token embeddings jittered by ~1 ulp: the noise floor (see `positions`)
+
+Row b's positions differ from row a's non-affinely on purpose: RoPE is blind to a constant
+per-row offset, so a bug that hands every row row 0's position ids is only visible on a row whose
+positions are not a shift of row 0's (BUGS.md A, unsloth #3699). Left padding catches a path that
+drops the padding mask (valid queries then see the pad keys) and positions not started at the
+first real token (learned tables). error = ||f_batch[row, valid] − f_alone|| / ||f_alone||,
+judged as agreement against the floor; NaN in a valid position is a FAIL naming the row.
+
+Transformers models run the path users run: a 2D padding attention_mask and explicit position_ids
+(the model builds its own 4D mask); `module:factory` models get posdiag's additive 4D mask.
+Forward passes: one for the batch, one per reference row run alone (2; 1 where rows cannot be
+given their own positions).
+
+Families that derive positions inside (position_ids "ignored"): relative schemes (ALiBi, T5
+buckets) are blind to where the row starts, and Bloom/Falcon derive ALiBi from the mask, so the
+left-padded row is still exact; absolute schemes numbered by arange (BART, Marian) cannot be
+left-padded at all, so only right padding is tested there (said in the report). Rows with
+non-affine positions need position_ids: not run for those families (said in the report).
+Encoder-decoders: each stack; the decoder with one fixed, unpadded encoder input.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from posdiag.checks.positions import FLOOR_SOURCE, jittered, per_token_change, restart_positions, tolerance
+from posdiag.options import RunOptions, probe_ids, probe_length
+from posdiag.probe import Row, run_rows
+from posdiag.results import CheckResult, Status, Table
+from posdiag.subject import Subject
+from posdiag.tensors import relative_l2
+from posdiag.verdict import judge_agreement
+
+TITLE = "Per-row positions in a padded batch"
+
+# Position schemes that do not depend on where a row starts (or that read the padding mask).
+_START_INVARIANT = ("alibi", "relative_bias")
+
+
+def run(subject: Subject, options: RunOptions) -> CheckResult:
+    results = [_run_stack(subject, options, stack) for stack in subject.stacks]
+    if len(results) == 1:
+        return results[0]
+    status = Status.worst([r.status for r in results])
+    worst = max(results, key=lambda r: r.status.rank)
+    metrics = dict(worst.metrics)
+    for r in results:
+        metrics.update({f"{r.details['stack']}_{k}": v for k, v in r.metrics.items()})
+    summary = "; ".join(f"{r.details['stack']}: {r.summary}" for r in results)
+    details = {"stacks": {r.details["stack"]: r.details for r in results}}
+    return CheckResult("batch", status, summary, metrics, details, tuple(t for r in results for t in r.tables))
+
+
+def _pad_id(subject: Subject) -> int:
+    pad = getattr(subject.config, "pad_token_id", None)
+    return pad if isinstance(pad, int) and 0 <= pad < subject.vocab_size else 0
+
+
+def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult:
+    dtype = subject.dtype_name
+    length = probe_length(subject, options)
+    pads = max(1, length // 4)
+    n = length - pads
+    two = probe_ids(subject, options, batch=2)
+    a, b = two[0, :n], two[1, :n]
+    pad = _pad_id(subject)
+    dev = subject.device
+    takes = subject.family.takes_position_ids and subject.kind != "seq2seq"
+    notes: list[str] = []
+
+    def padded(x: torch.Tensor, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        fill = torch.full((pads,), pad, dtype=x.dtype, device=dev)
+        ones, zeros = torch.ones(n, dtype=torch.long, device=dev), torch.zeros(pads, dtype=torch.long, device=dev)
+        return (torch.cat([fill, x]), torch.cat([zeros, ones])) if left else (torch.cat([x, fill]), torch.cat([ones, zeros]))
+
+    def positions(base: torch.Tensor, left: bool) -> torch.Tensor:
+        if left:
+            return torch.cat([torch.zeros(pads, dtype=torch.long), base])
+        return torch.cat([base, base[-1] + 1 + torch.arange(pads)])
+
+    pa = torch.arange(n)
+    pb = restart_positions(n)
+    # (name, ids, 2D mask, positions or None, reference key, left-padded?)
+    rows: list[tuple[str, torch.Tensor, torch.Tensor, Any, str, bool]] = []
+    for left in (False, True):
+        if left and not takes and subject.position_kind not in _START_INVARIANT:
+            notes.append(f"left padding not tested: {subject.family.name} numbers {subject.position_kind} positions "
+                         f"by arange inside and takes no position_ids, so a left-padded row is not the same input")
+            continue
+        ids, mask = padded(a, left)
+        rows.append((f"a {'left' if left else 'right'}-padded", ids, mask,
+                     positions(pa, left) if takes else None, "a", left))
+    if takes:
+        for left in (False, True):
+            ids, mask = padded(b, left)
+            rows.append((f"b {'left' if left else 'right'}-padded, restart positions", ids, mask,
+                         positions(pb, left), "b", left))
+    else:
+        notes.append("rows with non-affine positions not tested: the family takes no position_ids")
+    jitter_row = len(rows)
+    rows.append(("a right-padded, jittered (noise floor)",) + rows[0][1:])
+
+    refs = {"a": (a, pa)}
+    if takes:
+        refs["b"] = (b, pb)
+    batch_ids = torch.stack([r[1] for r in rows])
+    batch_mask = torch.stack([r[2] for r in rows])
+    batch_pos = torch.stack([r[3] for r in rows]) if takes else None
+    enc = probe_ids(subject, options, seed_offset=17)[0] if subject.kind == "seq2seq" and stack == "decoder" else None
+
+    with jittered(subject, stack, jitter_row, len(rows), options.seed) as has_jitter:
+        out = _forward(subject, batch_ids, batch_mask, batch_pos, stack, enc)
+    alone = {key: _forward(subject, ids[None], torch.ones(1, n, dtype=torch.long, device=dev),
+                           pos[None] if takes else None, stack, enc)[0]
+             for key, (ids, pos) in refs.items()}
+
+    def valid_slice(left: bool) -> slice:
+        return slice(pads, length) if left else slice(0, n)
+
+    for i, (name, *_rest) in enumerate(rows):
+        left = rows[i][5]
+        got = out[i, valid_slice(left)]
+        if not bool(torch.isfinite(got).all()):
+            tok = int((~torch.isfinite(got)).flatten(1).any(1).nonzero()[0])
+            return CheckResult("batch", Status.FAIL,
+                               f"non-finite outputs in row '{name}' (batch row {i}) at valid token {tok}",
+                               details={"stack": stack, "row": name, "batch_row": i, "token": tok})
+    for key, ref in alone.items():
+        if not bool(torch.isfinite(ref).all()):
+            return CheckResult("batch", Status.FAIL, f"non-finite outputs for row {key} run alone",
+                               details={"stack": stack, "row": f"{key} alone"})
+
+    floor = relative_l2(out[jitter_row, :n], out[0, :n]) if has_jitter else 0.0
+    tol = tolerance(floor, dtype)
+    errors: dict[str, float] = {}
+    first_token: dict[str, int | None] = {}
+    for i, (name, _ids, _mask, _pos, key, left) in enumerate(rows[:jitter_row]):
+        got = out[i, valid_slice(left)]
+        errors[name] = relative_l2(got, alone[key])
+        floor_tok = float(per_token_change(out[jitter_row, :n], out[0, :n]).max()) if has_jitter else 0.0
+        bad = (per_token_change(got, alone[key]) > tolerance(floor_tok, dtype)).nonzero().flatten()
+        first_token[name] = int(bad[0]) if bad.numel() else None
+    worst = max(errors, key=errors.get)
+    verdict = judge_agreement(errors[worst], floor, dtype)
+    metrics = {"error": verdict.residual, "noise_floor": verdict.noise_floor, "ratio": verdict.ratio, "tolerance": tol}
+    details: dict = {
+        "stack": stack, "seq_len": length, "padding": pads, "valid_tokens": n,
+        "floor_source": FLOOR_SOURCE if has_jitter else f"{dtype} machine epsilon (no token embedding found to jitter)",
+        "path": "2D padding mask + position_ids (model builds its mask)" if subject.is_hf else "explicit 4D mask",
+        "error_per_row": errors, "first_diverging_token": first_token, "notes": notes,
+        "positions": {"a": pa.tolist(), "b": pb.tolist()} if takes else "derived inside the model",
+    }
+    tested = f"{len(errors)} rows: {', '.join(errors)}"
+    if verdict.status is Status.PASS:
+        summary = f"every row equals itself run alone (max error {verdict.residual:.2g} <= {tol:.2g}; {tested})"
+        if notes:
+            summary += f"; {notes[0].split(':')[0]}"
+    else:
+        bad = [r for r in errors if judge_agreement(errors[r], floor, dtype).status is Status.FAIL]
+        tok = first_token[worst]
+        summary = (f"row '{worst}' differs from the same row alone: error {verdict.residual:.3g} = {verdict.ratio:.3g}x "
+                   f"floor {verdict.noise_floor:.2g}" + (f", from valid token {tok}" if tok is not None else "")
+                   + f"; failing rows: {', '.join(bad)}")
+    table = Table(f"row alone vs in a padded batch ({stack})" if subject.kind == "seq2seq" else "row alone vs in a padded batch",
+                  ("row", "error", "ratio to floor", "first diverging token"),
+                  tuple((r, f"{e:.3e}", f"{e / verdict.noise_floor:.3g}", "-" if first_token[r] is None else str(first_token[r]))
+                        for r, e in errors.items()))
+    return CheckResult("batch", verdict.status, summary, metrics, details, (table,))
+
+
+def _forward(subject: Subject, ids: torch.Tensor, mask2d: torch.Tensor, positions: torch.Tensor | None,
+             stack: str, encoder_ids: torch.Tensor | None) -> torch.Tensor:
+    """Final hidden states [B, T, D] of the rows, on the path a user takes (one forward per chunk)."""
+    if not subject.is_hf:
+        rows = [Row(ids[i], positions=None if positions is None else positions[i], valid=mask2d[i].bool())
+                for i in range(ids.shape[0])]
+        return run_rows(subject, rows, stack=stack).final
+    step = subject.options.max_batch or ids.shape[0]
+    parts = []
+    for start in range(0, ids.shape[0], step):
+        sl = slice(start, start + step)
+        parts.append(_forward_hf(subject, ids[sl], mask2d[sl], None if positions is None else positions[sl],
+                                 stack, encoder_ids))
+    return torch.cat(parts)
+
+
+def _forward_hf(subject: Subject, ids: torch.Tensor, mask2d: torch.Tensor, positions: torch.Tensor | None,
+                stack: str, encoder_ids: torch.Tensor | None) -> torch.Tensor:
+    subject.forward_count += 1
+    model = subject.model
+    ids, mask2d = ids.to(subject.device), mask2d.to(subject.device)
+    with torch.inference_mode():
+        if subject.kind == "seq2seq":
+            if stack == "encoder":
+                out = model.get_encoder()(input_ids=ids, attention_mask=mask2d, output_hidden_states=True,
+                                          return_dict=True)
+                return (out.hidden_states or (out.last_hidden_state,))[-1]
+            enc = encoder_ids[None].expand(ids.shape[0], -1).to(subject.device)
+            out = model(input_ids=enc, attention_mask=torch.ones_like(enc), decoder_input_ids=ids,
+                        decoder_attention_mask=mask2d, output_hidden_states=True, use_cache=False, return_dict=True)
+            return out.decoder_hidden_states[-1]
+        kwargs: dict[str, Any] = {}
+        if positions is not None:
+            kwargs["position_ids"] = subject.position_ids_for(positions.to(subject.device))
+        if subject.kind != "encoder":
+            kwargs["use_cache"] = False
+        out = model(input_ids=ids, attention_mask=mask2d, output_hidden_states=True, return_dict=True, **kwargs)
+        hidden = out.hidden_states if out.hidden_states is not None else (out.last_hidden_state,)
+        return hidden[-1]
