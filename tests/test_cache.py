@@ -12,7 +12,7 @@ from posdiag.subject import from_module
 
 import plants_cache as plants
 
-OPTIONS = RunOptions(seq_len=16)
+OPTIONS = RunOptions(seq_len=12, check_options={"cache": {"decode_steps": 4}})
 
 
 def cache(model):
@@ -28,25 +28,17 @@ def test_healthy_family_passes_or_skips(family):
     assert result.status is Status.PASS, result.summary
     assert result.metrics["ratio"] <= 10
     assert result.metrics["noise_floor"] > 0
+    if result.details["sliding_window"]:  # mistral, qwen2, gemma2/3, gpt_neo: run past the window
+        assert result.details["seq_len"] > 2 * zoo.SLIDING_WINDOW
+    if family == "gpt_neo":  # no static-cache support declared: skipped with the reason
+        assert "_can_compile_fullgraph=False" in result.summary and result.metrics["paths_judged"] == 3
+    elif family == "falcon_alibi":  # ALiBi over the query length crashes with a static cache
+        assert "static cache not runnable" in result.summary
+    elif family == "llama":
+        assert result.metrics["paths_judged"] == 6 and "skipped" not in result.summary
 
 
-@pytest.mark.parametrize("family", ["mistral", "qwen2", "gemma2", "gemma3"])
-def test_sliding_window_families_run_past_the_window(family):
-    result = cache(zoo.tiny_model(family))
-    assert result.details["seq_len"] > 2 * zoo.SLIDING_WINDOW
-    assert result.status is Status.PASS, result.summary
-
-
-def test_static_cache_skipped_only_with_a_reason():
-    neo = cache(zoo.tiny_model("gpt_neo"))
-    assert neo.status is Status.PASS and "_can_compile_fullgraph=False" in neo.summary
-    falcon = cache(zoo.tiny_model("falcon_alibi"))  # ALiBi over the query length crashes with a static cache
-    assert falcon.status is Status.PASS and "static cache not runnable" in falcon.summary
-    llama = cache(zoo.tiny_model("llama"))
-    assert llama.metrics["paths_judged"] == 6 and "skipped" not in llama.summary
-
-
-@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2", "gemma3", "falcon_rope"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma3"])
 def test_decode_rotated_at_past_plus_one_fails(family):
     result = cache(plants.rotate_decode_off_by_one(zoo.tiny_model(family)))
     assert result.status is Status.FAIL, result.summary
@@ -57,14 +49,14 @@ def test_decode_rotated_at_past_plus_one_fails(family):
     assert result.details["paths"]["dynamic/chunks"]["status"] is Status.PASS
 
 
-@pytest.mark.parametrize("family", ["mistral", "qwen2", "gemma2"])
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
 def test_window_placed_by_buffer_length_fails_with_the_default_cache(family):
     result = cache(plants.window_by_buffer_length(zoo.tiny_model(family)))
     assert result.status is Status.FAIL, result.summary
     assert result.details["paths"]["dynamic/decode"]["status"] is Status.FAIL
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "bart"])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_positions_from_static_buffer_length_fail(family):
     """A full-attention layer counting tokens by buffer length is right with DynamicCache
     (buffer = tokens) and wrong with StaticCache (buffer = max_cache_len): only static fails."""

@@ -12,7 +12,7 @@ from posdiag.subject import from_module
 
 import plants_cache as plants
 
-OPTIONS = RunOptions(seq_len=12, check_options={"generate": {"new_tokens": 4}})
+OPTIONS = RunOptions(seq_len=10, check_options={"generate": {"new_tokens": 3}})
 
 
 def generate(model):
@@ -28,9 +28,11 @@ def test_healthy_family_passes_or_skips(family):
     assert result.status is Status.PASS, result.summary
     assert result.metrics["ratio"] <= 10
     assert result.metrics["first_step_error"] <= result.metrics["tolerance"]
+    if family in ("gpt_neo", "mpt"):  # no static-cache support declared: skipped with the reason
+        assert "_can_compile_fullgraph=False" in result.summary and result.metrics["runs_judged"] == 2
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2", "falcon_rope"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2"])
 def test_decode_positions_numbered_differently_fail(family):
     result = generate(plants.generation_positions_off_by_one(zoo.tiny_model(family)))
     assert result.status is Status.FAIL, result.summary
@@ -56,9 +58,3 @@ def test_padding_shift_is_invisible_to_rope():
 def test_forward_decode_bug_also_breaks_generation():
     result = generate(plants.rotate_decode_off_by_one(zoo.tiny_model("gpt2")))
     assert result.status is Status.FAIL and "step 1" in result.summary
-
-
-def test_static_cache_skipped_only_with_a_reason():
-    result = generate(zoo.tiny_model("gpt_neo"))
-    assert result.status is Status.PASS and "_can_compile_fullgraph=False" in result.summary
-    assert result.metrics["runs_judged"] == 2

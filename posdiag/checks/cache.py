@@ -116,6 +116,8 @@ def _schedules(length: int, decode_steps: int) -> dict[str, list[tuple[int, int]
     start = max(1, length // 4)
     chunk = max(2, -(-(length - start) // CHUNKS))
     chunks = [(0, start)] + [(t, min(t + chunk, length)) for t in range(start, length, chunk)]
+    if chunks[-1][1] - chunks[-1][0] == 1:  # a 1-token tail would be a decode step: merge it
+        chunks[-2:] = [(chunks[-2][0], length)]
     size = -(-length // 3)
     chunked = [(t, min(t + size, length)) for t in range(0, length, size)]
     return {"decode": decode, "chunks": chunks, "chunked_prefill": chunked}
