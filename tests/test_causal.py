@@ -2,7 +2,7 @@
 
 Planted: each query sees the next token (Llama, GPT-2, Qwen2 sliding/hybrid, T5 decoder), and a
 relative-position leak (query i sees key i + 6, as a mis-gathered relative mask diagonal) on
-Llama and T5 — found from the first leaking pair, not from a suffix. Healthy twins pass.
+Llama, GPT-2 and T5 — found from the first leaking pair, not from a suffix. Healthy twins pass.
 """
 
 import pytest
@@ -52,7 +52,7 @@ def test_next_token_visible_fails_with_first_pair(family):
     assert causal(model).status is Status.PASS
 
 
-@pytest.mark.parametrize("family", ["llama", "t5"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "t5"])
 def test_relative_leak_far_back_is_found(family):
     """Key i+6 visible to query i: a suffix-only edit from position 12 on would see nothing before 12
     except through queries 6..11; the full sweep names the first pair, (0, 6)."""
