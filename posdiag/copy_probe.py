@@ -1,0 +1,155 @@
+"""copy probe — can the model still copy at lengths past the one it was trained at?
+
+Repeated random tokens, [BOS] x_1 .. x_n x_1 .. x_n (x distinct ordinary ids): a model that copies
+predicts x_(i+1) at the second occurrence of x_i, by attending back exactly n tokens (the induction
+pattern). RoPE makes that attention depend on the offset n only, so whether it survives past the
+training length L is the question the rotary phases answer: pairs whose wavelength exceeds L never
+saw offsets beyond L in training (`posdiag rope` explains which). Accuracy is measured by sequence
+length and by position (teacher-forced argmax, one batched forward: rows padded on the right, which a
+causal model never sees). The declared context (max_position_embeddings) is the reference length.
+
+Verdict: SKIP when the model does not copy even within its context (accuracy not significantly above
+chance: a random model says nothing about extrapolation); WARN when accuracy past the declared context
+is significantly lower than within it (two-proportion z-test, z > 3: evidence, not a threshold);
+PASS otherwise. Never FAIL: losing the copy past the trained length is a property of the model, not a
+position-injection bug.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from posdiag.probe import Row, run_rows
+from posdiag.results import CheckResult, Status, Table
+from posdiag.subject import Subject
+
+ROWS_PER_LENGTH = 16
+Z_SIGNIFICANT = 3.0
+
+
+def run(subject: Subject, lengths: list[int], seed: int = 0) -> CheckResult:
+    if subject.kind != "causal":
+        return CheckResult("copy", Status.SKIP, f"the copy probe needs a causal language model ({subject.kind} given)")
+    bos = getattr(subject.config, "bos_token_id", None)
+    prefix = [bos] if isinstance(bos, int) and 0 <= bos < subject.vocab_size else []
+    ordinary = subject.vocab_size - len(subject.special_ids() | set(range(min(4, subject.vocab_size))))
+    plan = []  # (length asked, copy distance n)
+    for length in sorted(set(int(x) for x in lengths)):
+        n = (length - len(prefix)) // 2
+        if n < 2:
+            return CheckResult("copy", Status.SKIP, f"length {length} is too short to copy (needs at least {len(prefix) + 4})")
+        plan.append((length, n))
+    width = max(len(prefix) + 2 * n for _, n in plan)
+
+    rows: list[Row] = []
+    for i, (_, n) in enumerate(plan):
+        x = subject.sample_ids(ROWS_PER_LENGTH, n, seed + 101 * i).cpu()
+        for r in range(ROWS_PER_LENGTH):
+            seq = torch.tensor(prefix, dtype=torch.long).tolist() + x[r].tolist() * 2
+            ids = torch.tensor(seq + [seq[-1]] * (width - len(seq)), dtype=torch.long, device=subject.device)
+            valid = torch.arange(width, device=subject.device) < len(seq)
+            rows.append(Row(ids, valid=valid))
+    logits = run_rows(subject, rows).logits
+    if logits is None:
+        return CheckResult("copy", Status.SKIP, "the model returns no logits: nothing to read a copied token from")
+    if not torch.isfinite(logits).all():
+        return CheckResult("copy", Status.FAIL, "non-finite logits on the copy probe")
+
+    declared = subject.max_positions
+    chance = 1.0 / max(1, ordinary)
+    per_length = []
+    by_position: dict[int, list[int]] = {}  # target position -> [correct, total]
+    for i, (length, n) in enumerate(plan):
+        start = len(prefix) + n  # position of the second x_1; it predicts x_2 at start + 1
+        block = logits[i * ROWS_PER_LENGTH:(i + 1) * ROWS_PER_LENGTH]
+        ids = torch.stack([r.ids for r in rows[i * ROWS_PER_LENGTH:(i + 1) * ROWS_PER_LENGTH]])
+        pred = block[:, start:start + n - 1].argmax(-1)
+        target = ids[:, start + 1:start + n]
+        hit = (pred == target).cpu()
+        for j in range(n - 1):
+            cell = by_position.setdefault(start + 1 + j, [0, 0])
+            cell[0] += int(hit[:, j].sum())
+            cell[1] += hit.shape[0]
+        per_length.append({"length": len(prefix) + 2 * n, "asked": length, "distance": n,
+                           "correct": int(hit.sum()), "total": hit.numel(), "accuracy": float(hit.float().mean())})
+
+    reference = declared if declared is not None else max(p["length"] for p in per_length)
+    inside = [p for p in per_length if p["length"] <= reference]
+    outside = [p for p in per_length if p["length"] > reference]
+    acc_in, n_in = _pool(inside)
+    acc_out, n_out = _pool(outside)
+    metrics = {"reference_length": reference, "accuracy_within": acc_in, "accuracy_beyond": acc_out, "chance": chance,
+               "rows_per_length": ROWS_PER_LENGTH}
+    details = {"lengths": per_length, "reference": "declared context (max_position_embeddings)" if declared else
+               "no declared context: the longest length probed", "bos_prefix": bool(prefix),
+               "accuracy_by_position": {str(k): v[0] / v[1] for k, v in sorted(by_position.items())}}
+    tables = (_length_table(per_length, reference), _position_table(by_position, reference))
+
+    if not inside:
+        return CheckResult("copy", Status.SKIP, f"no probed length fits the declared context ({reference} tokens): "
+                           f"nothing to compare against", metrics, details, tables)
+    z_copy = _z(acc_in, n_in, chance)
+    metrics["z_above_chance"] = z_copy
+    if z_copy < Z_SIGNIFICANT:
+        return CheckResult("copy", Status.SKIP, f"the model does not copy within {reference} tokens (accuracy "
+                           f"{acc_in:.3f}, chance {chance:.3f}): the probe cannot speak to longer lengths",
+                           metrics, details, tables)
+    if not outside:
+        return CheckResult("copy", Status.PASS, f"copy accuracy {acc_in:.3f} up to {reference} tokens; no length "
+                           f"beyond the declared context was probed", metrics, details, tables)
+    z_drop = _two_proportion_z(acc_in, n_in, acc_out, n_out)
+    metrics["z_drop"] = z_drop
+    first_bad = next((p for p in outside if _two_proportion_z(acc_in, n_in, p["accuracy"], p["total"]) > Z_SIGNIFICANT), None)
+    if z_drop > Z_SIGNIFICANT and first_bad is not None:
+        worst = min(outside, key=lambda p: p["accuracy"])
+        metrics["degrades_from_length"] = first_bad["length"]
+        return CheckResult(
+            "copy", Status.WARN,
+            f"copy accuracy falls past the declared context of {reference} tokens: {acc_in:.3f} within, "
+            f"{first_bad['accuracy']:.3f} at length {first_bad['length']} (copy distance {first_bad['distance']}), "
+            f"{worst['accuracy']:.3f} at length {worst['length']} (z = {z_drop:.1f})",
+            metrics, details, tables)
+    return CheckResult("copy", Status.PASS, f"copy accuracy holds past the declared context of {reference} tokens: "
+                       f"{acc_in:.3f} within, {acc_out:.3f} beyond (z = {z_drop:.1f})", metrics, details, tables)
+
+
+def _pool(entries: list[dict]) -> tuple[float, int]:
+    total = sum(p["total"] for p in entries)
+    return (sum(p["correct"] for p in entries) / total if total else float("nan")), total
+
+
+def _z(p: float, n: int, p0: float) -> float:
+    return (p - p0) / math.sqrt(max(p0 * (1 - p0), 1e-12) / n)
+
+
+def _two_proportion_z(p1: float, n1: int, p2: float, n2: int) -> float:
+    pooled = (p1 * n1 + p2 * n2) / (n1 + n2)
+    se = math.sqrt(max(pooled * (1 - pooled), 1e-12) * (1 / n1 + 1 / n2))
+    return (p1 - p2) / se
+
+
+def _length_table(per_length: list[dict], reference: int) -> Table:
+    rows = tuple((p["length"], p["distance"], f"{p['accuracy']:.3f}", _bar(p["accuracy"]),
+                  "" if p["length"] <= reference else "beyond context") for p in per_length)
+    return Table("copy accuracy by sequence length", ("length", "copy distance", "accuracy", "", ""), rows)
+
+
+def _position_table(by_position: dict[int, list[int]], reference: int, buckets: int = 8) -> Table:
+    """Accuracy by target position, in buckets of reference/2 tokens (so the declared context is a boundary)."""
+    width = max(1, reference // 2)
+    pooled: dict[int, list[int]] = {}
+    for pos, (hit, total) in by_position.items():
+        cell = pooled.setdefault(pos // width, [0, 0])
+        cell[0] += hit
+        cell[1] += total
+    rows = tuple((f"{b * width}-{(b + 1) * width - 1}", f"{hit / total:.3f}", _bar(hit / total),
+                  "" if (b + 1) * width <= reference else "beyond context")
+                 for b, (hit, total) in sorted(pooled.items()))
+    return Table("copy accuracy by position (all lengths)", ("positions", "accuracy", "", ""), rows)
+
+
+def _bar(fraction: float, width: int = 20) -> str:
+    filled = int(round(max(0.0, min(1.0, fraction)) * width))
+    return "#" * filled + "." * (width - filled)
