@@ -5,6 +5,7 @@ evidence is a heuristic), their healthy twins PASS, every zoo family PASSes or S
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,7 +13,9 @@ import torch
 import plants_table as P
 from posdiag import zoo
 from posdiag.api import run_checks
+from posdiag.checks import table as table_check
 from posdiag.checks.table import sinusoid_report
+from posdiag.options import RunOptions
 from posdiag.results import Status
 from posdiag.subject import from_module, load_subject
 
@@ -20,7 +23,11 @@ OFFSET = {"opt": 2, "bart": 2, "roberta": 2}
 
 
 def table(model):
-    return run_checks(from_module(model), ["table"]).checks[0]
+    """Run the check module directly (api.run_checks adds a gc.collect per call, ~0.5 s of CPU in a
+    test process); the forward count is recorded the way api.run_checks records it."""
+    subject = from_module(model)
+    result = table_check.run(subject, RunOptions())
+    return replace(result, forward_passes=subject.forward_count)
 
 
 def parts(result, name):
@@ -38,22 +45,8 @@ def test_zoo_family_passes_or_skips_with_reason(family):
         assert r.status is Status.SKIP and r.summary, r.summary
 
 
-def test_distilbert_sinusoidal_option_passes_and_is_checked_as_a_sinusoid():
-    r = table(zoo.tiny_model("distilbert", sinusoidal_pos_embds=True))
-    assert r.status is Status.PASS, r.summary
-    (sin,) = parts(r, "sinusoid")
-    assert sin["layout"] == "interleaved"
-
-
-def test_marian_table_is_concatenated_sin_cos():
-    r = table(zoo.tiny_model("marian"))
-    assert r.status is Status.PASS
-    assert {p["layout"] for p in parts(r, "sinusoid")} == {"concatenated"}
-    assert r.metrics["encoder_base"] == pytest.approx(10000.0)
-
-
 # ------------------------------------------------------------------ capacity
-@pytest.mark.parametrize("family", ["gpt2", "opt", "roberta", "bart"])
+@pytest.mark.parametrize("family", ["gpt2", "roberta", "bart"])
 def test_clamped_table_fails_naming_first_bad_position_and_twin(family):
     r = table(P.clamp_rows(zoo.tiny_model(family), 100, OFFSET.get(family, 0)))
     assert r.status is Status.FAIL, r.summary
@@ -62,7 +55,7 @@ def test_clamped_table_fails_naming_first_bad_position_and_twin(family):
     assert "clamp" in r.summary and "100" in r.summary
 
 
-@pytest.mark.parametrize("family", ["bert", "marian", "distilbert", "opt"])
+@pytest.mark.parametrize("family", ["bert", "marian", "opt"])
 def test_wrapping_table_fails(family):
     r = table(P.wrap_rows(zoo.tiny_model(family), 50, OFFSET.get(family, 0)))
     assert r.status is Status.FAIL, r.summary
@@ -71,14 +64,26 @@ def test_wrapping_table_fails(family):
     assert "modulo 50" in r.summary
 
 
+def long_gpt2(rows: int = 4096):
+    """Tiny GPT-2 declaring `rows` positions (a fresh N(0, 0.02) table; building the config with
+    n_positions=4096 costs seconds of causal-buffer setup for nothing)."""
+    model = zoo.tiny_model("gpt2")
+    gen = torch.Generator().manual_seed(0)
+    model.transformer.wpe = torch.nn.Embedding(rows, model.config.n_embd)
+    with torch.no_grad():
+        model.transformer.wpe.weight.copy_(torch.randn(rows, model.config.n_embd, generator=gen) * 0.02)
+    model.config.n_positions = rows
+    return model
+
+
 def test_capacity_probe_over_a_long_context_is_one_forward():
     """4096 declared positions: rows of 64 position ids, one batched forward for all of them."""
-    healthy = table(zoo.tiny_model("gpt2", n_positions=4096))
+    healthy = table(long_gpt2())
     assert healthy.status is Status.PASS, healthy.summary
     assert healthy.metrics["positions_probed"] == 4096
     assert healthy.metrics["capacity_forwards"] == 1
     assert healthy.forward_passes <= 5
-    bad = table(P.clamp_rows(zoo.tiny_model("gpt2", n_positions=4096), 3000))
+    bad = table(P.clamp_rows(long_gpt2(), 3000))
     assert bad.status is Status.FAIL
     assert (bad.metrics["first_bad_position"], bad.metrics["twin"]) == (3000, 2999)
 
@@ -107,7 +112,7 @@ def test_missing_table_fails_in_load_and_table_adds_evidence(fixtures_dir):
     assert "not in the checkpoint" in tab.summary
 
 
-@pytest.mark.parametrize("family", ["bert", "bart"])
+@pytest.mark.parametrize("family", ["bert", "distilbert"])
 def test_zeroed_table_in_memory_fails(family):
     r = table(P.zero_table(zoo.tiny_model(family)))
     assert r.status is Status.FAIL
@@ -161,7 +166,11 @@ def test_sinusoidal_table_overwritten_at_init_fails(build):
         kw = {"sinusoidal_pos_embds": True} if build == "distilbert_sin" else {}
         fam = "distilbert" if build == "distilbert_sin" else build
         healthy, bad = zoo.tiny_model(fam, **kw), P.randomize_table(zoo.tiny_model(fam, **kw))
-    assert table(healthy).status is Status.PASS
+    good = table(healthy)
+    assert good.status is Status.PASS, good.summary
+    layout = {"marian": "concatenated", "distilbert_sin": "interleaved", "custom": "interleaved"}[build]
+    assert {p["layout"] for p in parts(good, "sinusoid")} == {layout}
+    assert all(p["status"] == "pass" for p in parts(good, "sinusoid"))
     r = table(bad)
     assert r.status is Status.FAIL
     assert any(s["status"] == "fail" for s in parts(r, "sinusoid"))

@@ -307,12 +307,13 @@ def _nearest_earlier(h: torch.Tensor, chunk: int = 1024) -> tuple[torch.Tensor, 
     sq = (h * h).sum(-1)
     dist = torch.full((n,), float("inf"), dtype=torch.float64)
     twin = torch.full((n,), -1, dtype=torch.long)
+    upper = torch.ones(chunk, chunk, dtype=torch.bool).triu()  # column q >= row p: not earlier
     for start in range(1, n, chunk):
         stop = min(n, start + chunk)
         block = h[start:stop]
-        d2 = sq[start:stop, None] + sq[None, :stop] - 2 * block @ h[:stop].T
-        idx = torch.arange(start, stop)[:, None]
-        d2 = d2.masked_fill(torch.arange(stop)[None, :] >= idx, float("inf"))
+        d2 = torch.addmm(sq[None, :stop], block, h[:stop].T, alpha=-2.0)
+        d2.add_(sq[start:stop, None])
+        d2[:, start:stop].masked_fill_(upper[: stop - start, : stop - start], float("inf"))
         q = d2.argmin(-1)
         twin[start:stop] = q
         dist[start:stop] = (block - h[q]).norm(dim=-1)
@@ -571,15 +572,12 @@ def _health_parts(subject: Subject, t: PositionTable, declared: int | None) -> l
         parts.append(Part("health", Status.WARN, f"{t.name}: all {len(used)} rows are zero: the table adds nothing, "
                           "so positions cannot enter through it", {"zero_rows": len(used)}, {"where": where}))
         return parts
-    dist, twin = _nearest_earlier(used)
-    scale = float(used.norm(dim=-1).median()) or 1.0
-    eps = MACHINE_EPSILON.get(str(t.tensor.dtype).removeprefix("torch."), 1.2e-7)
-    dup = torch.nonzero(dist / scale <= FAIL_RATIO * eps).flatten()
-    if len(dup):
-        r = int(dup[0])
-        parts.append(Part("health", Status.WARN, f"{t.name}: {len(dup)} row(s) duplicate earlier rows (position {r} "
-                          f"== position {int(twin[r])}): those positions cannot be told apart",
-                          {"duplicate_rows": int(len(dup))}, {"where": where}))
+    dups = _duplicate_rows(used, MACHINE_EPSILON.get(str(t.tensor.dtype).removeprefix("torch."), 1.2e-7))
+    if dups:
+        r, q = dups[0]
+        parts.append(Part("health", Status.WARN, f"{t.name}: {len(dups)} row(s) duplicate other rows (position {r} "
+                          f"== position {q}): those positions cannot be told apart",
+                          {"duplicate_rows": len(dups)}, {"where": where}))
     if subject.position_kind == "learned":
         fresh = _fresh_init_evidence(subject, used)
         if fresh:
@@ -587,6 +585,20 @@ def _health_parts(subject: Subject, t: PositionTable, declared: int | None) -> l
     if not parts:
         parts.append(Part("health", Status.PASS, f"{t.name}: no zero or duplicate rows", details={"where": where}))
     return parts
+
+
+def _duplicate_rows(rows: torch.Tensor, eps: float) -> list[tuple[int, int]]:
+    """(later, earlier) pairs of rows equal within rounding. Rows are sorted by a random
+    projection: equal rows project equally, so they end up next to each other."""
+    scale = float(rows.norm(dim=-1).median()) or 1.0
+    proj = rows @ torch.randn(rows.shape[1], generator=torch.Generator().manual_seed(0), dtype=rows.dtype)
+    order = torch.argsort(proj, stable=True)
+    close = (rows[order[1:]] - rows[order[:-1]]).norm(dim=-1) / scale <= FAIL_RATIO * eps
+    pairs = {}
+    for i in torch.nonzero(close).flatten().tolist():
+        a, b = int(order[i]), int(order[i + 1])
+        pairs[max(a, b)] = min(pairs.get(max(a, b), min(a, b)), min(a, b))
+    return sorted(pairs.items())
 
 
 def _missing_from_checkpoint(subject: Subject, name: str) -> bool:
