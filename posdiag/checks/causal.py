@@ -72,7 +72,12 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
                    f"{worst['metrics']['leak']:.2g} <= {worst['metrics']['tolerance']:.2g}; "
                    f"{' and '.join(r['path'] for r in results)}; {length} tokens)")
     else:
-        summary = "; ".join(r["summary"] for r in results if r["status"] is not Status.PASS)
+        failing = [r for r in results if r["status"] is not Status.PASS]
+        texts = {r["summary"].replace(f"({r['path']})", "(PATH)") for r in failing}
+        if len(failing) > 1 and len(texts) == 1:  # the same leak on every path: say it once
+            summary = texts.pop().replace("(PATH)", f"({' and '.join(r['path'] for r in failing)})")
+        else:
+            summary = "; ".join(r["summary"] for r in failing)
     table_rows = tuple(
         (r["path"], r["status"].value, f"{r['metrics']['leak']:.3e}", f"{r['metrics']['noise_floor']:.2e}",
          str(r["details"].get("first_leak") or "-"), str(r["details"].get("leak_distances") or "-"))
