@@ -40,7 +40,7 @@ from posdiag.probe import Row, fidelity_rows, judge_fidelity, run_rows
 from posdiag.results import CheckResult, Status, Table
 from posdiag.subject import Subject
 from posdiag.tensors import relative_l2
-from posdiag.verdict import FAIL_RATIO, MACHINE_EPSILON, judge_agreement, judge_position_signal, noise_floor
+from posdiag.verdict import FAIL_RATIO, judge_agreement, judge_position_signal, noise_floor
 
 TITLE = "Position ids honoured"
 
@@ -284,4 +284,4 @@ def _layer_name(index: int, total: int) -> str:
 
 
 __all__ = ["run", "TITLE", "jittered", "embedding_module", "per_token_change", "tolerance", "position_limit",
-           "FLOOR_SOURCE", "MACHINE_EPSILON"]
+           "FLOOR_SOURCE"]
