@@ -201,8 +201,12 @@ def test_sinusoid_report_fails_when_rows_are_out_of_order_or_layout_mixed():
     perm[1:] = good[1:][torch.randperm(255, generator=torch.Generator().manual_seed(0))]
     assert sinusoid_report(perm)["status"] is Status.FAIL
     swapped = good.clone()
-    swapped[:, 0::2], swapped[:, 1::2] = good[:, 1::2], good[:, 0::2]  # cos/sin swapped: row 0 = (1, 0)
-    assert sinusoid_report(swapped)["status"] is Status.FAIL
+    swapped[:, 0::2], swapped[:, 1::2] = good[:, 1::2], good[:, 0::2]  # a legitimate cos-first layout
+    rep = sinusoid_report(swapped)
+    assert rep["status"] is Status.PASS and rep["layout"] == "interleaved (cos first)"
+    mixed = good.clone()
+    mixed[:, 1::2] = torch.sin(torch.arange(256.0)[:, None] * 0.37).expand(-1, 16)  # cos columns replaced
+    assert sinusoid_report(mixed)["status"] is Status.FAIL
 
 
 def test_rotation_property_residual_is_rounding_for_a_true_table():

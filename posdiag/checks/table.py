@@ -98,11 +98,15 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
         stack_tables = [t for t in tables if t.stack == stack]
         parts += _stack_parts(subject, options, settings, stack, stack_tables, declared, tables_out)
     for t in tables:
+        if t.tensor.device.type == "meta":
+            parts.append(Part("health", Status.SKIP, f"{t.name}: offloaded (meta) weights: not inspected"))
+            continue
         if kind == "sinusoidal":
             parts.append(_sinusoid_part(t, subject))
         parts += _health_parts(subject, t, declared)
 
-    status = Status.worst([p.status for p in parts])
+    judged = [p.status for p in parts if p.status is not Status.SKIP]
+    status = Status.worst(judged) if judged else Status.SKIP
     metrics: dict[str, Any] = {}
     details: dict[str, Any] = {"position_kind": kind, "declared_positions": declared,
                                "tables": {t.name: {"rows": t.rows, "dim": t.dim, "stack": t.stack} for t in tables},
@@ -170,6 +174,7 @@ def _stack_parts(subject: Subject, options: RunOptions, settings: dict, stack: s
     offset = subject.family.position_offset
     parts: list[Part] = []
     token = int(subject.sample_ids(1, 1, options.seed)[0, 0])
+    sizes = {f"table_rows_{t.name}": t.rows for t in tables}
 
     rows_cap = min((t.rows - offset for t in tables), default=None)
     n = declared if declared is not None else rows_cap
@@ -192,6 +197,7 @@ def _stack_parts(subject: Subject, options: RunOptions, settings: dict, stack: s
 
     # 1. capacity
     cap, outputs = _capacity(subject, settings, stack, n, token, honoured, label, where)
+    cap.metrics.update({"declared_positions": declared, "position_offset": offset, **sizes})
     parts.append(cap)
     if cap.details.get("table"):
         out_tables.append(cap.details.pop("table"))
@@ -408,7 +414,7 @@ def _offset_parts(subject: Subject, options: RunOptions, stack: str, tables: lis
         honoured = moved.status is Status.PASS
         metrics = {"offset_error": err[0], "offset_shift_effect": err[1]}
         if not honoured:
-            parts.append(Part("offsets", Status.PASS if agree.status is Status.PASS else Status.WARN,
+            parts.append(Part("offsets", Status.SKIP,
                               f"{label}shifting the passed position ids by 1 changes the embeddings by only "
                               f"{err[1]:.2g}: ids not honoured (or no position signal); omitted-vs-passed not judged",
                               metrics, {"where": where}))
@@ -438,6 +444,9 @@ def _marker(subject: Subject, stack: str, t: PositionTable, ids, enc, default, l
     """Add a marker to row position_offset+1 and see which position of the default forward moves."""
     fam = subject.family
     row = fam.position_offset + 1
+    if t.tensor.device.type == "meta":
+        return Part("offsets", Status.SKIP, f"{label}{t.name}: offloaded (meta) weights: no marker probe",
+                    details={"where": where})
     if row >= t.rows:
         return Part("offsets", Status.SKIP, f"{label}{t.name}: too few rows for the marker probe", details={"where": where})
     gen = torch.Generator().manual_seed(1234)
@@ -492,16 +501,21 @@ def sinusoid_report(table: torch.Tensor) -> dict[str, Any]:
     sin_start_cos = (d + 1) // 2
     layouts = {"interleaved": (torch.arange(0, 2 * half, 2), torch.arange(1, 2 * half, 2)),
                "concatenated": (torch.arange(half), torch.arange(sin_start_cos, sin_start_cos + half))}
+    # the same two layouts with cos first ([cos|sin], cos/sin pairs) also exist in the wild
+    layouts.update({f"{k} (cos first)": (c, s) for k, (s, c) in list(layouts.items())})
     row0 = {k: float(torch.cat([w[0, s].abs(), (w[0, c] - 1).abs()]).max()) for k, (s, c) in layouts.items()}
     layout = min(row0, key=row0.get)
     s_idx, c_idx = layouts[layout]
     i = torch.arange(half, dtype=torch.float64)
 
-    def formula(base: float, in_dtype: torch.dtype) -> torch.Tensor:
-        pos = torch.arange(p_count, dtype=in_dtype)[:, None]
-        theta = (base ** (-2 * i / d)).to(in_dtype)
+    def formula(base: float, stored: torch.dtype) -> torch.Tensor:
+        """The formula computed the way a table is built in practice: angles in float32 (or the
+        table's own dtype when wider), the result stored in the table's dtype."""
+        compute = stored if stored in (torch.float64, torch.float32) else torch.float32
+        pos = torch.arange(p_count, dtype=compute)[:, None]
+        theta = (base ** (-2 * i / d)).to(compute)
         ang = pos * theta
-        return torch.stack([torch.sin(ang), torch.cos(ang)], -1).double()
+        return torch.stack([torch.sin(ang), torch.cos(ang)], -1).to(stored).double()
 
     got = torch.stack([w[:, s_idx], w[:, c_idx]], -1)  # [P, half, 2]
     bases = [10000.0]
