@@ -169,3 +169,10 @@ def bf16_positions(model: torch.nn.Module) -> torch.nn.Module:
     """Position values rounded to bfloat16 (exact up to 256), angle math in float32 after that."""
     _recompute_rotary(model, lambda inv_freq, pos: pos.to(torch.bfloat16).float()[:, :, None] * inv_freq.float()[None, None, :])
     return model
+
+
+def demo_bf16_positions() -> torch.nn.Module:
+    """For the README: `posdiag check tests.plants_shift:demo_bf16_positions --only shift`."""
+    from posdiag import zoo
+
+    return bf16_positions(zoo.tiny_model("llama", max_position_embeddings=4096))

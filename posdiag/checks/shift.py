@@ -215,9 +215,9 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
     ratio = [e / (floor + p) for e, p in zip(errors[final], predicted)]
     breaks = next((i for i, r in enumerate(ratio) if not r <= FAIL_RATIO), None)
     table = Table(
-        f"shift: error by offset ({stack})" if subject.kind == "seq2seq" else "shift: error by offset",
+        f"error by offset ({stack})" if subject.kind == "seq2seq" else "error by offset",
         ("k", "max position", "error", "rounding term", "tolerance", "ratio", ""),
-        tuple((k, k + span - 1, f"{e:.3e}", f"{p:.2e}", f"{t:.2e}", f"{r:.3g}", "" if r <= FAIL_RATIO else "BREAKS")
+        tuple((k, k + span - 1, f"{e:.3e}", f"{p:.2e}", f"{t:.2e}", f"{r:.3g}", "ok" if r <= FAIL_RATIO else "BREAKS")
               for k, e, p, t, r in zip(probe.ladder, errors[final], predicted, tolerance, ratio)),
     )
     details["errors"] = errors[final]
@@ -262,11 +262,11 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
     if breaks is not None:
         k = details["breaks_at"]
         rung = probe.ladder[breaks]
-        summary = (f"relative invariance breaks at shift {k} (max position {k + span - 1}): at shift {rung} error "
-                   f"{errors[final][breaks]:.3g} = {ratio[breaks]:.3g}x (floor {floor:.2g} + rounding term "
-                   f"{predicted[breaks]:.2g}), first in {details['first_layer']}, worst at token {details['worst_token']}")
-        if holds_up_to is not None:
-            summary += f"; holds up to shift {holds_up_to} (max position {holds_up_to + span - 1})"
+        where = (f"at shift {k} (max position {k + span - 1})" if holds_up_to is None else
+                 f"between shift {holds_up_to} and {k} (max position {holds_up_to + span - 1} holds, {k + span - 1} breaks)")
+        summary = (f"relative invariance breaks {where}: at shift {rung} error {errors[final][breaks]:.3g} = "
+                   f"{ratio[breaks]:.3g}x (floor {floor:.2g} + rounding term {predicted[breaks]:.2g}), first in "
+                   f"{details['first_layer']}, worst at token {details['worst_token']}")
         return CheckResult("shift", Status.FAIL, summary, metrics, details, (table,))
     summary = (f"invariant under shifts up to {probe.ladder[-1]} (max position {probe.ladder[-1] + span - 1}): worst "
                f"error {errors[final][worst_i]:.3g} = {ratio[worst_i]:.3g}x (floor + rounding term) at shift "
