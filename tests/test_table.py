@@ -224,6 +224,23 @@ def test_fresh_looking_table_in_trained_looking_model_warns_not_fails():
     assert twin.status is Status.PASS, twin.summary
 
 
-def test_default_init_model_does_not_trigger_the_fresh_init_warning():
-    r = table(zoo.tiny_model("bert"))
+@pytest.mark.parametrize("family,init", [("bert", "default"), ("gpt2", "strong"), ("bart", "strong")])
+def test_random_everywhere_models_do_not_trigger_the_fresh_init_warning(family, init):
+    r = table(zoo.tiny_model(family, init=init))
+    assert r.status is Status.PASS, r.summary
     assert not any(h["status"] == "warn" for h in parts(r, "health"))
+
+
+def test_half_precision_run_is_never_a_false_verdict():
+    """Kept in bf16 (no upcast): a healthy table is PASS or an inconclusive WARN, never FAIL;
+    a clamp is reported (WARN, inconclusive in bf16) with its position, never PASS."""
+    from posdiag.subject import LoadOptions
+
+    def run(model):
+        subject = from_module(model, options=LoadOptions(upcast=False))
+        return table_check.run(subject, RunOptions())
+
+    good = run(zoo.tiny_model("gpt2", dtype=torch.bfloat16))
+    assert good.status in (Status.PASS, Status.WARN) and "nearly" not in good.summary
+    bad = run(P.clamp_rows(zoo.tiny_model("gpt2", dtype=torch.bfloat16), 100))
+    assert bad.status in (Status.WARN, Status.FAIL) and "clamp" in bad.summary

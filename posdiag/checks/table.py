@@ -254,8 +254,9 @@ def _capacity(subject: Subject, settings: dict, stack: str, n: int, token: int, 
     bad = torch.nonzero(dist <= line).flatten()
     bad = bad[bad > 0]
     if len(bad) == 0:  # WARN band: nothing below the fail line, but too close to call
-        return Part("capacity", verdict.status, f"{label}{how}: positions {int(positions[twin[min_i]])} and "
-                    f"{int(positions[min_i])} nearly identical: {verdict.reason}", metrics, details), outputs
+        return Part("capacity", verdict.status, f"{label}{how}: closest pair {int(positions[twin[min_i]])}/"
+                    f"{int(positions[min_i])} at {verdict.residual:.3g} = {verdict.ratio:.3g}x noise floor: "
+                    f"{verdict.reason}", metrics, details), outputs
     first = int(bad[0])
     p, q = int(positions[first]), int(positions[twin[first]])
     pattern = _pattern(h, positions, bad, twin, line * scale)
@@ -267,8 +268,9 @@ def _capacity(subject: Subject, settings: dict, stack: str, n: int, token: int, 
             "wrap": f"position p looks like p-{p - q} from {p} on: indices wrap modulo {p - q}"}.get(
         pattern, f"position {p} looks like position {q} ({len(bad)} positions collide)")
     status = verdict.status if verdict.status is not Status.PASS else Status.FAIL
+    note = f" [{verdict.reason}]" if status is Status.WARN else ""
     return Part("capacity", status, f"{label}{text}; distance {verdict.residual:.2g} = {verdict.ratio:.3g}x noise "
-                f"floor ({how})", metrics, details), outputs
+                f"floor ({how}){note}", metrics, details), outputs
 
 
 def _probe_short_rows(subject: Subject, stack: str, positions: torch.Tensor, token: int):
@@ -635,7 +637,8 @@ def _fresh_init_evidence(subject: Subject, used: torch.Tensor) -> str:
     """A table that looks like N(0, initializer_range) noise while the token embeddings do not.
 
     Trained tables are smooth (adjacent rows correlate); a fresh init has adjacent-row cosine at
-    chance (|mean| within 4 standard errors of 0). 'The rest is trained' needs evidence too: the
+    chance (|mean| within 4 standard errors of 0) and the init's std (within 15% of
+    initializer_range, where the config gives one). 'The rest is trained' needs evidence too: the
     token embedding rows correlate (mean cosine beyond 8 standard errors) or their std is not the
     init's. Both must hold, or nothing is said (a default-init model is random everywhere)."""
     if len(used) < 8:
@@ -651,6 +654,8 @@ def _fresh_init_evidence(subject: Subject, used: torch.Tensor) -> str:
     c_tok, se_tok = _adjacent_cosine(tok)
     init = getattr(subject.config, "initializer_range", None) or getattr(subject.config, "init_std", None)
     std_tok, std_pos = float(tok.std()), float(used.std())
+    if init is not None and abs(std_pos / init - 1) > 0.15:
+        return ""  # noise, but not the init's noise: not evidence of a fresh initialisation
     tok_trained = abs(c_tok) > 8 * se_tok or (init is not None and abs(std_tok / init - 1) > 0.25)
     if not tok_trained:
         return ""
