@@ -28,8 +28,8 @@ class _IndexMap(nn.Embedding):
         return super().forward(self._posdiag_map(input))
 
 
-def _remap(model: nn.Module, fn, first_row: int) -> nn.Module:
-    mods = position_modules(model)
+def _remap(model: nn.Module, fn, first_row: int, only: str = "") -> nn.Module:
+    mods = [(n, m) for n, m in position_modules(model) if only in n]
     assert mods, "no position table module"
     for _, module in mods:
         cls = type(module)
@@ -39,9 +39,10 @@ def _remap(model: nn.Module, fn, first_row: int) -> nn.Module:
     return model
 
 
-def clamp_rows(model: nn.Module, limit: int, first_row: int = 0) -> nn.Module:
-    """Every position >= limit reads the row of position limit-1 (a silent clamp, no error)."""
-    return _remap(model, lambda p: p.clamp(max=limit - 1), first_row)
+def clamp_rows(model: nn.Module, limit: int, first_row: int = 0, only: str = "") -> nn.Module:
+    """Every position >= limit reads the row of position limit-1 (a silent clamp, no error).
+    `only`: a substring of the module name (e.g. "decoder") to plant in one stack."""
+    return _remap(model, lambda p: p.clamp(max=limit - 1), first_row, only)
 
 
 def wrap_rows(model: nn.Module, modulo: int, first_row: int = 0) -> nn.Module:
@@ -115,3 +116,10 @@ def smooth_table(model: nn.Module, seed: int = 0) -> nn.Module:
             steps = torch.randn(m.weight.shape, generator=gen) * 0.01
             m.weight.copy_(steps.cumsum(0) + torch.randn(m.weight.shape[1], generator=gen) * 0.05)
     return model
+
+
+def demo_clamped_gpt2() -> nn.Module:
+    """CLI demo factory: `posdiag check tests.plants_table:demo_clamped_gpt2 --only table`."""
+    from posdiag.zoo import tiny_model
+
+    return clamp_rows(tiny_model("gpt2"), 100)

@@ -23,8 +23,7 @@ OFFSET = {"opt": 2, "bart": 2, "roberta": 2}
 
 
 def table(model):
-    """Run the check module directly (api.run_checks adds a gc.collect per call, ~0.5 s of CPU in a
-    test process); the forward count is recorded the way api.run_checks records it."""
+    """Run the check module directly; the forward count is recorded the way api.run_checks does."""
     subject = from_module(model)
     result = table_check.run(subject, RunOptions())
     return replace(result, forward_passes=subject.forward_count)
@@ -53,6 +52,14 @@ def test_clamped_table_fails_naming_first_bad_position_and_twin(family):
     cap = [p for p in parts(r, "capacity") if p["status"] == "fail"][0]
     assert (cap["first_bad_position"], cap["twin"], cap["pattern"]) == (100, 99, "clamp")
     assert "clamp" in r.summary and "100" in r.summary
+
+
+def test_clamp_in_the_decoder_table_only_is_found_in_the_decoder_stack():
+    r = table(P.clamp_rows(zoo.tiny_model("bart"), 90, 2, only="decoder"))
+    assert r.status is Status.FAIL
+    assert r.summary.startswith("decoder:") and "from 90 on" in r.summary
+    enc = [p for p in parts(r, "capacity") if p["where"] == "encoder_"]
+    assert enc and enc[0]["status"] == "pass"
 
 
 @pytest.mark.parametrize("family", ["bert", "marian", "opt"])

@@ -37,7 +37,7 @@ from posdiag.options import RunOptions
 from posdiag.probe import Row, run_rows
 from posdiag.results import CheckResult, Status, Table
 from posdiag.subject import Subject
-from posdiag.verdict import FAIL_RATIO, MACHINE_EPSILON, PASS_RATIO, judge_agreement, judge_position_signal, noise_floor
+from posdiag.verdict import FAIL_RATIO, MACHINE_EPSILON, judge_agreement, judge_position_signal, noise_floor
 
 TITLE = "Position tables"
 
@@ -284,8 +284,7 @@ def _probe_short_rows(subject: Subject, stack: str, positions: torch.Tensor, tok
     chunks = list(main.view(-1, t)) + list(shifted.view(-1, t))
     ids = torch.full((t,), token, dtype=torch.long)
     rows = [Row(ids, positions=c) for c in chunks]
-    enc = ids[None].expand(len(rows), -1) if subject.kind == "seq2seq" and stack == "decoder" else None
-    out = run_rows(subject, rows, stack=stack, encoder_ids=enc)
+    out = run_rows(subject, rows, stack=stack, encoder_ids=_encoder_ids(subject, stack, ids, len(rows)))
     h0 = out.hidden[0]
     n_main = main.numel() // t
     h = h0[:n_main].reshape(-1, h0.shape[-1])[: len(positions)].double().cpu()
@@ -299,8 +298,7 @@ def _probe_long_row(subject: Subject, stack: str, length: int, token: int):
     """One row of `length` copies of the token (the model derives positions itself), twice."""
     ids = torch.full((length,), token, dtype=torch.long)
     rows = [Row(ids), Row(ids)]
-    enc = ids[None].expand(2, -1) if subject.kind == "seq2seq" and stack == "decoder" else None
-    out = run_rows(subject, rows, stack=stack, encoder_ids=enc)
+    out = run_rows(subject, rows, stack=stack, encoder_ids=_encoder_ids(subject, stack, ids, 2))
     h = torch.cat([out.hidden[0][0], out.hidden[0][1]]).double().cpu()
     step = max(1, length // 256)
     return h, length, [(i, length + i) for i in range(0, length, step)]
@@ -360,12 +358,12 @@ def _beyond(subject: Subject, stack: str, declared: int, token: int, honoured: b
         if honoured:
             ids = torch.full((1,), token, dtype=torch.long)
             out = run_rows(subject, [Row(ids, positions=torch.tensor([declared]))], stack=stack,
-                           encoder_ids=ids[None] if subject.kind == "seq2seq" and stack == "decoder" else None)
+                           encoder_ids=_encoder_ids(subject, stack, ids, 1))
             h = out.hidden[0][0, 0]
         else:
             ids = torch.full((declared + 1,), token, dtype=torch.long)
             out = run_rows(subject, [Row(ids)], stack=stack,
-                           encoder_ids=ids[None] if subject.kind == "seq2seq" and stack == "decoder" else None)
+                           encoder_ids=_encoder_ids(subject, stack, ids, 1))
             h = out.hidden[0][0, -1]
     except Exception as exc:
         return Part("beyond", Status.PASS, f"{label}position {declared} (one past the declared {declared}) raises "
@@ -666,6 +664,14 @@ def _fresh_init_evidence(subject: Subject, used: torch.Tensor) -> str:
 
 
 # ====================================================================== helpers
+def _encoder_ids(subject: Subject, stack: str, ids: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """Decoder probes of an encoder-decoder: a short fixed encoder input (at most 8 tokens), so a
+    decoder probe at or past the context exercises the decoder's table, not the encoder's."""
+    if not (subject.kind == "seq2seq" and stack == "decoder"):
+        return None
+    return ids[: min(8, len(ids))][None].expand(rows, -1)
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     denom = float(b.norm())
