@@ -119,8 +119,10 @@ def _require_matplotlib() -> None:
 
 
 def _import_copy_probe():
+    import importlib
+
     try:
-        from posdiag import copy_probe
+        copy_probe = importlib.import_module("posdiag.copy_probe")
     except ImportError as exc:
         _fail(f"--probe copy is not available in this installation ({exc})")
     if not callable(getattr(copy_probe, "run", None)):
