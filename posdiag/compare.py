@@ -203,7 +203,7 @@ def compare_subjects(reference: Subject, candidate: Subject, options: RunOptions
 # ------------------------------------------------------------------------------ running
 def _run(subject: Subject, ids: torch.Tensor, stack: str, role: str) -> Outputs:
     try:
-        return run_rows(subject, [Row(ids.to(subject.device))], stack=stack, explicit_mask=False)
+        return run_rows(subject, [Row(ids.to(subject.device))], stack=stack, explicit_mask=False, want_logits=True)
     except PosdiagError:
         raise
     except Exception as exc:
@@ -229,7 +229,7 @@ def _finer_run(subject: Subject, ids: torch.Tensor, stack: str) -> tuple[Outputs
         try:
             subject.model.to(finer)
             try:
-                return run_rows(subject, [Row(ids.to(subject.device))], stack=stack, explicit_mask=False), \
+                return run_rows(subject, [Row(ids.to(subject.device))], stack=stack, explicit_mask=False, want_logits=True), \
                     f"{subject.spec} run in {_name(finer)} vs {_name(dtype)} (its own rounding)"
             finally:
                 subject.model.to(dtype)

@@ -51,7 +51,7 @@ def run(subject: Subject, lengths: list[int], seed: int = 0) -> CheckResult:
             ids = torch.tensor(seq + [seq[-1]] * (width - len(seq)), dtype=torch.long, device=subject.device)
             valid = torch.arange(width, device=subject.device) < len(seq)
             rows.append(Row(ids, valid=valid))
-    logits = run_rows(subject, rows).logits
+    logits = run_rows(subject, rows, want_logits=True).logits
     if logits is None:
         return CheckResult("copy", Status.SKIP, "the model returns no logits: nothing to read a copied token from")
     if not torch.isfinite(logits).all():

@@ -40,13 +40,14 @@ def arange_like(ids: torch.Tensor) -> torch.Tensor:
 
 
 def run_rows(subject: Subject, rows: list[Row], *, stack: str = "decoder", explicit_mask: bool = True,
-             encoder_ids: torch.Tensor | None = None) -> Outputs:
+             encoder_ids: torch.Tensor | None = None, want_logits: bool = False) -> Outputs:
     """Run every row in one forward (per --max-batch chunk).
 
     explicit_mask=True hands the model the rows' patterns in the family's form (the only way
     to attend by a permuted order, and the only safe way with non-consecutive position ids:
     without a mask transformers reads such ids as packed sequences and builds a block-diagonal
-    mask). explicit_mask=False lets the model build its own default mask.
+    mask). explicit_mask=False lets the model build its own default mask. Logits only when
+    asked (want_logits): most checks compare hidden states, and the LM head is the largest output.
     """
     ids = torch.stack([r.ids for r in rows]).to(subject.device)
     patterns = None
@@ -68,7 +69,8 @@ def run_rows(subject: Subject, rows: list[Row], *, stack: str = "decoder", expli
         logical = torch.stack([r.positions if r.positions is not None else arange_like(r.ids) for r in rows])
         position_ids = subject.position_ids_for(logical.to(subject.device))
     with subject.injected(patterns):
-        return subject.forward(ids, mask=mask, position_ids=position_ids, stack=stack, encoder_ids=encoder_ids)
+        return subject.forward(ids, mask=mask, position_ids=position_ids, stack=stack, encoder_ids=encoder_ids,
+                               want_logits=want_logits)
 
 
 # ------------------------------------------------------------------------ mask fidelity

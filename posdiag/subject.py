@@ -276,7 +276,7 @@ class Subject:
         position_ids: torch.Tensor | None = None,
         stack: str = "decoder",
         encoder_ids: torch.Tensor | None = None,
-        want_hidden: bool = True,
+        want_logits: bool = False,
     ) -> Outputs:
         """One forward pass, split into chunks of at most `max_batch` rows.
 
@@ -297,7 +297,7 @@ class Subject:
                     position_ids=None if position_ids is None else position_ids[sl],
                     stack=stack,
                     encoder_ids=None if encoder_ids is None else encoder_ids[sl],
-                    want_hidden=want_hidden,
+                    want_logits=want_logits,
                 ))
             except (torch.OutOfMemoryError, RuntimeError) as exc:
                 if step == 1 or not _is_oom(exc):
@@ -317,7 +317,13 @@ class Subject:
         logits = None if parts[0].logits is None else torch.cat([p.logits for p in parts])
         return Outputs(hidden, logits)
 
-    def _forward_once(self, input_ids, *, mask, position_ids, stack, encoder_ids, want_hidden) -> Outputs:
+    @property
+    def _takes_logits_to_keep(self) -> bool:
+        import inspect
+
+        return "logits_to_keep" in inspect.signature(self.model.forward).parameters
+
+    def _forward_once(self, input_ids, *, mask, position_ids, stack, encoder_ids, want_logits) -> Outputs:
         self.forward_count += 1
         kwargs: dict[str, Any] = {}
         if position_ids is not None:
@@ -326,19 +332,26 @@ class Subject:
             if not self.is_hf:
                 out = self.model(input_ids=input_ids, attention_mask=mask, **kwargs)
                 return _outputs_from_custom(out)
+            # Without logits, ask for the last position's only: the LM head's [B, T, vocab] output
+            # is often the largest activation of a batched probe (147 MB for 9 x 128 tokens of a
+            # 32k vocab). The full model still runs (a bug can live in the head class's forward).
+
+            if not want_logits and self._takes_logits_to_keep:
+                kwargs["logits_to_keep"] = 1
             if self.kind == "seq2seq":
                 if stack == "encoder":
                     out = self.model.get_encoder()(input_ids=input_ids, attention_mask=mask,
-                                                   output_hidden_states=want_hidden, return_dict=True)
+                                                   output_hidden_states=True, return_dict=True)
                     return Outputs(list(out.hidden_states or (out.last_hidden_state,)))
                 enc = input_ids if encoder_ids is None else encoder_ids
                 out = self.model(input_ids=enc, decoder_input_ids=input_ids, decoder_attention_mask=mask,
-                                 output_hidden_states=want_hidden, use_cache=False, return_dict=True)
-                return Outputs(list(out.decoder_hidden_states), getattr(out, "logits", None))
-            out = self.model(input_ids=input_ids, attention_mask=mask, output_hidden_states=want_hidden,
-                             use_cache=False, return_dict=True, **kwargs)
+                                 output_hidden_states=True, use_cache=False, return_dict=True,
+                           **{k: v for k, v in kwargs.items() if k == "logits_to_keep"})
+                return Outputs(list(out.decoder_hidden_states), getattr(out, "logits", None) if want_logits else None)
+            out = self.model(input_ids=input_ids, attention_mask=mask, output_hidden_states=True,
+                       use_cache=False, return_dict=True, **kwargs)
             hidden = out.hidden_states if out.hidden_states is not None else (out.last_hidden_state,)
-            return Outputs(list(hidden), getattr(out, "logits", None))
+            return Outputs(list(hidden), getattr(out, "logits", None) if want_logits else None)
 
 
 def _is_oom(exc: BaseException) -> bool:
