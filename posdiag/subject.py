@@ -346,10 +346,10 @@ class Subject:
                 enc = input_ids if encoder_ids is None else encoder_ids
                 out = self.model(input_ids=enc, decoder_input_ids=input_ids, decoder_attention_mask=mask,
                                  output_hidden_states=True, use_cache=False, return_dict=True,
-                           **{k: v for k, v in kwargs.items() if k == "logits_to_keep"})
+                                 **{k: v for k, v in kwargs.items() if k == "logits_to_keep"})
                 return Outputs(list(out.decoder_hidden_states), getattr(out, "logits", None) if want_logits else None)
             out = self.model(input_ids=input_ids, attention_mask=mask, output_hidden_states=True,
-                       use_cache=False, return_dict=True, **kwargs)
+                             use_cache=False, return_dict=True, **kwargs)
             hidden = out.hidden_states if out.hidden_states is not None else (out.last_hidden_state,)
             return Outputs(list(hidden), getattr(out, "logits", None) if want_logits else None)
 
