@@ -1,8 +1,8 @@
 """causal — does any position see the future?
 
 Change the token at position j; in a causal stack every output before j must be unchanged.
-The sweep covers every j = 1..T-1 at once (one edited copy of the probe per j, all in one
-batch), so a leak anywhere is found, not only from a suffix: a mis-gathered relative bias can
+The sweep covers every j = 1..T-1 (one edited copy of the probe per j, batched in chunks that
+each carry the baseline), so a leak anywhere is found, not only from a suffix: a mis-gathered relative bias can
 carry token 9 back to query 3 while editing every token from 30 on moves nothing before 30.
 leak(i, j) = ||h_j[i] − h[i]|| / ||h[i]|| for i < j (final hidden state, per token), judged as
 agreement against a floor measured in the same forward: the probe repeated with its token
@@ -10,7 +10,7 @@ embeddings jittered by ~1 ulp (see `positions`). In a correct eager model a mask
 exactly zero weight, so the measured leaks are 0.0; the floor keeps the rule honest for kernels
 whose rows round differently.
 
-Two paths, one forward each: the model's default mask (nothing passed: the model builds its
+Two paths, ceil((T-1)/CHUNK) forwards each: the model's default mask (nothing passed: the model builds its
 causal mask) and the explicit mask (posdiag's additive 4D pattern in the family's form).
 Encoders are bidirectional by design: skipped. Encoder-decoders: the decoder stack, with one
 fixed encoder input for every row. Reports the first leaking (query, key) pair (lowest key),
@@ -22,13 +22,21 @@ from __future__ import annotations
 import torch
 
 from posdiag.checks.positions import FLOOR_SOURCE, jittered, per_token_change, tolerance
-from posdiag.options import RunOptions, probe_ids
+from posdiag.options import RunOptions, probe_ids, probe_length
 from posdiag.probe import Row, run_rows
 from posdiag.results import CheckResult, Status, Table
 from posdiag.subject import Subject
 from posdiag.verdict import judge_agreement
 
 TITLE = "Causal masking (no position sees the future)"
+
+# The sweep costs one sequence per position (T rows of T tokens), so without an explicit
+# --seq-len it covers the first SWEEP_LENGTH positions: every (query, key) pair among them.
+SWEEP_LENGTH = 32
+# Edited copies per forward. Each forward also carries the baseline and its jittered twin, so
+# every comparison is within one batch; each chunk is reduced to leak matrices at once, so
+# memory stays at CHUNK rows of hidden states whatever T is.
+CHUNK = 16
 
 
 def run(subject: Subject, options: RunOptions) -> CheckResult:
@@ -37,14 +45,10 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
                            "bidirectional encoder: every token sees every other by design, there is no future to leak")
     dtype = subject.dtype_name
     ids = probe_ids(subject, options)[0]
+    if options.seq_len is None and options.token_ids is None:
+        ids = ids[: min(SWEEP_LENGTH, probe_length(subject, options))]
     length = ids.shape[0]
     alt = _replacements(subject, ids, options.seed)
-    rows = [Row(ids), Row(ids)]  # baseline, jittered baseline (the floor)
-    for j in range(1, length):
-        edited = ids.clone()
-        edited[j] = alt[j]
-        rows.append(Row(edited))
-    encoder_ids = ids[None].expand(len(rows), -1) if subject.kind == "seq2seq" else None
 
     paths = [("default mask", False)]
     ok, why = subject.explicit_mask_supported
@@ -52,9 +56,22 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
         paths.append(("explicit mask", True))
     results = []
     for name, explicit in paths:
-        with jittered(subject, "decoder", 1, len(rows), options.seed) as has_jitter:
-            out = run_rows(subject, rows, stack="decoder", explicit_mask=explicit, encoder_ids=encoder_ids)
-        results.append(_judge(name, out.hidden, has_jitter, length, dtype))
+        sweep = _Sweep(length)
+        for start in range(1, length, CHUNK):
+            edited_at = list(range(start, min(start + CHUNK, length)))
+            rows = [Row(ids), Row(ids)]  # baseline, jittered baseline (the floor)
+            for j in edited_at:
+                edited = ids.clone()
+                edited[j] = alt[j]
+                rows.append(Row(edited))
+            encoder_ids = ids[None].expand(len(rows), -1) if subject.kind == "seq2seq" else None
+            with jittered(subject, "decoder", 1, len(rows), options.seed) as has_jitter:
+                out = run_rows(subject, rows, stack="decoder", explicit_mask=explicit, encoder_ids=encoder_ids)
+            sweep.add(out.hidden, edited_at, has_jitter)
+            del out
+            if sweep.non_finite:
+                break
+        results.append(_judge(name, sweep, length, dtype))
 
     status = Status.worst([r["status"] for r in results])
     metrics: dict = {}
@@ -96,28 +113,46 @@ def _replacements(subject: Subject, ids: torch.Tensor, seed: int) -> torch.Tenso
     return alt
 
 
-def _judge(path: str, hidden: list[torch.Tensor], has_jitter: bool, length: int, dtype: str) -> dict:
-    for l, h in enumerate(hidden):
-        finite = torch.isfinite(h).flatten(1).all(1)
-        if not bool(finite.all()):
-            row = int((~finite).nonzero()[0])
-            where = "the baseline" if row < 2 else f"the probe with token {row - 1} edited"
-            return {"path": path, "status": Status.FAIL,
-                    "summary": f"non-finite hidden states at layer {l} in {where} ({path})",
-                    "metrics": {"leak": float("nan"), "noise_floor": float("nan"), "ratio": float("nan"),
-                                "tolerance": float("nan")},
-                    "details": {"non_finite_layer": l, "non_finite_row": row}}
+class _Sweep:
+    """Leak matrices [query, key] per layer and the jitter floor, accumulated chunk by chunk."""
+
+    def __init__(self, length: int):
+        self.length = length
+        self.leaks: list[torch.Tensor] = []
+        self.floors: list[float] = []
+        self.non_finite: tuple[int, str] | None = None
+
+    def add(self, hidden: list[torch.Tensor], edited_at: list[int], has_jitter: bool) -> None:
+        if not self.leaks:
+            self.leaks = [torch.zeros(self.length, self.length, dtype=torch.float64) for _ in hidden]
+            self.floors = [0.0] * len(hidden)
+        for l, h in enumerate(hidden):
+            finite = torch.isfinite(h).flatten(1).all(1)
+            if not bool(finite.all()):
+                row = int((~finite).nonzero()[0])
+                where = "the baseline" if row < 2 else f"the probe with token {edited_at[row - 2]} edited"
+                self.non_finite = (l, where)
+                return
+            if has_jitter:
+                self.floors[l] = max(self.floors[l], float(per_token_change(h[1], h[0]).max()))
+            for i, j in enumerate(edited_at):
+                self.leaks[l][:j, j] = per_token_change(h[2 + i][:j], h[0][:j])
+
+
+def _judge(path: str, sweep: _Sweep, length: int, dtype: str) -> dict:
+    if sweep.non_finite:
+        layer, where = sweep.non_finite
+        return {"path": path, "status": Status.FAIL,
+                "summary": f"non-finite hidden states at layer {layer} in {where} ({path})",
+                "metrics": {"leak": float("nan"), "noise_floor": float("nan"), "ratio": float("nan"),
+                            "tolerance": float("nan")},
+                "details": {"non_finite_layer": layer, "non_finite_row": where}}
     # Leak matrices [query, key] per layer; the verdict takes the layer with the worst ratio to its
     # own floor (the final output in practice). The first leaking pair is read at the earliest layer
     # that leaks: deeper layers compound a leak (query 0 -> key 6 -> key 1 after two layers), the
     # earliest one shows the direct pair.
-    per_layer = []
-    for h in hidden:
-        floor_l = float(per_token_change(h[1], h[0]).max()) if has_jitter else 0.0
-        leak_l = torch.zeros(length, length, dtype=torch.float64)
-        for j in range(1, length):
-            leak_l[:j, j] = per_token_change(h[1 + j][:j], h[0][:j])
-        per_layer.append((leak_l, floor_l, judge_agreement(float(leak_l.max()), floor_l, dtype)))
+    per_layer = [(leak_l, floor_l, judge_agreement(float(leak_l.max()), floor_l, dtype))
+                 for leak_l, floor_l in zip(sweep.leaks, sweep.floors)]
     leak, floor, verdict = max(per_layer, key=lambda x: x[2].ratio)
     if verdict.status is Status.PASS:
         leak, floor, verdict = per_layer[-1]  # report the output's numbers
@@ -135,7 +170,7 @@ def _judge(path: str, hidden: list[torch.Tensor], has_jitter: bool, length: int,
     out_leak = per_layer[-1][0]
     big_q, big_k = divmod(int(out_leak.argmax()), length)
     distances = sorted({k - q for q, k in direct.nonzero().tolist()})
-    layer = _layer_name(first_layer, len(hidden))
+    layer = _layer_name(first_layer, len(per_layer))
     size = float(per_layer[-1][0][query, key])
     details.update({"first_leak": (query, key), "first_leak_size": size, "leak_shows_at": layer,
                     "largest_leak": (big_q, big_k), "largest_leak_size": float(out_leak[big_q, big_k]),
