@@ -161,8 +161,9 @@ def rope_specs(config: Any) -> list[RopeSpec]:
 
 # --------------------------------------------------------------------------- frequencies
 def default_inv_freq(theta: float, rotary_dim: int) -> np.ndarray:
-    """θ_i = theta^(-2i/d) in float64, i = 0 .. d/2-1."""
-    return 1.0 / theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
+    """θ_i = theta^(-2i/d) in float64, i = 0 .. d/2-1 (NaN for a non-positive theta, as the model gets)."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return 1.0 / theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
 
 
 def inv_freq(config: Any, spec: RopeSpec, seq_len: int | None = None) -> tuple[np.ndarray, float]:

@@ -199,3 +199,49 @@ def test_out_of_memory_falls_back_to_smaller_batches(monkeypatch):
     result = run_checks(subject, ["shuffle"]).check("shuffle")
     assert result.status.value == "pass"
     assert subject.batch_limit == 2 and any("batches of 2" in n for n in subject.notes)
+
+
+# ------------------------------------------------------------------ malformed configs and models
+def edit_config(fixtures_dir, tmp_path, **changes):
+    copy = tmp_path / "ckpt"
+    shutil.copytree(fixtures_dir / "llama-tiny", copy)
+    cfg = json.loads((copy / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    (copy / "config.json").write_text(json.dumps(cfg))
+    return copy
+
+
+@pytest.mark.parametrize("changes", [
+    {"hidden_size": "big"},                      # wrong type
+    {"num_attention_heads": 5},                  # hidden 64 not divisible
+    {"vocab_size": 4},                           # no ordinary token ids left to probe with
+])
+def test_malformed_configs_exit_2(fixtures_dir, tmp_path, changes):
+    result = invoke("shuffle", edit_config(fixtures_dir, tmp_path, **changes))
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("posdiag: error:") and "Traceback" not in result.output
+
+
+def test_negative_rope_theta_is_a_fail_with_the_reason(fixtures_dir, tmp_path):
+    path = edit_config(fixtures_dir, tmp_path, rope_parameters={"rope_type": "default", "rope_theta": -5.0})
+    result = invoke("check", path, "--only", "shuffle,rope", "-q")
+    assert result.exit_code == 1, result.output
+    assert "FAIL shuffle: non-finite" in result.output and "FAIL rope: rotary table: non-finite" in result.output
+
+
+def test_model_returning_nan_fails(tmp_path, monkeypatch):
+    (tmp_path / "nan_factory.py").write_text(
+        "import torch\nfrom fixtures.custom_model import TinySinusoidalLM\n"
+        "class NaNModel(TinySinusoidalLM):\n"
+        "    def forward(self, input_ids, attention_mask=None, position_ids=None):\n"
+        "        out = super().forward(input_ids, attention_mask, position_ids)\n"
+        "        h = out.hidden_states[-1] * float('nan')\n"
+        "        return h\n"
+        "def make():\n    torch.manual_seed(0)\n    return NaNModel().eval()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    result = invoke("shuffle", "nan_factory:make", "-q")
+    assert result.exit_code == 1 and "non-finite" in result.output
