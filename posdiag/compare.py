@@ -113,7 +113,7 @@ def choose_length(reference: Subject, candidate: Subject, options: RunOptions, l
     """The probe length and why: within both declared contexts (and the original one) by
     default; past the original context with `long`."""
     # Usable positions: a table read with an offset (RoBERTa's pad+1) has that many fewer.
-    declared = [d - s.family.explicit_position_offset for s in (reference, candidate) if (d := s.max_positions)]
+    declared = [d for s in (reference, candidate) if (d := s.max_positions)]
     cap = min(declared) if declared else None
     original = min([o for o in (original_context(reference), original_context(candidate)) if o], default=None)
     info = {"declared_context": cap, "original_context": original, "long": long}

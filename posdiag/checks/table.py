@@ -157,13 +157,9 @@ def find_tables(subject: Subject) -> list[PositionTable]:
 
 
 def _declared_logical(subject: Subject) -> int | None:
-    """Logical positions the config promises. Families whose explicit ids are table rows
-    (RoBERTa: max_position_embeddings counts the padding_idx+1 rows below the first position)
-    promise max - explicit_position_offset."""
-    declared = subject.max_positions
-    if declared is None:
-        return None
-    return declared - subject.family.explicit_position_offset
+    """Logical positions the config promises (Subject.max_positions already takes RoBERTa's
+    padding_idx+1 offset rows out of max_position_embeddings)."""
+    return subject.max_positions
 
 
 # ====================================================================== per stack
