@@ -10,7 +10,7 @@ embeddings jittered by ~1 ulp (see `positions`). In a correct eager model a mask
 exactly zero weight, so the measured leaks are 0.0; the floor keeps the rule honest for kernels
 whose rows round differently.
 
-Two paths, ceil((T-1)/CHUNK) forwards each: the model's default mask (nothing passed: the model builds its
+Two paths, one forward per chunk of edited copies each: the model's default mask (nothing passed: the model builds its
 causal mask) and the explicit mask (posdiag's additive 4D pattern in the family's form).
 Encoders are bidirectional by design: skipped. Encoder-decoders: the decoder stack, with one
 fixed encoder input for every row. Reports the first leaking (query, key) pair (lowest key),
@@ -35,8 +35,19 @@ TITLE = "Causal masking (no position sees the future)"
 SWEEP_LENGTH = 32
 # Edited copies per forward. Each forward also carries the baseline and its jittered twin, so
 # every comparison is within one batch; each chunk is reduced to leak matrices at once, so
-# memory stays at CHUNK rows of hidden states whatever T is.
-CHUNK = 16
+# memory stays at one chunk of hidden states whatever T is: as many rows as fit in a tenth of
+# the weights' size, or in 64 MiB for small models (all of them for a 32-token sweep of a 125M
+# model), at least MIN_CHUNK.
+MIN_CHUNK = 8
+SMALL_BUDGET = 64 * 2**20
+
+
+def _chunk_size(subject: Subject, length: int) -> int:
+    weights = sum(p.numel() * p.element_size() for p in subject.model.parameters())
+    layers = getattr(subject.config, "num_hidden_layers", None) or 12
+    width = getattr(subject.config, "hidden_size", None) or 1024
+    per_row = (layers + 1) * length * width * torch.finfo(subject.dtype).bits // 8
+    return max(MIN_CHUNK, min(length - 1, max(weights // 10, SMALL_BUDGET) // max(per_row, 1)))
 
 
 def run(subject: Subject, options: RunOptions) -> CheckResult:
@@ -57,8 +68,9 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     results = []
     for name, explicit in paths:
         sweep = _Sweep(length)
-        for start in range(1, length, CHUNK):
-            edited_at = list(range(start, min(start + CHUNK, length)))
+        chunk = _chunk_size(subject, length)
+        for start in range(1, length, chunk):
+            edited_at = list(range(start, min(start + chunk, length)))
             rows = [Row(ids), Row(ids)]  # baseline, jittered baseline (the floor)
             for j in edited_at:
                 edited = ids.clone()
