@@ -70,16 +70,19 @@ def startup(flag: str, repeats: int = 3) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model")
-    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="probe length (default: posdiag's own defaults; the bare forward uses 64)")
     parser.add_argument("--checks", default=None, help="comma-separated (default: every check)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", default=None)
     a = parser.parse_args()
 
-    bare = child(BARE, a.model, str(a.seq_len), a.device)
+    bare = child(BARE, a.model, str(a.seq_len or 64), a.device)
     with tempfile.TemporaryDirectory() as tmp:
         report_path = os.path.join(tmp, "r.json")
-        args = ["check", a.model, "--seq-len", str(a.seq_len), "--device", a.device, "--json", report_path, "-q"]
+        args = ["check", a.model, "--device", a.device, "--json", report_path, "-q"]
+        if a.seq_len:
+            args += ["--seq-len", str(a.seq_len)]
         if a.checks:
             args += ["--only", a.checks]
         run = child(POSDIAG, *args)
@@ -96,7 +99,7 @@ def main() -> None:
     floor = load_and_imports + len(checks) * bare["forward"]
     rows.append((f"posdiag check, whole run ({len(checks)} checks)", f"{run['total']:.2f}",
                  str(sum(c["forward_passes"] for c in checks)), f"{run['rss_mb']:.0f}", f"{run['total'] / floor:.2f}"))
-    print(f"model {a.model}, seq-len {a.seq_len}, device {a.device}; imports {bare['imports']:.2f}s, "
+    print(f"model {a.model}, seq-len {a.seq_len or 'default (64; causal sweeps 32)'}, device {a.device}; imports {bare['imports']:.2f}s, "
           f"load {bare['load']:.2f}s, one forward {bare['forward'] * 1000:.1f}ms")
     print(f"startup: posdiag --help {startup('--help'):.2f}s, posdiag --version {startup('--version'):.2f}s")
     print(f"peak memory ratio (posdiag / bare): {run['rss_mb'] / bare['rss_mb']:.2f}\n")
