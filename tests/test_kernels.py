@@ -135,3 +135,17 @@ def test_factory_models_skip():
 
     result = run_checks(from_module(Tiny()), ["kernels"]).check("kernels")
     assert result.status is Status.SKIP
+
+
+def test_streamed_reference_restores_the_model_exactly():
+    """The higher-precision reference converts one module at a time and back: weights bit-identical after."""
+    from posdiag.checks.kernels import _streamed_dtype
+
+    model = zoo.tiny_model("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.randint(4, 200, (1, 12))
+    with _streamed_dtype(model, torch.float64), torch.inference_mode():
+        out = model(ids, output_hidden_states=True)
+    assert out.hidden_states[-1].dtype == torch.float64
+    after = model.state_dict()
+    assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
