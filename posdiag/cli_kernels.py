@@ -22,7 +22,7 @@ from typing import Annotated, Optional
 import typer
 
 from posdiag.cli import (
-    DebugOpt, Device, DeviceMapOpt, DeviceOpt, DType, DtypeOpt, JsonOpt, PickleOpt, QuietOpt, RevisionOpt, SeedOpt,
+    DebugOpt, Device, DeviceMapOpt, DeviceOpt, DType, JsonOpt, PickleOpt, QuietOpt, RevisionOpt, SeedOpt,
     SeqLenOpt, TrustOpt, _emit, _fail, _guarded, _load, _run_options, app,
 )
 
@@ -105,8 +105,6 @@ def _synthetic(args: dict) -> None:
     kv = args["kv_heads"] or args["heads"]
     if args["heads"] % kv:
         _fail(f"--heads {args['heads']} is not a multiple of --kv-heads {kv}")
-
-    import torch
 
     from posdiag.attention import Shape, judge_synthetic, sweep_lengths, synthetic
     from posdiag.subject import resolve_device

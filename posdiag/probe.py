@@ -35,6 +35,20 @@ class Row:
     edit: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
+def moving_permutations(length: int, count: int, seed: int) -> list[torch.Tensor]:
+    """Random permutations that move every token where possible (a fixed point tests nothing there)."""
+    gen = torch.Generator().manual_seed(seed)
+    perms = []
+    for _ in range(count):
+        perm = torch.randperm(length, generator=gen)
+        for _ in range(20):
+            if not bool((perm == torch.arange(length)).any()):
+                break
+            perm = torch.randperm(length, generator=gen)
+        perms.append(perm)
+    return perms
+
+
 def arange_like(ids: torch.Tensor) -> torch.Tensor:
     return torch.arange(ids.shape[-1], device=ids.device)
 

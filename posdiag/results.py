@@ -84,6 +84,24 @@ class CheckResult:
         }
 
 
+def combine_stacks(name: str, per_stack: "list[CheckResult]") -> CheckResult:
+    """One result for a model's stacks (an encoder-decoder has two): the worst verdict, every
+    stack's numbers prefixed by its name, the summaries joined. A single stack is returned as is."""
+    if len(per_stack) == 1:
+        return per_stack[0]
+    worst = max(per_stack, key=lambda r: r.status.rank)
+    metrics = dict(worst.metrics)
+    for r in per_stack:
+        metrics.update({f"{r.details.get('stack')}_{k}": v for k, v in r.metrics.items()})
+    return CheckResult(
+        name, worst.status,
+        "; ".join(f"{r.details.get('stack')}: {r.summary}" for r in per_stack),
+        metrics,
+        {"stacks": {r.details.get("stack"): r.details for r in per_stack}},
+        tuple(t for r in per_stack for t in r.tables),
+    )
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """What was loaded, as the report states it."""

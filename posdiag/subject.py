@@ -30,7 +30,7 @@ from typing import Any, Iterator
 import torch
 
 from posdiag.errors import PosdiagError
-from posdiag.families import Family, GENERIC, family_for
+from posdiag.families import Family, family_for
 from posdiag.results import ModelInfo
 from posdiag.tensors import additive_mask
 

@@ -5,7 +5,6 @@ drawn by hypothesis; each example is a real tiny model built from its config.
 """
 
 import pytest
-import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 

@@ -38,7 +38,7 @@ import torch
 from posdiag.checks.positions import FLOOR_SOURCE, jittered, per_token_change, restart_positions, tolerance
 from posdiag.options import RunOptions, probe_ids, probe_length
 from posdiag.probe import Row, run_rows
-from posdiag.results import CheckResult, Status, Table
+from posdiag.results import CheckResult, Status, Table, combine_stacks
 from posdiag.subject import Subject
 from posdiag.tensors import relative_l2
 from posdiag.verdict import judge_agreement
@@ -50,17 +50,7 @@ _START_INVARIANT = ("alibi", "relative_bias")
 
 
 def run(subject: Subject, options: RunOptions) -> CheckResult:
-    results = [_run_stack(subject, options, stack) for stack in subject.stacks]
-    if len(results) == 1:
-        return results[0]
-    status = Status.worst([r.status for r in results])
-    worst = max(results, key=lambda r: r.status.rank)
-    metrics = dict(worst.metrics)
-    for r in results:
-        metrics.update({f"{r.details['stack']}_{k}": v for k, v in r.metrics.items()})
-    summary = "; ".join(f"{r.details['stack']}: {r.summary}" for r in results)
-    details = {"stacks": {r.details["stack"]: r.details for r in results}}
-    return CheckResult("batch", status, summary, metrics, details, tuple(t for r in results for t in r.tables))
+    return combine_stacks("batch", [_run_stack(subject, options, stack) for stack in subject.stacks])
 
 
 def _pad_id(subject: Subject) -> int:

@@ -36,7 +36,7 @@ from typing import Iterator
 import torch
 
 from posdiag.options import RunOptions, probe_ids
-from posdiag.probe import Row, fidelity_rows, judge_fidelity, run_rows
+from posdiag.probe import Row, fidelity_rows, judge_fidelity, moving_permutations, run_rows
 from posdiag.results import CheckResult, Status, Table
 from posdiag.subject import Subject
 from posdiag.tensors import relative_l2
@@ -125,19 +125,6 @@ def position_limit(subject: Subject) -> int | None:
 
 
 # ------------------------------------------------------------------ the check
-def _permutations(length: int, count: int, seed: int) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed + 6151)
-    out = []
-    for _ in range(count):
-        perm = torch.randperm(length, generator=gen)
-        for _ in range(20):  # move every token where possible: a fixed point tests nothing
-            if not bool((perm == torch.arange(length)).any()):
-                break
-            perm = torch.randperm(length, generator=gen)
-        out.append(perm)
-    return out
-
-
 def gapped_positions(length: int, limit: int | None, seed: int) -> torch.Tensor | None:
     """0, then strides of 1..4 drawn at random (at least one stride > 1); None when no room."""
     room = None if limit is None else limit - (length - 1)
@@ -180,7 +167,7 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
 
     ids = probe_ids(subject, options)[0]
     length = ids.shape[0]
-    perms = [p.to(subject.device) for p in _permutations(length, options.permutations, options.seed)]
+    perms = [p.to(subject.device) for p in moving_permutations(length, options.permutations, options.seed + 6151)]
     gaps = gapped_positions(length, position_limit(subject), options.seed)
     variants: list[tuple[str, torch.Tensor]] = [("restart", restart_positions(length))]
     if gaps is not None:

@@ -32,7 +32,7 @@ import torch
 
 from posdiag.options import RunOptions, probe_length
 from posdiag.probe import Row, fidelity_rows, judge_fidelity, run_rows
-from posdiag.results import CheckResult, Status, Table
+from posdiag.results import CheckResult, Status, Table, combine_stacks
 from posdiag.subject import Subject
 from posdiag.tensors import relative_l2
 from posdiag.verdict import FAIL_RATIO, MACHINE_EPSILON, PASS_RATIO, noise_floor
@@ -65,16 +65,7 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     kind = subject.position_kind
     if kind not in RELATIVE_KINDS + ABSOLUTE_KINDS:
         return CheckResult("shift", Status.SKIP, f"no position mechanism found ({kind}): nothing to shift")
-    results = [_run_stack(subject, options, stack) for stack in subject.stacks]
-    if len(results) == 1:
-        return results[0]
-    worst = max(results, key=lambda r: r.status.rank)
-    metrics = dict(worst.metrics)
-    for r in results:
-        metrics.update({f"{r.details.get('stack')}_{k}": v for k, v in r.metrics.items()})
-    summary = "; ".join(f"{r.details.get('stack')}: {r.summary}" for r in results)
-    details = {"stacks": {r.details.get("stack"): r.details for r in results}}
-    return CheckResult("shift", worst.status, summary, metrics, details, tuple(t for r in results for t in r.tables))
+    return combine_stacks("shift", [_run_stack(subject, options, stack) for stack in subject.stacks])
 
 
 def _ladder(k_max: int) -> list[int]:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from posdiag.options import RunOptions, probe_ids
-from posdiag.probe import Row, fidelity_rows, judge_fidelity, run_rows
-from posdiag.results import CheckResult, Status, Table
+from posdiag.probe import Row, fidelity_rows, judge_fidelity, moving_permutations, run_rows
+from posdiag.results import CheckResult, Status, Table, combine_stacks
 from posdiag.subject import Subject
 from posdiag.tensors import relative_l2
 from posdiag.verdict import PASS_RATIO, judge_position_signal, noise_floor
@@ -27,33 +27,7 @@ BASELINE_METRICS = {"ratio": "higher"}
 
 
 def run(subject: Subject, options: RunOptions) -> CheckResult:
-    stack_results = [_run_stack(subject, options, stack) for stack in subject.stacks]
-    status = Status.worst([r.status for r in stack_results])
-    if len(stack_results) == 1:
-        only = stack_results[0]
-        return CheckResult("shuffle", only.status, only.summary, only.metrics, only.details, only.tables)
-    worst = max(stack_results, key=lambda r: r.status.rank)
-    metrics = dict(worst.metrics)
-    for r in stack_results:
-        metrics.update({f"{r.details['stack']}_{k}": v for k, v in r.metrics.items()})
-    summary = "; ".join(f"{r.details['stack']}: {r.summary}" for r in stack_results)
-    details = {"stacks": {r.details["stack"]: r.details for r in stack_results}}
-    tables = tuple(t for r in stack_results for t in r.tables)
-    return CheckResult("shuffle", status, summary, metrics, details, tables)
-
-
-def _permutations(length: int, count: int, seed: int) -> list[torch.Tensor]:
-    """Random permutations that move every token when possible (a fixed point tests nothing there)."""
-    gen = torch.Generator().manual_seed(seed + 7919)
-    perms = []
-    for _ in range(count):
-        perm = torch.randperm(length, generator=gen)
-        for _ in range(20):
-            if not bool((perm == torch.arange(length)).any()):
-                break
-            perm = torch.randperm(length, generator=gen)
-        perms.append(perm)
-    return perms
+    return combine_stacks("shuffle", [_run_stack(subject, options, stack) for stack in subject.stacks])
 
 
 def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult:
@@ -66,7 +40,7 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
 
     ids = probe_ids(subject, options)[0]
     length = ids.shape[0]
-    perms = [p.to(subject.device) for p in _permutations(length, options.permutations, options.seed)]
+    perms = [p.to(subject.device) for p in moving_permutations(length, options.permutations, options.seed + 7919)]
     consistent = subject.family.takes_position_ids
 
     # One batched forward: [fidelity rows (causal only) | baseline | permuted... | consistent...]
