@@ -14,7 +14,7 @@ import torch
 
 from posdiag.subject import Outputs, Subject
 from posdiag.tensors import relative_l2
-from posdiag.verdict import FAIL_RATIO, MACHINE_EPSILON, noise_floor
+from posdiag.verdict import FAIL_RATIO, MACHINE_EPSILON, agreement_tolerance
 
 
 @dataclass
@@ -145,7 +145,7 @@ def judge_fidelity(default: torch.Tensor, explicit: torch.Tensor, blocked: torch
     reproduces = relative_l2(explicit, default)
     block_effect = relative_l2(blocked[changed_from:], explicit[changed_from:])
     open_effect = relative_l2(opened[:opened_upto], explicit[:opened_upto])
-    tolerance = FAIL_RATIO * noise_floor(measured_floor, dtype)
+    tolerance = agreement_tolerance(measured_floor, dtype)
     effect_needed = FAIL_RATIO * MACHINE_EPSILON["float32"]
     if reproduces > tolerance:
         reason = f"explicit causal mask does not reproduce the model's default output (rel. error {reproduces:.2e} > {tolerance:.1e})"

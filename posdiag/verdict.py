@@ -76,6 +76,11 @@ def judge_position_signal(residual: float, measured_floor: float, dtype: str) ->
     )
 
 
+def agreement_tolerance(measured_floor: float, dtype: str) -> float:
+    """The largest disagreement judge_agreement passes for this measured floor."""
+    return FAIL_RATIO * noise_floor(measured_floor, dtype)
+
+
 def judge_agreement(error: float, measured_floor: float, dtype: str, factor: float = FAIL_RATIO) -> FloorVerdict:
     """The mirror rule: two computations that must agree. FAIL when the error stands above the floor."""
     floor = noise_floor(measured_floor, dtype)

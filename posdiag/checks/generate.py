@@ -250,19 +250,13 @@ def _reference(subject: Subject, prompts: list[torch.Tensor], done: list[Run], p
     refs: dict[tuple[str, int], torch.Tensor] = {}
     with torch.inference_mode():
         if not seq2seq:
-            seqs = [torch.cat([prompts[row], toks[:-1]]) for _, _, row, toks in items]
-            width = max(len(s) for s in seqs)
-            stacked = torch.full((len(seqs), width), pad, dtype=torch.long, device=subject.device)
-            for j, s in enumerate(seqs):
-                stacked[j, :len(s)] = s
+            stacked, _ = _right_padded([torch.cat([prompts[row], toks[:-1]]) for _, _, row, toks in items], pad,
+                                       subject.device)
             subject.forward_count += 1
             out = output_of(model(input_ids=stacked, use_cache=False, return_dict=True)).float()
             for j, (name, i, _, _) in enumerate(items):
                 refs[(name, i)] = out[j]
-            plen = max(len(p) for p in prompts)
-            pstack = torch.full((len(prompts), plen), pad, dtype=torch.long, device=subject.device)
-            for j, p in enumerate(prompts):
-                pstack[j, :len(p)] = p
+            pstack, _ = _right_padded(prompts, pad, subject.device)
             subject.forward_count += 2
             pout = output_of(model(input_ids=pstack, use_cache=False, return_dict=True)).float()
             # Short prefixes: decode steps run at a small width, and so does this pass (measured on
@@ -283,14 +277,20 @@ def _reference(subject: Subject, prompts: list[torch.Tensor], done: list[Run], p
                                   use_cache=False, return_dict=True)).float()
             for j, (name, i, _) in enumerate(mine):
                 refs[(name, i)] = out[j]
-        width = max(len(p) for p in prompts)
-        enc = torch.full((len(prompts), width), pad, dtype=torch.long, device=subject.device)
-        enc_mask = torch.zeros_like(enc)
-        for j, p in enumerate(prompts):
-            enc[j, :len(p)], enc_mask[j, :len(p)] = p, 1
+        enc, enc_mask = _right_padded(prompts, pad, subject.device)
         start = torch.full((len(prompts), 1), start_id, dtype=torch.long, device=subject.device)
         subject.forward_count += 1
         pout = output_of(model(input_ids=enc, attention_mask=enc_mask, decoder_input_ids=start,
                                use_cache=False, return_dict=True)).float()
         floor = max(relative_l2(pout[j, 0], refs[(name, i)][0]) for name, i, row, _ in items for j in (row,))
         return refs, [pout[j] for j in range(len(prompts))], floor
+
+
+def _right_padded(seqs: list[torch.Tensor], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack sequences of different lengths, right-padded with `pad`; also the 0/1 attention mask."""
+    width = max(len(x) for x in seqs)
+    ids = torch.full((len(seqs), width), pad, dtype=torch.long, device=device)
+    mask = torch.zeros_like(ids)
+    for j, x in enumerate(seqs):
+        ids[j, :len(x)], mask[j, :len(x)] = x, 1
+    return ids, mask

@@ -40,7 +40,8 @@ from posdiag.probe import Row, fidelity_rows, judge_fidelity, moving_permutation
 from posdiag.results import CheckResult, Status, Table
 from posdiag.subject import Subject
 from posdiag.tensors import relative_l2
-from posdiag.verdict import FAIL_RATIO, judge_agreement, judge_position_signal, noise_floor
+from posdiag.verdict import judge_agreement, judge_position_signal, noise_floor
+from posdiag.verdict import agreement_tolerance as tolerance
 
 TITLE = "Position ids honoured"
 
@@ -109,11 +110,6 @@ def per_token_change(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tens
     num = (a - e).norm(dim=-1)
     den = e.norm(dim=-1)
     return torch.where(den > 0, num / den.clamp_min(1e-300), torch.where(num > 0, torch.inf, 0.0))
-
-
-def tolerance(floor: float, dtype: str) -> float:
-    """The largest disagreement judge_agreement passes for this measured floor."""
-    return FAIL_RATIO * noise_floor(floor, dtype)
 
 
 def position_limit(subject: Subject) -> int | None:

@@ -37,7 +37,7 @@ from posdiag.options import RunOptions
 from posdiag.probe import Row, run_rows
 from posdiag.results import CheckResult, Status, Table
 from posdiag.subject import Subject
-from posdiag.verdict import FAIL_RATIO, MACHINE_EPSILON, judge_agreement, judge_position_signal, noise_floor
+from posdiag.verdict import FAIL_RATIO, MACHINE_EPSILON, agreement_tolerance, judge_agreement, judge_position_signal
 
 TITLE = "Position tables"
 
@@ -232,7 +232,7 @@ def _capacity(subject: Subject, settings: dict, stack: str, n: int, token: int, 
     floor = max((float((h_all[a] - h_all[b]).norm()) for a, b in floor_pairs), default=0.0) / scale
     dist, twin = _nearest_earlier(h)
     dist = dist / scale
-    line = FAIL_RATIO * noise_floor(floor, dtype)
+    line = agreement_tolerance(floor, dtype)
     min_i = int(torch.argmin(dist[1:])) + 1 if len(dist) > 1 else 0
     verdict = judge_position_signal(float(dist[min_i]) if len(dist) > 1 else float("inf"), floor, dtype)
     metrics = {"positions_probed": int(len(positions)), "capacity_min_distance": verdict.residual,
@@ -371,7 +371,7 @@ def _beyond(subject: Subject, stack: str, declared: int, token: int, honoured: b
         hh = outputs["h"]
         d = (hh - h.double().cpu()).norm(dim=-1) / outputs["scale"]
         i = int(d.argmin())
-        if float(d[i]) <= FAIL_RATIO * noise_floor(outputs["floor"], subject.dtype_name):
+        if float(d[i]) <= agreement_tolerance(outputs["floor"], subject.dtype_name):
             q = int(outputs["positions"][i])
             how = f"reused position {q}'s embedding (indices clamped or wrapped)"
     if q is None:
@@ -535,7 +535,7 @@ def sinusoid_report(table: torch.Tensor) -> dict[str, Any]:
     rot, rot_floor = _rotation_residual(got), _rotation_residual(formula(base, dtype))
     rot_verdict = judge_agreement(rot, rot_floor, name)
     reason = ""
-    if row0[layout] > FAIL_RATIO * noise_floor(floor, name):
+    if row0[layout] > agreement_tolerance(floor, name):
         reason = f"row 0 is not (sin 0, cos 0) = (0, 1) in either layout (off by {row0[layout]:.2g})"
     elif verdict.status is not Status.PASS:
         reason = f"differs from the sinusoid formula by {err:.2g} = {verdict.ratio:.3g}x floor {verdict.noise_floor:.2g}"
