@@ -149,3 +149,45 @@ def test_streamed_reference_restores_the_model_exactly():
     assert out.hidden_states[-1].dtype == torch.float64
     after = model.state_dict()
     assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "bert"])
+def test_streamed_reference_equals_whole_model_conversion(family, monkeypatch):
+    """Embedding outputs converted instead of tables, and linear layers computed from row slices
+    (forced here on every linear layer), give the same float64 function as converting the model."""
+    import posdiag.checks.kernels as kernels
+
+    monkeypatch.setattr(kernels, "_SLICE_BYTES", 64 * 8 * 5)  # slices of a few rows, a ragged last one
+    model = zoo.tiny_model(family)
+    ids = torch.randint(4, 200, (2, 12))
+    with kernels._streamed_dtype(model, torch.float64), torch.inference_mode():
+        streamed = model(ids, output_hidden_states=True).hidden_states
+    sliced = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    assert sliced and all("forward" not in vars(m) for m in sliced)  # the swap is undone
+    with kernels._as_dtype(model, torch.float64, torch.float32), torch.inference_mode():
+        whole = model(ids, output_hidden_states=True).hidden_states
+    assert len(streamed) == len(whole)
+    for s, w in zip(streamed, whole):
+        assert s.dtype == torch.float64
+        torch.testing.assert_close(s, w, rtol=1e-13, atol=1e-13)
+
+
+def test_scratch_buffer_behind_an_output_is_not_reused():
+    """A module returning a view of its converted weight keeps that copy: a later module of the same
+    shape must not overwrite it."""
+    from posdiag.checks.kernels import _streamed_dtype
+
+    class Table(torch.nn.Module):
+        def __init__(self, value: float):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.full((4, 3), value))
+
+        def forward(self, x):
+            return self.weight[: x.shape[0]]
+
+    first, second = Table(1.0), Table(2.0)
+    with _streamed_dtype(torch.nn.Sequential(first, second), torch.float64), torch.inference_mode():
+        a = first(torch.zeros(2))
+        b = second(torch.zeros(2))
+    assert a.dtype == torch.float64 and torch.all(a == 1.0) and torch.all(b == 2.0)
+    assert first.weight.dtype == torch.float32
