@@ -191,3 +191,74 @@ def test_scratch_buffer_behind_an_output_is_not_reused():
         b = second(torch.zeros(2))
     assert a.dtype == torch.float64 and torch.all(a == 1.0) and torch.all(b == 2.0)
     assert first.weight.dtype == torch.float32
+
+
+# ------------------------------------------------------------------ implementations in a child process
+@pytest.fixture(scope="module")
+def saved_llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    zoo.tiny_model("llama").save_pretrained(path)
+    return path
+
+
+def test_isolated_run_matches_the_same_implementation_in_process(saved_llama):
+    """The child reloads the checkpoint with the same options: same weights, same numbers."""
+    from posdiag.checks.kernels import _run_here, _scenarios
+    from posdiag.isolated import run_isolated
+    from posdiag.subject import load_subject
+
+    subject = load_subject(str(saved_llama), LoadOptions())
+    scenarios = _scenarios(subject, RunOptions(seq_len=16))
+    here, there = _run_here(subject, "sdpa", scenarios), run_isolated(subject, "sdpa", scenarios)
+    assert here.runs is not None and there.runs is not None, there.reason
+    assert len(there.runs) == len(scenarios)
+    for a, b in zip(here.runs, there.runs):
+        assert a.layer_names == b.layer_names
+        for x, y in zip(a.hidden, b.hidden):
+            torch.testing.assert_close(x, y, rtol=0, atol=1e-6)
+
+
+def test_implementation_killing_its_process_fails_and_report_is_written(saved_llama, monkeypatch):
+    """A segfault in a kernel is a finding, reported: the parent survives it."""
+    import posdiag.checks.kernels as kernels
+    import posdiag.isolated as isolated
+    from posdiag.subject import load_subject
+
+    monkeypatch.setattr(isolated, "CHILD_COMMAND", (sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"))
+    monkeypatch.setattr(isolated, "ISOLATED", frozenset({"sdpa"}))
+    monkeypatch.setattr(kernels, "ISOLATED", frozenset({"sdpa"}))
+    subject = load_subject(str(saved_llama), LoadOptions())
+    result = run_checks(subject, ["kernels"], RunOptions(seq_len=16)).check("kernels")
+    assert result.status is Status.FAIL
+    assert "SIGSEGV" in result.summary and "sdpa" in result.summary
+
+
+def test_toolchain_failure_is_a_skip_and_other_exceptions_fail(monkeypatch):
+    """A compiler error of this machine says nothing about the model; any other exception does."""
+    import posdiag.checks.kernels as kernels
+
+    class InductorError(RuntimeError):
+        pass
+
+    subject = from_module(zoo.tiny_model("llama"))
+    original = kernels._forward
+
+    def failing(error):
+        def forward(subject, sc):
+            if subject.model.config._attn_implementation == "sdpa":
+                raise error
+            return original(subject, sc)
+        return forward
+
+    monkeypatch.setattr(kernels, "_forward", failing(InductorError("CppCompileError: C++ compile error")))
+    skipped = run_checks(subject, ["kernels"], RunOptions(seq_len=16)).check("kernels")
+    assert skipped.status is Status.SKIP and "could not be compiled" in skipped.summary
+    monkeypatch.setattr(kernels, "_forward", failing(IndexError("index 17 is out of bounds")))
+    failed = run_checks(subject, ["kernels"], RunOptions(seq_len=16)).check("kernels")
+    assert failed.status is Status.FAIL and "IndexError" in failed.summary
+
+
+def test_isolated_implementation_on_an_in_memory_model_says_why():
+    subject = from_module(zoo.tiny_model("llama"))
+    result = run_checks(subject, ["kernels"], RunOptions(seq_len=16, check_options={"kernels": {"implementations": ["flex_attention"]}})).check("kernels")
+    assert result.status is Status.SKIP and "in-memory model" in result.summary

@@ -22,6 +22,7 @@ from typing import Any, Iterator
 
 import torch
 
+from posdiag.isolated import ISOLATED, Outcome, describe_exception, run_isolated
 from posdiag.options import RunOptions, probe_ids
 from posdiag.results import CheckResult, Status, Table
 from posdiag.subject import Subject
@@ -48,8 +49,8 @@ def default_implementations(subject: Subject) -> tuple[list[str], dict[str, str]
             skipped[name] = f"package {module} is not installed"
         else:
             run.append(name)
-    skipped["flex_attention"] = ("run by `posdiag kernels MODEL --flex` in a subprocess (flex_attention with a 4D "
-                                 "mask has crashed the process on CPU)")
+    skipped["flex_attention"] = ("not run by default (it compiles its kernels first: minutes on a CPU); "
+                                 "`--impl sdpa,flex_attention` runs it in a separate process")
     return run, skipped
 
 
@@ -215,6 +216,17 @@ def implementation(subject: Subject, name: str) -> Iterator[str]:
 
 class _Refused(Exception):
     pass
+
+
+def _run_here(subject: Subject, name: str, scenarios: list[Scenario]) -> Outcome:
+    try:
+        with implementation(subject, name) as note:
+            return Outcome(runs=[_forward(subject, sc) for sc in scenarios], note=note)
+    except _Refused as exc:
+        return Outcome(kind="refused", reason=str(exc))
+    except Exception as exc:
+        kind, reason = describe_exception(name, exc)
+        return Outcome(kind=kind, reason=reason)
 
 
 @contextlib.contextmanager
@@ -449,17 +461,12 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     runs: dict[str, list[Run] | str] = {"eager": eager}
     notes: dict[str, str] = {}
     for name in names:
-        try:
-            with implementation(subject, name) as note:
-                runs[name] = [_forward(subject, sc) for sc in scenarios]
-                if note:
-                    notes[name] = note
-        except _Refused as exc:
-            runs[name] = str(exc)
-        except Exception as exc:  # the implementation crashed on these inputs: that is a finding
-            text = str(exc).strip().splitlines()
-            runs[name] = f"crashed: {type(exc).__name__}: {(text[0] if text else '')[:160]}"
+        outcome = run_isolated(subject, name, scenarios) if name in ISOLATED else _run_here(subject, name, scenarios)
+        runs[name] = outcome.runs if outcome.runs is not None else outcome.reason
+        if outcome.kind == "crashed":  # the implementation crashed on these inputs: that is a finding
             notes[name] = "crash"
+        elif outcome.note:
+            notes[name] = outcome.note
 
     atol = MACHINE_EPSILON.get(dname, 1.2e-7) / 2  # unit roundoff of the run dtype (relative)
     floor_note = f"reference eager in {str(ref_dtype).removeprefix('torch.')}" + (
@@ -562,6 +569,7 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
         name, sc_name, s = decided
         refused = [n for n in runs if isinstance(runs[n], str)]
         summary = (f"{', '.join(compared)} agree with eager: worst error {s['error']:.3g} vs eager's {s['eager_error']:.3g} "
-                   f"in {dname} ({s['ratio']:.2g}x the tolerance, {name}, {sc_name}, {s['worst_layer']})"
-                   + (f"; not compared: {', '.join(refused)}" if refused else ""))
+                   f"in {dname} ({s['ratio']:.2g}x the tolerance, {name}, {sc_name}, {s['worst_layer']})")
+        if refused:  # asked for and not run: the check as asked is not complete (skip, never pass)
+            summary = "not compared: " + "; ".join(f"{n} ({runs[n]})" for n in refused) + ". " + summary
     return CheckResult("kernels", status, summary, metrics, details, tables)

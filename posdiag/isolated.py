@@ -1,0 +1,125 @@
+"""Run one attention implementation of the `kernels` check in a separate process.
+
+Some implementations can take the whole process down instead of raising: flex_attention has
+crashed the interpreter on CPU (a segfault in a compiled kernel), and it compiles kernels with
+the machine's C++ toolchain first. In a child process a crash becomes a finding and posdiag
+still writes its report. The child loads the checkpoint again with the same LoadOptions (the
+same dtype, device and seeded re-initialisation), runs the scenarios it is handed and writes the
+hidden states back; tensors travel through torch.save / torch.load(weights_only=True).
+
+    python -m posdiag.isolated REQUEST.pt RESULT.pt
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+ISOLATED = frozenset({"flex_attention"})  # implementations that run only in a child process
+CHILD_COMMAND = (sys.executable, "-m", "posdiag.isolated")
+CHILD_TIMEOUT_S = 1800  # compiling flex kernels on a CPU takes minutes; a hang must still end
+
+# Exceptions from torch's compiler stack: the toolchain of this machine failed, not the model.
+TOOLCHAIN_ERRORS = ("InductorError", "CppCompileError", "BackendCompilerFailed", "InvalidCxxCompiler")
+
+
+class Outcome:
+    """What came back: runs (list of kernels.Run), or a reason with a kind:
+    refused (the model does not support it), unavailable (cannot run on this machine), crashed."""
+
+    def __init__(self, runs: list | None = None, note: str = "", kind: str = "", reason: str = ""):
+        self.runs, self.note, self.kind, self.reason = runs, note, kind, reason
+
+
+def run_isolated(subject: Any, name: str, scenarios: list) -> Outcome:
+    """Run `name` on `scenarios` in a child process that loads subject's checkpoint again."""
+    import torch
+
+    from posdiag.checks.kernels import Run
+
+    if not subject.is_hf or subject.load_info.checkpoint_keys is None:
+        return Outcome(kind="unavailable", reason=f"{name} runs in a separate process, which must load the model "
+                                                  "from a checkpoint (an in-memory model cannot be re-loaded there)")
+    with tempfile.TemporaryDirectory(prefix="posdiag-isolated-") as tmp:
+        request, result = os.path.join(tmp, "request.pt"), os.path.join(tmp, "result.pt")
+        # The child offloads (if at all) to its own temporary folder, never to the parent's.
+        options = dict(dataclasses.asdict(subject.options), offload_folder=None)
+        torch.save({"spec": subject.spec, "options": options,
+                    "dtype": str(subject.dtype).removeprefix("torch."), "implementation": name,
+                    "scenarios": [dataclasses.asdict(sc) for sc in scenarios]}, request)
+        try:
+            proc = subprocess.run([*CHILD_COMMAND, request, result],
+                                  capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return Outcome(kind="unavailable", reason=f"{name} did not finish within {CHILD_TIMEOUT_S} s in its process")
+        if proc.returncode < 0:
+            sig = signal.Signals(-proc.returncode).name if -proc.returncode in signal.Signals._value2member_map_ else proc.returncode
+            return Outcome(kind="crashed", reason=f"{name} killed its process ({sig}){_last_line(proc.stderr)}")
+        if proc.returncode != 0 or not os.path.exists(result):
+            return Outcome(kind="unavailable", reason=f"the {name} process failed (exit {proc.returncode}){_last_line(proc.stderr)}")
+        payload = torch.load(result, weights_only=True)
+    if "runs" not in payload:
+        return Outcome(kind=payload["kind"], reason=payload["reason"])
+    subject.forward_count += payload["forward_count"]
+    runs = [Run([h.to(subject.device) for h in r["hidden"]],
+                None if r["logits"] is None else r["logits"].to(subject.device), list(r["layer_names"]))
+            for r in payload["runs"]]
+    return Outcome(runs=runs, note=payload["note"])
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    return f": {lines[-1][:200]}" if lines else ""
+
+
+def describe_exception(name: str, exc: BaseException) -> tuple[str, str]:
+    """(kind, reason) for an exception raised while running implementation `name`."""
+    text = str(exc).strip().splitlines()
+    first = (text[0] if text else "")[:160]
+    kind = "unavailable" if any(t in type(exc).__name__ or t in first for t in TOOLCHAIN_ERRORS) else "crashed"
+    if kind == "unavailable":
+        return kind, f"{name} could not be compiled on this machine ({type(exc).__name__}); not a finding about the model"
+    return kind, f"{type(exc).__name__}: {first}"
+
+
+def _child(request_path: str, result_path: str) -> None:
+    import warnings
+
+    import torch
+
+    from posdiag.checks.kernels import Scenario, _forward, _Refused, implementation
+    from posdiag.subject import LoadOptions, load_subject
+
+    warnings.simplefilter("ignore")
+    request = torch.load(request_path, weights_only=True)
+    name = request["implementation"]
+    subject = load_subject(request["spec"], LoadOptions(**request["options"]))
+    got = str(subject.dtype).removeprefix("torch.")
+    if got != request["dtype"]:
+        torch.save({"kind": "unavailable", "reason": f"the {name} process loaded the model in {got}, "
+                                                     f"not {request['dtype']}"}, result_path)
+        return
+    scenarios = [Scenario(**{k: (v.to(subject.device) if isinstance(v, torch.Tensor) else v) for k, v in sc.items()})
+                 for sc in request["scenarios"]]
+    try:
+        with implementation(subject, name) as note:
+            runs = [_forward(subject, sc) for sc in scenarios]
+    except _Refused as exc:
+        torch.save({"kind": "refused", "reason": str(exc)}, result_path)
+        return
+    except Exception as exc:
+        kind, reason = describe_exception(name, exc)
+        torch.save({"kind": kind, "reason": reason}, result_path)
+        return
+    torch.save({"note": note, "forward_count": subject.forward_count,
+                "runs": [{"hidden": [h.cpu() for h in r.hidden], "logits": None if r.logits is None else r.logits.cpu(),
+                          "layer_names": r.layer_names} for r in runs]}, result_path)
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1], sys.argv[2])
