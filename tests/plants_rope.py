@@ -15,6 +15,7 @@ from torch import nn
 from posdiag import zoo
 from transformers.models.llama import modeling_llama as ml
 
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}
 LONG_SHORT = {"short_factor": [1.0, 1.0, 1.1, 1.2, 1.5, 2.0, 2.5, 3.0],
               "long_factor": [1.0, 1.2, 1.6, 2.5, 4.0, 6.0, 8.0, 10.0]}
 
@@ -22,8 +23,9 @@ LONG_SHORT = {"short_factor": [1.0, 1.0, 1.1, 1.2, 1.5, 2.0, 2.5, 3.0],
 HEALTHY = {
     "theta": ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}),
     "linear": ("llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}}),
-    "yarn": ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                           "original_max_position_embeddings": 32}}),
+    "yarn": ("llama", {"rope_parameters": YARN}),
+    "yarn_qwen2": ("qwen2", {"rope_parameters": YARN}),
+    "yarn_mistral": ("mistral", {"rope_parameters": YARN}),
     "llama3": ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                              "original_max_position_embeddings": 32}}),
@@ -84,6 +86,47 @@ def yarn_mscale_ignored() -> nn.Module:
     """vLLM #48621: YaRN frequencies right, attention factor (mscale) dropped."""
     model = healthy("yarn")
     _rotary(model).attention_scaling = 1.0
+    return model
+
+
+class _YarnPort:
+    """A port's attention (vLLM #48621, exllamav3 #259): cos/sin rebuilt from the rotary module's inv_freq and
+    multiplied by `port_scale` (the bug: 1, or the factor twice) instead of the module's tables, which stay
+    correct. `port_apply`: rotate through apply_rotary_pos_emb, else inline. Mixed into the family's class."""
+
+    port_scale, port_apply = 1.0, False
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, position_ids=None, **kwargs):
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q, k, v = (p(hidden_states).view(shape).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        if position_ids is None:
+            position_ids = torch.arange(hidden_states.shape[1], device=hidden_states.device)[None]
+        angles = position_ids[..., None].float() * self.port_rotary.inv_freq.float()
+        emb = torch.cat((angles, angles), dim=-1)
+        cos, sin = (emb.cos() * self.port_scale).to(q.dtype), (emb.sin() * self.port_scale).to(q.dtype)
+        if self.port_apply:
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        else:
+            q, k = _half(q, cos[:, None], sin[:, None]), _half(k, cos[:, None], sin[:, None])
+        out, weights = eager_attention_forward(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling,
+                                               sliding_window=getattr(self, "sliding_window", None), **kwargs)
+        return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous()), weights
+
+
+_PORT_CLASSES: dict[type, type] = {}
+
+
+def yarn_port(family: str, factor_power: int, apply: bool, dtype=None) -> nn.Module:
+    """YaRN model whose attention is a port applying the attention factor `factor_power` times (0: dropped,
+    1: healthy, 2: twice); rotary module and tables untouched."""
+    model = healthy("yarn" if family == "llama" else f"yarn_{family}", dtype=dtype)
+    rot = _rotary(model)
+    for module in model.modules():
+        cls = type(module)
+        if cls.__name__.endswith("Attention") and hasattr(module, "q_proj"):
+            module.__class__ = _PORT_CLASSES.setdefault(cls, type(f"YarnPort{cls.__name__}", (_YarnPort, cls), {}))
+            module.port_scale, module.port_apply = rot.attention_scaling ** factor_power, apply
+            module.__dict__["port_rotary"] = rot  # a reference, not a submodule
     return model
 
 
@@ -175,6 +218,7 @@ class _PlantedLlamaAttention(ml.LlamaAttention):
 
 
 eager_attention_forward = ml.eager_attention_forward
+apply_rotary_pos_emb = ml.apply_rotary_pos_emb
 
 
 def _planted_attention(rotate_q, rotate_k) -> nn.Module:
@@ -266,12 +310,21 @@ PLANTED = {
     "uninitialised_zeros": lambda: uninitialised_buffer("zeros"),
     "partial_dropped_phi": lambda: partial_dropped("partial"),
     "partial_dropped_neox": lambda: partial_dropped("partial_neox"),
+    "yarn_port_drops_factor_llama": lambda: yarn_port("llama", 0, apply=False),
+    "yarn_port_drops_factor_qwen2": lambda: yarn_port("qwen2", 0, apply=True),
+    "yarn_port_drops_factor_mistral": lambda: yarn_port("mistral", 0, apply=False),
+    "yarn_port_doubles_factor_llama": lambda: yarn_port("llama", 2, apply=True),
+    "yarn_port_doubles_factor_qwen2": lambda: yarn_port("qwen2", 2, apply=False),
 }
 
 TWINS = {
     "theta": lambda: healthy("theta"),
     "linear": lambda: healthy("linear"),
     "yarn": lambda: healthy("yarn"),
+    "yarn_qwen2": lambda: healthy("yarn_qwen2"),
+    "yarn_mistral": lambda: healthy("yarn_mistral"),
+    "yarn_port_keeps_factor_llama": lambda: yarn_port("llama", 1, apply=False),
+    "yarn_port_keeps_factor_qwen2": lambda: yarn_port("qwen2", 1, apply=True),
     "llama3": lambda: healthy("llama3"),
     "dynamic": lambda: healthy("dynamic"),
     "longrope": lambda: healthy("longrope"),

@@ -3,6 +3,7 @@
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -27,6 +28,7 @@ def test_every_zoo_family_passes_or_skips(family):
     if zoo.position_kind(family) == "rope":
         assert result.status is Status.PASS, result.summary
         assert result.metrics["applied_probed"] and result.metrics["worst_ratio"] < 2
+        assert result.metrics["attention_factor_probed"] and result.metrics["attention_factor_ratio"] < 1
         assert result.forward_passes == 1
     else:
         assert result.status is Status.SKIP and "not a RoPE model" in result.summary
@@ -43,8 +45,8 @@ def test_healthy_twins_pass(name):
 EXPECTED = {
     "theta_ignored": "applied rotation",
     "linear_ignored": "applied rotation",
-    "yarn_ignored": "applied rotation",
-    "yarn_mscale_ignored": "table",  # a common scale of q and k: only the cos/sin table shows it
+    "yarn_ignored": {"applied rotation", "attention factor"},
+    "yarn_mscale_ignored": {"table", "attention factor"},  # the tables carry the drop into attention
     "llama3_wrong_factor": "applied rotation",
     "dynamic_static": "applied rotation",
     "longrope_no_switch": "applied rotation",
@@ -56,6 +58,12 @@ EXPECTED = {
     "uninitialised_zeros": "applied rotation",
     "partial_dropped_phi": "pass-through dims",
     "partial_dropped_neox": "pass-through dims",
+    # tables right, the port's own cos/sin wrong: only the scale against the un-rotated q/k shows it
+    "yarn_port_drops_factor_llama": "attention factor",
+    "yarn_port_drops_factor_qwen2": "attention factor",
+    "yarn_port_drops_factor_mistral": "attention factor",
+    "yarn_port_doubles_factor_llama": "attention factor",
+    "yarn_port_doubles_factor_qwen2": "attention factor",
 }
 
 
@@ -64,7 +72,8 @@ def test_planted_bugs_fail_with_location(name):
     result = rope(P.PLANTED[name]())
     assert result.status is Status.FAIL, result.summary
     kinds = {f["kind"] for f in result.details["failures"]}
-    assert EXPECTED[name] in kinds, (kinds, result.summary)
+    expected = {EXPECTED[name]} if isinstance(EXPECTED[name], str) else EXPECTED[name]
+    assert expected <= kinds, (kinds, result.summary)
     worst = result.details["worst"]
     assert "position" in worst or "layer" in worst
     if worst["kind"] in ("table", "applied rotation", "pass-through dims"):
@@ -107,3 +116,59 @@ def test_static_figures_in_metrics():
     assert result.metrics["full_attention_rope_theta"] == 1e6 and result.metrics["sliding_attention_rope_theta"] == 1e4
     assert "sliding_attention_critical_pair" in result.metrics
     assert result.tables[0].rows and "decay 1st zero" in result.tables[0].columns
+
+
+def _yarn_factor() -> float:
+    """The expected factor straight from transformers' yarn init function (0.1 ln 4 + 1)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    return float(ROPE_INIT_FUNCTIONS["yarn"](zoo.tiny_config("llama", rope_parameters=dict(P.YARN)), "cpu")[1])
+
+
+@pytest.mark.parametrize("family,power,apply", [("llama", 0, False), ("qwen2", 0, True), ("llama", 2, True),
+                                                ("qwen2", 2, False), ("llama", 1, False), ("qwen2", 1, True)])
+def test_attention_factor_measured_on_the_applied_path(family, power, apply):
+    """A port with right tables but its own cos/sin: measured = factor^power, expected = factor."""
+    expected = _yarn_factor()
+    result = rope(P.yarn_port(family, power, apply))
+    m = result.metrics
+    assert expected == pytest.approx(1.13863, abs=1e-5) and m["attention_factor_expected"] == pytest.approx(expected)
+    assert m["attention_factor_measured"] == pytest.approx(expected ** power, rel=1e-6)
+    assert m["attention_factor_source"] == ("apply_rotary_pos_emb inputs" if apply else "q_proj/k_proj outputs")
+    rows = result.details["attention_factor"]
+    assert {(r["layer"], r["tensor"]) for r in rows} == {(layer, t) for layer in (0, 1) for t in ("q", "k")}
+    if power == 1:
+        assert result.status is Status.PASS and m["attention_factor_ratio"] < 1, result.summary
+        assert "attention factor 1.1386" in result.summary
+    else:
+        assert result.status is Status.FAIL and m["attention_factor_ratio"] > 1e4, result.summary
+        assert result.summary.startswith("attention factor on the applied path")
+        assert ("dropped" if power == 0 else "applied twice") in result.summary
+        assert "table" not in {f["kind"] for f in result.details["failures"]}  # the tables alone pass
+
+
+def test_attention_factor_in_bf16_is_inconclusive_not_pass():
+    """In bf16 a dropped factor (12%) is ~5x the rounding bound of one rotation: WARN, not PASS; fp32 FAILs."""
+    result = rope(P.yarn_port("llama", 0, False, dtype=torch.bfloat16))
+    assert result.status is Status.WARN and "inconclusive in bfloat16" in result.summary, result.summary
+    assert 1 < result.metrics["attention_factor_ratio"] <= 10
+    assert rope(P.yarn_port("llama", 1, False, dtype=torch.bfloat16)).status is Status.PASS
+
+
+def test_attention_factor_never_observed_is_not_a_pass(monkeypatch):
+    """An inline port with no plain q_proj/k_proj to read: a factor != 1 left unmeasured WARNs; factor 1 is a note."""
+    from posdiag.checks import rope as rope_check
+    monkeypatch.setattr(rope_check, "_plain_projections", lambda attention: {})
+    result = rope(P.yarn_port("llama", 0, False))
+    assert result.status is Status.WARN and "checked on the rotary tables only" in result.summary, result.summary
+    assert result.metrics["attention_factor_probed"] is False
+    result = rope(P.faithful_port())
+    assert result.status is Status.PASS and any("not measured" in n for n in result.details["notes"])
+
+
+def test_unrotated_capture_must_line_up_at_position_zero():
+    """The un-rotated capture is used only when it is the rotated vector's multiple at position 0 (identity rotation)."""
+    from posdiag.checks.rope import _same_vectors
+    rng = np.random.default_rng(0)
+    u = rng.standard_normal((4, 3, 16))
+    assert _same_vectors(1.1386 * u, u, 16, 1.2e-7)
+    assert not _same_vectors(1.1386 * u, rng.standard_normal((4, 3, 16)), 16, 1.2e-7)  # another layer's q

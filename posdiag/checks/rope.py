@@ -11,9 +11,17 @@ their switch point):
    apply function's output) must then satisfy q(p) = R_p q(0) pair by pair, with the untouched
    dims unchanged: wrong pairing, partial-dim mistakes, q/k layout mismatch, a key never rotated
    show here even when tables look right. Math: R_p rotates pair (a_i, b_i) by p·θ_i.
+3. attention factor (YaRN/longrope "mscale"): q(p) = s·R_p u scales every position alike, so probe 2
+   cannot see s, and nor can anything else observed after the rotation (weights scaled by s are the
+   same model). It is measured against the un-rotated q/k of the same forward (the inputs of
+   apply_rotary_pos_emb, else the q_proj/k_proj outputs of an attention without norms between
+   projection and rotation): a rotation keeps each pair's norm, so ||rotated dims|| / ||un-rotated
+   dims|| = s at every position, 0 included, and must equal transformers' attention_scaling.
 The tolerance per element is what an honest implementation carries (float32 angles, output
 rounding) plus the measured spread of the layer inputs across positions (the noise floor of the
-same-token premise); FAIL above FAIL_RATIO times it, or on non-finite values.
+same-token premise); FAIL above FAIL_RATIO times it, or on non-finite values. The attention factor's
+tolerance is the rounding bound of one honest rotation (a few units of the dtype relative to s):
+PASS within it, WARN up to FAIL_RATIO times it (inconclusive), FAIL above.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ from posdiag.options import RunOptions
 from posdiag.probe import Row, run_rows
 from posdiag.results import CheckResult, Status, Table
 from posdiag.subject import Subject
-from posdiag.verdict import FAIL_RATIO, MACHINE_EPSILON
+from posdiag.verdict import FAIL_RATIO, LOW_PRECISION, MACHINE_EPSILON
 
 TITLE = "RoPE frequencies and applied rotation"
 
@@ -71,6 +79,7 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     token = int(subject.sample_ids(1, 1, options.seed)[0, 0])
     findings: list[Finding] = []
     probe_rows: list[tuple] = []
+    factors: list[Finding] = []
     table_done = applied_done = False
     why_not_applied = ""
     with _restored_rotary_state(subject.model):
@@ -79,8 +88,9 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
             t_find, t_done = _probe_tables(subject, specs, refs, positions)
             findings += [f.labelled(label) for f in t_find]
             table_done |= t_done
-            a_find, a_rows, a_done, why = _probe_applied(subject, layer_spec, refs, positions, token)
+            a_find, a_rows, a_done, why, a_factors = _probe_applied(subject, layer_spec, refs, positions, token)
             findings += [f.labelled(label) for f in a_find]
+            factors += a_factors
             probe_rows += [(label, *r) for r in a_rows]
             applied_done |= a_done
             why_not_applied = why_not_applied or why
@@ -90,6 +100,8 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     tables = [_static_table(static)]
     if probe_rows:
         tables.append(_position_table(probe_rows))
+    if factors:
+        tables.append(_factor_table(factors))
     worst = max(findings, key=_severity, default=None)
     metrics: dict[str, Any] = {
         "target_length": target, "declared_context": declared, "positions_probed": int(sum(len(p) for _, p in plans)),
@@ -100,6 +112,11 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
         "specs": [_spec_dict(r) for r in static], "warnings": warnings, "notes": notes + [n for r in static for n in r.notes],
         "error_by_position": [[label, int(p), float(r)] for label, p, r in probe_rows],
     }
+    factor = _factor_summary(factors, [r.attention_scaling for r in static], subject.dtype_name)
+    metrics.update(factor.metrics)
+    details["attention_factor"] = factor.rows
+    if factor.note:
+        details["notes"].append(factor.note)
     if worst is not None:
         metrics.update(worst.metrics())
         details["worst"] = worst.where()
@@ -116,18 +133,21 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     if not applied_done:
         return CheckResult("rope", Status.WARN, f"tables match the config ({ratio}) but the applied rotation could not be observed: {why_not_applied}",
                            metrics, details, tuple(tables))
+    if factor.warning:
+        return CheckResult("rope", Status.WARN, f"rotation agrees with the config ({ratio}); {factor.warning}", metrics, details, tuple(tables))
     if warnings:
         return CheckResult("rope", Status.WARN, f"module agrees with the config ({ratio}); {warnings[0]}", metrics, details, tuple(tables))
     spec_text = ", ".join(f"{s.rope_type} θ={s.theta:g}" + (f" ({s.layer_type})" if s.layer_type else "") for s in specs)
     return CheckResult("rope", Status.PASS,
-                       f"applied rotation matches the config ({spec_text}) up to position {metrics['max_position']}: {ratio}",
+                       f"applied rotation matches the config ({spec_text}) up to position {metrics['max_position']}: {ratio}"
+                       f"{factor.clause}",
                        metrics, details, tuple(tables))
 
 
 # --------------------------------------------------------------------------- findings
 @dataclass
 class Finding:
-    kind: str  # table | applied | pass-through | layout | non-finite
+    kind: str  # table | applied rotation | pass-through dims | layout | non-finite | attention factor
     ratio: float
     error: float = 0.0
     tolerance: float = 0.0
@@ -171,6 +191,8 @@ class Finding:
     def sentence(self) -> str:
         if self.message:
             return self.message
+        if self.kind == "attention factor":
+            return _factor_sentence(self)
         where = ", ".join(x for x in (
             f"layer {self.layer}" if self.layer is not None else "", self.tensor,
             f"head {self.head}" if self.head is not None else "",
@@ -326,32 +348,55 @@ def _judge_table(a, b, freqs, scaling, positions, eps_out, spec) -> Finding:
 
 # --------------------------------------------------------------------------- applied rotation
 class _Capture:
-    """Record q/k as attention consumes them (eager function) or as the apply function returns them."""
+    """Record q/k as attention consumes them (eager function) or as the apply function returns them,
+    each with the un-rotated q/k of the same call when one is observable (for the attention factor)."""
 
-    def __init__(self):
-        self.records: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
+    def __init__(self, eager: bool):
+        self.eager_mode = eager  # the model runs the eager attention function (it sees what attention consumes)
+        self.records: list[tuple[Any, torch.Tensor, torch.Tensor, list[tuple]]] = []  # (module, q, k, [(q0, k0, source)])
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # inputs of the last apply call
+        self.projected: dict[int, dict[str, torch.Tensor]] = {}  # id(attention) -> q_proj/k_proj outputs
 
     def eager(self, original):
         def wrapped(module, query, key, value, *args, **kwargs):
-            self.records.append((module, query.detach().clone(), key.detach().clone()))
+            plain = [] if self.pending is None else [(*self.pending, "apply_rotary_pos_emb inputs")]
+            self.pending = None
+            proj = self.projected.pop(id(module), {})
+            if {"q", "k"} <= set(proj):
+                plain.append((proj["q"], proj["k"], "q_proj/k_proj outputs"))
+            self.records.append((module, query.detach().clone(), key.detach().clone(), plain))
             return original(module, query, key, value, *args, **kwargs)
         return wrapped
 
-    def apply(self, original):
+    def apply(self, original, record: bool):
+        """record: the rotated q/k are captured here (no eager function to see them); else only the inputs."""
         def wrapped(*args, **kwargs):
             out = original(*args, **kwargs)
-            if isinstance(out, (tuple, list)) and len(out) == 2:
-                self.records.append((None, out[0].detach().clone(), out[1].detach().clone()))
+            if not (isinstance(out, (tuple, list)) and len(out) == 2):
+                return out
+            q_in = args[0] if len(args) > 0 else kwargs.get("q")
+            k_in = args[1] if len(args) > 1 else kwargs.get("k")
+            plain = None
+            if all(isinstance(t, torch.Tensor) and t.shape == o.shape for t, o in zip((q_in, k_in), out)):
+                plain = (q_in.detach().clone(), k_in.detach().clone())
+            if not record:
+                self.pending = plain
+            else:
+                self.records.append((None, out[0].detach().clone(), out[1].detach().clone(),
+                                     [(*plain, "apply_rotary_pos_emb inputs")] if plain else []))
             return out
         return wrapped
+
+    def projection(self, attention: torch.nn.Module, name: str):
+        def hook(_module, _inputs, output):
+            if isinstance(output, torch.Tensor):
+                self.projected.setdefault(id(attention), {})[name] = output.detach().clone()
+        return hook
 
 
 def _attention_globals(model: torch.nn.Module) -> list[dict]:
     seen, out = set(), []
-    for module in model.modules():
-        name = type(module).__name__
-        if not name.endswith(("Attention", "SelfAttention")) or "Rotary" in name:
-            continue
+    for module in _attention_modules(model):
         fn = module.__dict__.get("forward") or type(module).forward
         fn = getattr(fn, "__func__", fn)
         g = inspect.unwrap(fn).__globals__
@@ -361,41 +406,62 @@ def _attention_globals(model: torch.nn.Module) -> list[dict]:
     return out
 
 
+def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules()
+            if type(m).__name__.endswith(("Attention", "SelfAttention")) and "Rotary" not in type(m).__name__]
+
+
+def _plain_projections(attention: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """q_proj/k_proj whose outputs are the un-rotated q/k: separate linear maps, no norm module after them."""
+    if any("norm" in type(m).__name__.lower() for m in attention.modules()):
+        return {}
+    proj = {n: getattr(attention, f"{n}_proj", None) for n in ("q", "k")}
+    return proj if all(isinstance(m, torch.nn.Linear) for m in proj.values()) else {}
+
+
 @contextlib.contextmanager
 def _capturing(subject: Subject, capture: _Capture):
-    eager = getattr(rope_math.text_config(subject.config), "_attn_implementation", "eager") in ("eager", None)
-    patched = []
+    """Wrap eager attention (eager runs) and apply_rotary_pos_emb in every attention module's globals."""
+    patched, hooks = [], []
     for g in _attention_globals(subject.model):
-        if eager and callable(g.get("eager_attention_forward")):
-            name, wrap = "eager_attention_forward", capture.eager
-        elif callable(g.get("apply_rotary_pos_emb")):
-            name, wrap = "apply_rotary_pos_emb", capture.apply
-        else:
-            continue
-        patched.append((g, name, g[name]))
-        g[name] = wrap(g[name])
+        eager = capture.eager_mode and callable(g.get("eager_attention_forward"))
+        if eager:
+            patched.append((g, "eager_attention_forward", g["eager_attention_forward"]))
+            g["eager_attention_forward"] = capture.eager(g["eager_attention_forward"])
+        if callable(g.get("apply_rotary_pos_emb")):
+            patched.append((g, "apply_rotary_pos_emb", g["apply_rotary_pos_emb"]))
+            g["apply_rotary_pos_emb"] = capture.apply(g["apply_rotary_pos_emb"], record=not eager)
+    if capture.eager_mode:
+        for attention in _attention_modules(subject.model):
+            for name, proj in _plain_projections(attention).items():
+                hooks.append(proj.register_forward_hook(capture.projection(attention, name)))
     try:
         yield bool(patched)
     finally:
+        for h in hooks:
+            h.remove()
         for g, name, original in reversed(patched):
             g[name] = original
 
 
 def _probe_applied(subject: Subject, layer_spec, refs, positions: np.ndarray, token: int):
-    capture = _Capture()
+    """-> (findings, [(position, worst ratio)], observed, why not, attention-factor rows)."""
+    eager = getattr(rope_math.text_config(subject.config), "_attn_implementation", "eager") in ("eager", None)
+    capture = _Capture(eager)
     ids = torch.full((len(positions),), token, dtype=torch.long, device=subject.device)
     with _capturing(subject, capture) as hooked:
         if not hooked:
-            return [], [], False, "no eager attention function or apply_rotary_pos_emb to observe"
+            return [], [], False, "no eager attention function or apply_rotary_pos_emb to observe", []
         out = run_rows(subject, [Row(ids, positions=torch.as_tensor(positions))])
     if not capture.records:
-        return [], [], False, "the attention function was never called with q/k"
+        return [], [], False, "the attention function was never called with q/k", []
     eps = MACHINE_EPSILON.get(subject.dtype_name, 1.2e-7)
     findings: list[Finding] = []
+    factors: list[Finding] = []
     by_pos = np.zeros(len(positions))
-    for layer, (module, q, k) in enumerate(capture.records):
+    for layer, (module, q, k, plain) in enumerate(capture.records):
         spec = layer_spec[min(layer, len(layer_spec) - 1)]
-        freqs, _ = refs[id(spec)]
+        freqs, scaling = refs[id(spec)]
         hidden = out.hidden[min(layer, len(out.hidden) - 1)][0].double()
         spread = float(((hidden - hidden[:1]).norm(dim=-1) / hidden[:1].norm(dim=-1).clamp_min(1e-30)).max())
         floor = max(spread, eps)
@@ -403,7 +469,7 @@ def _probe_applied(subject: Subject, layer_spec, refs, positions: np.ndarray, to
         for name, t in (("q", q), ("k", k)):
             arr = _heads(t, len(positions))
             if arr is None:
-                return [], [], False, f"captured {name} has shape {tuple(t.shape)}, not [batch, heads, positions, dim]"
+                return [], [], False, f"captured {name} has shape {tuple(t.shape)}, not [batch, heads, positions, dim]", []
             if not np.isfinite(arr).all():
                 bad = np.argwhere(~np.isfinite(arr))[0]
                 findings.append(Finding("non-finite", float("nan"), layer=layer, tensor=name, head=int(bad[0]),
@@ -412,6 +478,12 @@ def _probe_applied(subject: Subject, layer_spec, refs, positions: np.ndarray, to
                 fits[name] = None
                 continue
             fits[name] = {lay: _judge_applied(arr, freqs, spec, positions, lay, eps, floor, layer, name) for lay in LAYOUTS}
+            rot = min(2 * freqs.shape[0], arr.shape[-1])
+            for *pair, source in plain:  # the first un-rotated capture that lines up with this tensor
+                before = _unrotated(pair[0 if name == "q" else 1], arr.shape, rot, len(positions))
+                if before is not None and positions[0] == 0 and _same_vectors(arr, before, rot, eps):
+                    factors.append(_judge_factor(arr, before, rot, scaling, eps, positions, layer, name, source))
+                    break
         if fits.get("q") is None or fits.get("k") is None:
             continue
         best = {n: min(f.values(), key=lambda x: x[0].ratio) for n, f in fits.items()}
@@ -432,7 +504,50 @@ def _probe_applied(subject: Subject, layer_spec, refs, positions: np.ndarray, to
             f.extra["layout"] = lay_q if f.tensor == "q" else lay_k
             f.extra["input_spread"] = spread
     rows = [(int(p), float(r)) for p, r in zip(positions, by_pos)]
-    return findings, rows, True, ""
+    return findings + factors, rows, True, "", factors
+
+
+def _unrotated(t: torch.Tensor, shape: tuple, rot: int, n: int) -> np.ndarray | None:
+    """The un-rotated q/k as [H, T, D] like the rotated capture (or only its rotary dims, as partial-rotary
+    attention hands them to the apply function), or None when it does not line up."""
+    if t.ndim == 3 and t.shape[-1] % shape[-1] == 0:  # projection output [B, T, H*D]
+        t = t.reshape(*t.shape[:2], -1, shape[-1])
+    arr = _heads(t, n)
+    if arr is None or arr.shape[:-1] != shape[:-1] or arr.shape[-1] not in (shape[-1], rot):
+        return None
+    return arr if np.isfinite(arr).all() else None
+
+
+def _rounding_bound(eps: float) -> float:
+    """Relative error of one honest rotation: cos/sin from float32 angles scaled and rounded to the dtype
+    (one unit each), products and sum rounded (two units): 3 units of the dtype + 2 of float32."""
+    return 3 * eps + 2 * float(np.finfo(np.float32).eps)
+
+
+def _same_vectors(after: np.ndarray, before: np.ndarray, rot: int, eps: float) -> bool:
+    """At position 0 the rotation is the identity, so the rotated vector is a multiple of the un-rotated one;
+    a capture of another tensor (another layer's call, something applied between) is far from parallel."""
+    a, b = after[:, 0, :rot], before[:, 0, :rot]
+    c = (a * b).sum(-1, keepdims=True) / np.maximum((b * b).sum(-1, keepdims=True), 1e-300)
+    off = np.linalg.norm(a - c * b, axis=-1) / np.maximum(np.linalg.norm(a, axis=-1), 1e-300)
+    return bool((off <= FAIL_RATIO * _rounding_bound(eps)).all())
+
+
+def _judge_factor(after: np.ndarray, before: np.ndarray, rot: int, expected: float, eps: float, positions: np.ndarray,
+                  layer: int, name: str, source: str) -> Finding:
+    """Scale of the rotary dims of each (head, position) vector: ||R_p u|| / ||u|| = s for a pure rotation,
+    judged against s x the rounding bound of one honest rotation."""
+    n_after = np.linalg.norm(after[..., :rot], axis=-1)  # [H, T]
+    n_before = np.linalg.norm(before[..., :rot], axis=-1)
+    live = n_before > 0
+    measured = float(np.sqrt((n_after[live] ** 2).sum() / max((n_before[live] ** 2).sum(), 1e-300)))
+    scale = np.where(live, n_after / np.where(live, n_before, 1.0), expected)
+    tolerance = abs(expected) * _rounding_bound(eps) + 1e-30
+    err = np.abs(scale - expected)
+    h, t = np.unravel_index(int(np.argmax(err)), err.shape)
+    return Finding("attention factor", float(err[h, t] / tolerance), error=float(err[h, t]), tolerance=tolerance,
+                   layer=layer, tensor=name, head=int(h), position=int(positions[t]), expected=float(expected),
+                   actual=float(scale[h, t]), extra={"measured_factor": measured, "source": source, "rotary_dims": rot})
 
 
 def _heads(t: torch.Tensor, n: int) -> np.ndarray | None:
@@ -496,6 +611,52 @@ def _judge_applied(arr: np.ndarray, freqs: np.ndarray, spec, positions: np.ndarr
     return worst, by_pos
 
 
+# --------------------------------------------------------------------------- attention factor verdict
+@dataclass
+class _FactorSummary:
+    metrics: dict[str, Any]
+    rows: list[dict[str, Any]]
+    warning: str = ""  # WARN reason (a deviation inside the FAIL level, or a factor != 1 never measured)
+    note: str = ""
+    clause: str = ""  # appended to the PASS summary
+
+
+def _factor_sentence(f: Finding) -> str:
+    measured = f.extra.get("measured_factor", f.actual)
+    exp = f.expected or 0.0
+    why = ""
+    if exp != 1.0 and abs(measured - 1.0) < abs(measured - exp) / 10:
+        why = " (the factor is dropped)"
+    elif exp != 1.0 and abs(measured - exp * exp) < abs(measured - exp) / 10:
+        why = " (the factor is applied twice)"
+    return (f"attention factor on the applied path: layer {f.layer} {f.tensor} is scaled by {measured:.6g}, the config "
+            f"expects {exp:.6g}{why}; worst at head {f.head}, position {f.position}: {f.actual:.6g}, "
+            f"{f.ratio:.3g}x the rounding bound {f.tolerance:.3g} (measured against {f.extra.get('source', '?')})")
+
+
+def _factor_summary(factors: list[Finding], expected: list[float], dtype: str) -> _FactorSummary:
+    """Metrics, per-layer rows and the WARN band of the attention-factor probe (FAIL goes with the findings)."""
+    rows = [{"probe": f.probe, "layer": f.layer, "tensor": f.tensor, "expected": f.expected,
+             "measured": f.extra["measured_factor"], "worst_position": f.position, "worst_actual": f.actual,
+             "ratio": f.ratio, "source": f.extra["source"]} for f in factors]
+    trivial = all(e == 1.0 for e in expected)
+    if not factors:
+        text = "attention factor not measured on the applied path: no un-rotated q/k observed"
+        if trivial:
+            return _FactorSummary({"attention_factor_probed": False}, rows, note=text + " (the config's factor is 1)")
+        return _FactorSummary({"attention_factor_probed": False}, rows,
+                              warning=f"{text}; the factor {', '.join(f'{e:.6g}' for e in expected)} is checked on the rotary tables only")
+    worst = max(factors, key=_severity)
+    metrics = {"attention_factor_probed": True, "attention_factor_expected": worst.expected,
+               "attention_factor_measured": worst.extra["measured_factor"], "attention_factor_ratio": worst.ratio,
+               "attention_factor_tolerance": worst.tolerance, "attention_factor_source": worst.extra["source"]}
+    if worst.ratio > 1.0 and not worst.failed:
+        why = f"inconclusive in {dtype} (rerun in float32)" if dtype in LOW_PRECISION else "inconclusive"
+        return _FactorSummary(metrics, rows, warning=f"{why}: {_factor_sentence(worst)} (FAIL above {FAIL_RATIO:g}x)")
+    clause = "" if trivial else f"; attention factor {worst.extra['measured_factor']:.6g} (expected {worst.expected:.6g})"
+    return _FactorSummary(metrics, rows, clause=clause)
+
+
 # --------------------------------------------------------------------------- report pieces
 def _static_metrics(static: list[rope_math.SpecReport]) -> dict[str, Any]:
     out: dict[str, Any] = {}
@@ -534,6 +695,13 @@ def _static_table(static: list[rope_math.SpecReport]) -> Table:
                          _fmt(a.alias_offset) if a.alias_offset else f"none ≤ {a.alias_scanned}", _fmt(a.decay_first_zero)))
     return Table("frequencies vs training length (information)",
                  ("where", "critical pair", "longest λ", "unseen pairs @N", "alias", "decay 1st zero"), tuple(rows))
+
+
+def _factor_table(factors: list[Finding]) -> Table:
+    return Table("attention factor on the applied path (||rotated|| / ||un-rotated|| of the rotary dims)",
+                 ("where", "layer", "q/k", "expected", "measured", "worst x bound"),
+                 tuple((f.probe, f.layer, f.tensor, f"{f.expected:.6g}", f"{f.extra['measured_factor']:.6g}", f"{f.ratio:.3g}")
+                       for f in factors))
 
 
 def _position_table(rows: list[tuple]) -> Table:
