@@ -109,3 +109,15 @@ def test_positions_without_effect_skip():
 
 def test_bfloat16_model_is_upcast_and_passes():
     assert shift(zoo.tiny_model("qwen2", dtype=torch.bfloat16)).status is Status.PASS
+
+
+@pytest.mark.parametrize("family", ["gpt2", "opt", "bert"])
+def test_absolute_positions_in_bfloat16_are_reported_as_used(family):
+    """In bfloat16 the rounding term for RoPE angles exceeds a whole unit shift of an absolute model:
+    whether positions are used is judged against the noise floor instead."""
+    from posdiag.subject import LoadOptions
+
+    model = zoo.tiny_model(family).to(torch.bfloat16)
+    result = run_checks(from_module(model, options=LoadOptions(upcast=False)), ["shift"]).check("shift")
+    assert result.status is Status.SKIP
+    assert "as expected" in result.summary and "noise floor" in result.summary
