@@ -45,6 +45,11 @@ TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow the c
 DtypeOpt = Annotated[DType, typer.Option("--dtype", help="Load dtype (auto = the checkpoint's).")]
 DeviceOpt = Annotated[Device, typer.Option("--device", help="Where to run.")]
 DeviceMapOpt = Annotated[Optional[str], typer.Option("--device-map", help="accelerate device map (e.g. auto) for models larger than one device.")]
+MaxMemoryOpt = Annotated[Optional[str], typer.Option(
+    "--max-memory", help="With --device-map: memory per device, e.g. 0=70GiB,1=70GiB,cpu=200GiB; the rest goes to disk.")]
+OffloadOpt = Annotated[Optional[str], typer.Option(
+    "--offload-folder", help="With --device-map: where disk-offloaded weights go (default: a temporary folder, removed "
+                             "after the run); never inside the checkpoint.")]
 AttnOpt = Annotated[str, typer.Option("--attn-implementation", help="Attention implementation for the checks (eager honours custom masks).")]
 UpcastOpt = Annotated[bool, typer.Option("--upcast/--no-upcast", help="Run equivariance checks in float32 when the model is half precision.")]
 PickleOpt = Annotated[bool, typer.Option("--allow-pickle", help="Allow loading pickle (.bin) weights, which can execute code.")]
@@ -89,7 +94,8 @@ def shuffle(
     ctx: typer.Context,
     model: OptionalModelArg = None,
     revision: RevisionOpt = None, trust_remote_code: TrustOpt = False, dtype: DtypeOpt = DType.auto,
-    device: DeviceOpt = Device.auto, device_map: DeviceMapOpt = None, attn_implementation: AttnOpt = "eager",
+    device: DeviceOpt = Device.auto, device_map: DeviceMapOpt = None, max_memory: MaxMemoryOpt = None,
+    offload_folder: OffloadOpt = None, attn_implementation: AttnOpt = "eager",
     upcast: UpcastOpt = True, allow_pickle: PickleOpt = False, seq_len: SeqLenOpt = None, seed: SeedOpt = 0,
     permutations: PermsOpt = 3, text: TextOpt = None, max_batch: MaxBatchOpt = None, json: JsonOpt = None,
     junit: JunitOpt = None, format: FormatOpt = None, config: ConfigOpt = None, show_config: ShowConfigOpt = False,
@@ -106,7 +112,8 @@ def check(
     only: Annotated[Optional[str], typer.Option("--only", help="Comma-separated checks to run.")] = None,
     skip: Annotated[Optional[str], typer.Option("--skip", help="Comma-separated checks to leave out.")] = None,
     revision: RevisionOpt = None, trust_remote_code: TrustOpt = False, dtype: DtypeOpt = DType.auto,
-    device: DeviceOpt = Device.auto, device_map: DeviceMapOpt = None, attn_implementation: AttnOpt = "eager",
+    device: DeviceOpt = Device.auto, device_map: DeviceMapOpt = None, max_memory: MaxMemoryOpt = None,
+    offload_folder: OffloadOpt = None, attn_implementation: AttnOpt = "eager",
     upcast: UpcastOpt = True, allow_pickle: PickleOpt = False, seq_len: SeqLenOpt = None, seed: SeedOpt = 0,
     permutations: PermsOpt = 3, text: TextOpt = None, max_batch: MaxBatchOpt = None, json: JsonOpt = None,
     junit: JunitOpt = None, format: FormatOpt = None, config: ConfigOpt = None, show_config: ShowConfigOpt = False,
@@ -197,14 +204,17 @@ def _run(ctx: typer.Context, args: dict, fixed_checks: Optional[list[str]] = Non
     err = Console(stderr=True)
     with err.status(f"loading {settings['model']}…"):
         subject = _guarded(lambda: _load(settings), debug)
-    options = _guarded(lambda: _run_options(settings, subject, check_options), debug)
+    try:
+        options = _guarded(lambda: _run_options(settings, subject, check_options), debug)
 
-    from posdiag.api import run_checks
+        from posdiag.api import run_checks
 
-    with err.status("running checks…") as status:
-        def progress(name: str) -> None:
-            status.update(f"running {name}…")
-        report = _guarded(lambda: run_checks(subject, names, options, on_progress=progress), debug)
+        with err.status("running checks…") as status:
+            def progress(name: str) -> None:
+                status.update(f"running {name}…")
+            report = _guarded(lambda: run_checks(subject, names, options, on_progress=progress), debug)
+    finally:
+        subject.close()  # the temporary offload folder of a --device-map run
     if settings.get("baseline"):
         report = _guarded(lambda: _with_baseline(report, settings["baseline"], settings["baseline_margin"]), debug)
     _emit(report, settings, debug)
@@ -275,18 +285,23 @@ def _load(args: dict):
     options = LoadOptions(
         revision=args.get("revision"), trust_remote_code=bool(args.get("trust_remote_code")),
         dtype=_value(args.get("dtype", "auto")), device=_value(args.get("device", "auto")),
-        device_map=args.get("device_map"), attn_implementation=args.get("attn_implementation", "eager"),
+        device_map=args.get("device_map"), max_memory=args.get("max_memory"), offload_folder=args.get("offload_folder"),
+        attn_implementation=args.get("attn_implementation", "eager"),
         upcast=args.get("upcast", True), allow_pickle=bool(args.get("allow_pickle")), max_batch=args.get("max_batch"),
     )
     return load_subject(args["model"], options)
 
 
 def _quiet_transformers() -> None:
-    """transformers' own progress bars and missing-key warnings: posdiag reports those itself."""
+    """transformers' own progress bars and missing-key warnings, accelerate's offload warning:
+    posdiag reports those itself (the `load` check, the device-map note)."""
+    import logging
+
     import transformers
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+    logging.getLogger("accelerate.big_modeling").setLevel(logging.ERROR)
 
 
 def _run_options(args: dict, subject, check_options: Optional[dict] = None):

@@ -27,6 +27,7 @@ from posdiag.errors import PosdiagError
 KEYS = {
     "model": "model", "only": "only", "skip": "skip", "seq-len": "seq_len", "seed": "seed",
     "permutations": "permutations", "dtype": "dtype", "device": "device", "device-map": "device_map",
+    "max-memory": "max_memory", "offload-folder": "offload_folder",
     "attn-implementation": "attn_implementation", "upcast": "upcast", "max-batch": "max_batch",
     "trust-remote-code": "trust_remote_code", "revision": "revision", "baseline-margin": "baseline_margin",
 }

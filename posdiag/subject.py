@@ -22,7 +22,12 @@ import contextlib
 import importlib
 import json
 import os
+import re
+import shutil
 import sys
+import tempfile
+import warnings
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -51,6 +56,8 @@ class LoadOptions:
     dtype: str = "auto"  # auto = the checkpoint's dtype
     device: str = "auto"
     device_map: str | None = None
+    max_memory: str | None = None  # accelerate's budget per device, "0=70GiB,cpu=200GiB" (with device_map)
+    offload_folder: str | None = None  # disk-offloaded weights (with device_map); None = a temporary folder
     attn_implementation: str = "eager"  # custom masks need eager; kernels compares the rest
     upcast: bool = True  # run equivariance checks in float32 when the model is half precision
     allow_pickle: bool = False  # never unpickle .bin checkpoints unless asked
@@ -98,6 +105,13 @@ class Subject:
     batch_limit: int | None = None  # lowered after an out-of-memory fallback
     is_hf: bool = True
     notes: list[str] = field(default_factory=list)
+    cleanup: list[Any] = field(default_factory=list, repr=False)  # weakref.finalize: temporary offload folders
+
+    def close(self) -> None:
+        """Release what loading created outside the model (the temporary offload folder).
+        The model may read offloaded weights from there, so call this only when done with it."""
+        for finalizer in self.cleanup:
+            finalizer()
 
     # ---------------------------------------------------------------- description
     @property
@@ -268,6 +282,38 @@ class Subject:
         finally:
             undo()
 
+    @contextlib.contextmanager
+    def stored_weight(self, name: str) -> Iterator[torch.Tensor]:
+        """Parameter or buffer `name` with its values, also when accelerate offloaded it.
+
+        An offloaded weight is a meta tensor in the model: accelerate reads the real one from
+        its weights map (CPU copies, or the checkpoint's safetensors for disk) before each
+        forward. This installs a private CPU copy in that map and yields it, so in-place edits
+        inside the block reach the next forward and nothing is written to disk; the map is
+        restored on exit. A weight that is not offloaded is yielded as it is.
+        """
+        module_name, _, attr = name.rpartition(".")
+        module = self.model.get_submodule(module_name)
+        tensor = getattr(module, attr)
+        if tensor.device.type != "meta":
+            yield tensor
+            return
+        weights = _offload_map(module)
+        if weights is None:
+            raise RuntimeError(f"{name} is on the meta device and no accelerate hook holds its values")
+        base, key = getattr(weights, "dataset", weights), getattr(weights, "prefix", "") + attr
+        store = getattr(base, "state_dict", base)  # OffloadedWeightsLoader: its in-memory dict wins over disk
+        had, old = key in store, store.get(key)
+        copy = weights[attr].detach().to("cpu", copy=True)
+        store[key] = copy
+        try:
+            yield copy
+        finally:
+            if had:
+                store[key] = old
+            else:
+                del store[key]
+
     def position_ids_for(self, logical: torch.Tensor) -> torch.Tensor:
         """Logical positions (0-based) -> the ids the model expects (RoBERTa starts at pad+1)."""
         return logical + self.family.explicit_position_offset
@@ -347,16 +393,21 @@ class Subject:
                 if stack == "encoder":
                     out = self.model.get_encoder()(input_ids=input_ids, attention_mask=mask,
                                                    output_hidden_states=True, return_dict=True)
-                    return Outputs(list(out.hidden_states or (out.last_hidden_state,)))
+                    return self._gathered(out.hidden_states or (out.last_hidden_state,), None)
                 enc = input_ids if encoder_ids is None else encoder_ids
                 out = self.model(input_ids=enc, decoder_input_ids=input_ids, decoder_attention_mask=mask,
                                  output_hidden_states=True, use_cache=False, return_dict=True,
                                  **{k: v for k, v in kwargs.items() if k == "logits_to_keep"})
-                return Outputs(list(out.decoder_hidden_states), getattr(out, "logits", None) if want_logits else None)
+                return self._gathered(out.decoder_hidden_states, getattr(out, "logits", None) if want_logits else None)
             out = self.model(input_ids=input_ids, attention_mask=mask, output_hidden_states=True,
                              use_cache=False, return_dict=True, **kwargs)
             hidden = out.hidden_states if out.hidden_states is not None else (out.last_hidden_state,)
-            return Outputs(list(hidden), getattr(out, "logits", None) if want_logits else None)
+            return self._gathered(hidden, getattr(out, "logits", None) if want_logits else None)
+
+    def _gathered(self, hidden: Any, logits: torch.Tensor | None) -> Outputs:
+        """Outputs on the input device: under a --device-map each block returns on its own GPU,
+        and the checks compare blocks with each other (no-op when everything is on one device)."""
+        return Outputs([h.to(self.device) for h in hidden], None if logits is None else logits.to(self.device))
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -416,7 +467,7 @@ def from_module(model: torch.nn.Module, *, name: str = "in-memory model", option
     is_hf = config is not None and hasattr(config, "model_type") and hasattr(model, "get_input_embeddings")
     param = next(iter(model.parameters()), None)
     load_dtype = param.dtype if param is not None else torch.float32
-    device = param.device if param is not None else torch.device("cpu")
+    device = input_device(model)
     if is_hf:
         family = family_for(config)
         _check_attn_implementation(model, options)
@@ -481,6 +532,12 @@ def detect_position_kind(model: torch.nn.Module) -> str:
 def load_subject(spec: str, options: LoadOptions | None = None) -> Subject:
     """MODEL -> Subject. Every failure becomes a PosdiagError with one line of advice."""
     options = options or LoadOptions()
+    if not options.device_map:
+        for given, flag in ((options.max_memory, "--max-memory"), (options.offload_folder, "--offload-folder")):
+            if given:
+                raise PosdiagError(f"{flag} only applies with --device-map (e.g. --device-map auto)")
+    elif options.max_memory:
+        parse_max_memory(options.max_memory)  # a malformed budget fails before anything is read
     if _looks_like_factory(spec):
         return _load_factory(spec, options)
     return _load_pretrained(spec, options)
@@ -494,6 +551,9 @@ def _looks_like_factory(spec: str) -> bool:
 
 
 def _load_factory(spec: str, options: LoadOptions) -> Subject:
+    if options.device_map:
+        raise PosdiagError("--device-map needs a checkpoint to place: a module:factory model is built in memory "
+                           "(dispatch it with accelerate inside the factory instead)")
     module_name, _, attr = spec.rpartition(":")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
@@ -546,6 +606,13 @@ def _load_pretrained(spec: str, options: LoadOptions) -> Subject:
 
     device = resolve_device(options.device) if not options.device_map else None
     dtype: Any = "auto" if options.dtype == "auto" else DTYPES[options.dtype]
+    stored = DTYPES[options.dtype] if options.dtype != "auto" else _checkpoint_dtype(config, weights)
+    upcast_at_load = bool(options.device_map) and options.upcast and stored in (torch.float16, torch.bfloat16)
+    if upcast_at_load:
+        # A dispatched model cannot be re-cast in place (its offloaded weights are re-read from
+        # disk in the stored dtype), so ask for float32 up front: accelerate then plans the map
+        # for the float32 size and converts each offloaded tensor as it reads it.
+        dtype = torch.float32
     kwargs: dict[str, Any] = dict(
         revision=options.revision,
         trust_remote_code=options.trust_remote_code,
@@ -554,20 +621,38 @@ def _load_pretrained(spec: str, options: LoadOptions) -> Subject:
         output_loading_info=True,
         use_safetensors=weights["source"] != "pickle",
     )
+    temporary: list[str] = []  # folders posdiag created for this run
     if options.device_map:
-        kwargs["device_map"] = options.device_map
+        kwargs.update(_device_map_kwargs(spec, options, weights, temporary))
     # Parameters missing from the checkpoint are re-initialised randomly: seed it so the same
     # checkpoint gives the same report every time (the `load` check names what was missing).
     torch.manual_seed(0)
+    notes: list[str] = []
     try:
-        model, loading_info = auto_cls.from_pretrained(spec, **kwargs)
+        with warnings.catch_warnings():
+            # transformers' own maps name single tensors (BART's final_logits_bias); accelerate warns, harmlessly.
+            warnings.filterwarnings("ignore", message="The following device_map keys do not match any submodules")
+            model, loading_info = auto_cls.from_pretrained(spec, **kwargs)
+            lost = _unreadable_offloaded(model) if options.device_map else []
+            if lost:
+                # transformers reads disk-offloaded weights from the checkpoint files in place, so a
+                # weight the checkpoint lacks (Marian's sinusoid table, built at init) has no values
+                # there: KeyError at the first forward. Load again with its module kept in memory.
+                kwargs["device_map"] = _kept_in_memory(model.hf_device_map, model, lost)
+                del model
+                torch.manual_seed(0)
+                model, loading_info = auto_cls.from_pretrained(spec, **kwargs)
+                notes.append(f"kept in memory, not on disk: {', '.join(lost[:3])}{' …' if len(lost) > 3 else ''} "
+                             "(not in the checkpoint, so transformers has nothing to read from disk)")
     except Exception as exc:
+        for folder in temporary:
+            shutil.rmtree(folder, ignore_errors=True)
         raise PosdiagError(f"cannot load weights of '{spec}': {_one_line(exc)}") from None
     if device is not None:
         model = model.to(device)
     model.eval()
 
-    param = next(iter(model.parameters()))
+    param = next(iter(model.parameters()))  # its dtype; its device may be "meta" when offloaded
     info = LoadInfo(
         checkpoint_keys=weights["keys"],
         missing_keys=tuple(loading_info.get("missing_keys", ()) or ()),
@@ -579,8 +664,17 @@ def _load_pretrained(spec: str, options: LoadOptions) -> Subject:
     subject = Subject(
         model=model, config=model.config, family=family, spec=spec, kind=family.kind,
         position_kind=family.position_kind if family.position_kind != "none found" else detect_position_kind(model),
-        dtype=param.dtype, load_dtype=param.dtype, device=param.device, load_info=info, options=options,
+        dtype=param.dtype, load_dtype=stored if upcast_at_load else param.dtype, device=input_device(model),
+        load_info=info, options=options,
     )
+    # Removed by Subject.close(), else when the model is collected, else at interpreter exit.
+    subject.cleanup = [weakref.finalize(model, shutil.rmtree, folder, True) for folder in temporary]
+    if options.device_map:
+        subject.notes += [_placement_note(model, options)] + notes
+    if upcast_at_load:
+        name = _dtype_name(stored)
+        subject.notes.append(f"loaded in float32 from {name} weights (--device-map: the map was planned for the "
+                             f"float32 size, twice {name}'s; --no-upcast keeps {name})")
     _maybe_upcast(subject)
     return subject
 
@@ -589,8 +683,9 @@ def _maybe_upcast(subject: Subject) -> None:
     """Equivariance is a property of the function: test it in float32 when memory allows."""
     if not subject.options.upcast or subject.dtype not in (torch.float16, torch.bfloat16):
         return
-    if subject.options.device_map:
-        subject.notes.append("kept in half precision: --device-map models are not upcast")
+    if is_dispatched(subject.model):
+        subject.notes.append("kept in half precision: a model dispatched by accelerate cannot be re-cast in place "
+                             "(--dtype float32 loads it in float32)")
         return
     if subject.device.type == "cuda":
         need = sum(p.numel() for p in subject.model.parameters()) * 2  # the extra bytes of fp32
@@ -601,6 +696,163 @@ def _maybe_upcast(subject: Subject) -> None:
     subject.model.to(torch.float32)
     subject.dtype = torch.float32
     subject.notes.append(f"upcast from {_dtype_name(subject.load_dtype)} to float32 for the checks (--no-upcast keeps it)")
+
+
+def is_dispatched(model: torch.nn.Module) -> bool:
+    """accelerate placed the model on several devices or on disk (hooks move weights and inputs)."""
+    placement = set(map(str, (getattr(model, "hf_device_map", None) or {}).values()))
+    return len(placement) > 1 or "disk" in placement
+
+
+def input_device(model: torch.nn.Module) -> torch.device:
+    """Where inputs go. A dispatched model runs offloaded (cpu/disk) blocks on its first
+    accelerator (accelerate's main device), else on the CPU; otherwise: its first parameter's."""
+    if is_dispatched(model):
+        placed = [d for d in model.hf_device_map.values() if str(d) not in ("cpu", "disk")]
+        if not placed:
+            return torch.device("cpu")
+        main = placed[0]
+        return torch.device("cuda", main) if isinstance(main, int) else torch.device(main)
+    param = next(iter(model.parameters()), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+_SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*(b|kb|mb|gb|tb|kib|mib|gib|tib)?$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_max_memory(text: str) -> dict[int | str, int]:
+    """'0=70GiB,cpu=200GiB' -> {0: 75161927680, 'cpu': 214748364800}: accelerate's max_memory
+    (GPU index or cpu/mps/disk -> bytes). Sizes take B, KB/MB/GB/TB or KiB/MiB/GiB/TiB."""
+    usage = f"--max-memory '{text}': expected DEVICE=SIZE pairs separated by commas, e.g. 0=70GiB,cpu=200GiB"
+    budget: dict[int | str, int] = {}
+    for item in text.split(","):
+        key, sep, size = (part.strip() for part in item.partition("="))
+        if not sep or not key or not size:
+            raise PosdiagError(usage)
+        key = key.lower().removeprefix("cuda:")
+        if key.isdigit():
+            device: int | str = int(key)
+        elif key in ("cpu", "mps", "disk"):
+            device = key
+        else:
+            raise PosdiagError(f"--max-memory: unknown device '{key}' (a GPU index such as 0, or cpu, mps, disk)")
+        match = _SIZE.match(size)
+        if match is None:
+            raise PosdiagError(f"--max-memory: size '{size}' for {key} is not a size such as 2GiB, 500MB or 1048576")
+        if device in budget:
+            raise PosdiagError(f"--max-memory: {key} is given twice")
+        budget[device] = int(float(match.group(1)) * _UNITS[(match.group(2) or "b").lower()])
+    return budget
+
+
+def _device_map_kwargs(spec: str, options: LoadOptions, weights: dict[str, Any], temporary: list[str]) -> dict[str, Any]:
+    """from_pretrained's device_map / max_memory / offload_folder. Always an offload folder:
+    transformers re-saves there what it cannot read from the checkpoint's safetensors in place
+    (pickle weights, converted MoE experts) and fails without one. It is never inside the
+    checkpoint (posdiag never writes there); the default is temporary and removed after the run."""
+    kwargs: dict[str, Any] = {"device_map": options.device_map}
+    if options.max_memory:
+        budget = parse_max_memory(options.max_memory)
+        gpus = torch.cuda.device_count()
+        for device in budget:
+            if isinstance(device, int) and device >= gpus:
+                raise PosdiagError(f"--max-memory: GPU {device} is not on this machine ({gpus} CUDA device(s))")
+        kwargs["max_memory"] = budget
+    if options.offload_folder:
+        folder = Path(options.offload_folder).expanduser().resolve()
+        for root in _checkpoint_dirs(spec, weights):
+            if folder == root or root in folder.parents:
+                raise PosdiagError(f"--offload-folder {options.offload_folder} is inside the checkpoint directory {root}: "
+                                   "posdiag never writes into the checkpoint; choose a folder elsewhere")
+        if folder.exists() and not folder.is_dir():
+            raise PosdiagError(f"--offload-folder {options.offload_folder} is a file, not a folder")
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise PosdiagError(f"--offload-folder {options.offload_folder}: cannot create it ({exc.strerror})") from None
+    else:
+        folder = Path(tempfile.mkdtemp(prefix="posdiag-offload-"))
+        temporary.append(str(folder))
+    kwargs["offload_folder"] = str(folder)
+    return kwargs
+
+
+def _checkpoint_dirs(spec: str, weights: dict[str, Any]) -> set[Path]:
+    """Every directory the checkpoint lives in: the local folder, the hub snapshot and its blobs."""
+    roots = {Path(spec).resolve()} if Path(spec).is_dir() else set()
+    for f in weights["files"]:
+        roots |= {Path(f).parent.resolve(), Path(f).resolve().parent}
+    return roots
+
+
+def _offload_map(module: torch.nn.Module) -> Any:
+    """accelerate's weights map for a module whose weights it offloaded (None: not offloaded)."""
+    hook = getattr(module, "_hf_hook", None)
+    maps = [getattr(h, "weights_map", None) for h in getattr(hook, "hooks", (hook,))]
+    return next((m for m in maps if m is not None), None)
+
+
+def _unreadable_offloaded(model: torch.nn.Module) -> list[str]:
+    """Offloaded (meta) weights for which accelerate holds no values: neither in memory nor in its
+    disk index. Checked by name only: nothing is read from disk."""
+    lost = []
+    for module_name, module in model.named_modules():
+        weights = _offload_map(module)
+        if weights is None:
+            continue
+        base, prefix = getattr(weights, "dataset", weights), getattr(weights, "prefix", "")
+        known = set(getattr(base, "state_dict", {})) | set(getattr(base, "index", {})) if hasattr(base, "index") else set(base)
+        own = list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False))
+        lost += [f"{module_name}.{attr}" if module_name else attr
+                 for attr, tensor in own if tensor.device.type == "meta" and prefix + attr not in known]
+    return lost
+
+
+def _kept_in_memory(placement: dict[str, Any], model: torch.nn.Module, names: list[str]) -> dict[str, Any]:
+    """`placement` with the modules owning `names` moved from disk to the CPU; coarser entries
+    ("" = the whole model) are split into their children and own tensors down to those modules."""
+    placement = dict(placement)
+    for name in names:
+        owner = name.rpartition(".")[0]
+        while True:
+            covering = [k for k in placement if k == "" or owner == k or owner.startswith(k + ".")]
+            entry = max(covering, key=len, default=None)
+            if entry is None or placement[entry] != "disk":
+                break
+            if entry == owner:
+                placement[entry] = "cpu"
+                break
+            module, prefix, device = model.get_submodule(entry), f"{entry}." if entry else "", placement.pop(entry)
+            own = list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False))
+            for part in [n for n, _ in module.named_children()] + [n for n, _ in own]:
+                placement[prefix + part] = device
+    return placement
+
+
+def _placement_note(model: torch.nn.Module, options: LoadOptions) -> str:
+    """Where accelerate put the model (hf_device_map: modules, or single tensors), per device."""
+    parts: dict[str, list[str]] = {}
+    for name, device in (getattr(model, "hf_device_map", None) or {}).items():
+        parts.setdefault(f"cuda:{device}" if isinstance(device, int) else str(device), []).append(name or "(whole model)")
+    where = "; ".join(f"{device}: {', '.join(names)}" if len(names) <= 4 else
+                      f"{device}: {len(names)} parts ({names[0]}, …, {names[-1]})" for device, names in parts.items())
+    text = f"--device-map {options.device_map}: {where}"
+    if "disk" in parts:
+        text += (" (disk parts are read at every forward: from the checkpoint's safetensors, or from the offload "
+                 "folder where transformers had to re-save them)")
+    return text
+
+
+def _checkpoint_dtype(config: Any, weights: dict[str, Any]) -> torch.dtype | None:
+    """The floating dtype most of the stored tensors have (safetensors headers; else the config's)."""
+    if weights.get("dtype") is not None:
+        return weights["dtype"]
+    declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(declared, str):
+        declared = DTYPES.get(declared)
+    return declared if isinstance(declared, torch.dtype) else None
 
 
 def _auto_class(config: Any, family: Family):
@@ -629,16 +881,25 @@ def _weight_files(spec: str, options: LoadOptions, is_local: bool) -> dict[str, 
         files, pickles = _hub_weight_files(spec, options)
     if files:
         keys: list[str] = []
+        counts: dict[str, int] = {}
         for f in files:
             try:
                 with safe_open(str(f), framework="pt") as handle:
-                    keys.extend(handle.keys())
+                    for key in handle.keys():
+                        keys.append(key)
+                        stored = handle.get_slice(key).get_dtype()
+                        counts[stored] = counts.get(stored, 0) + 1
             except Exception as exc:
                 raise PosdiagError(f"unreadable safetensors file {f.name}: {_one_line(exc)} (re-download or re-save it)") from None
-        return {"keys": tuple(keys), "files": [str(f) for f in files], "source": "safetensors"}
+        floating = {k: n for k, n in counts.items() if k in _SAFETENSORS_FLOATS}
+        dtype = _SAFETENSORS_FLOATS[max(floating, key=floating.get)] if floating else None
+        return {"keys": tuple(keys), "files": [str(f) for f in files], "source": "safetensors", "dtype": dtype}
     if pickles:
         return {"keys": None, "files": [str(f) for f in pickles], "source": "pickle"}
     raise PosdiagError(f"'{spec}' has no weight files (*.safetensors or *.bin)")
+
+
+_SAFETENSORS_FLOATS = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
 
 
 def _hub_weight_files(spec: str, options: LoadOptions) -> tuple[list[Path], list[Path]]:

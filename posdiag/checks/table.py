@@ -28,7 +28,7 @@ Four measurements and one inspection, per stack:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -98,12 +98,11 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
         stack_tables = [t for t in tables if t.stack == stack]
         parts += _stack_parts(subject, options, settings, stack, stack_tables, declared, tables_out)
     for t in tables:
-        if t.tensor.device.type == "meta":
-            parts.append(Part("health", Status.SKIP, f"{t.name}: offloaded (meta) weights: not inspected"))
-            continue
-        if kind == "sinusoidal":
-            parts.append(_sinusoid_part(t, subject))
-        parts += _health_parts(subject, t, declared)
+        with subject.stored_weight(t.name) as values:  # offloaded (meta) tables: read from accelerate's map
+            stored = replace(t, tensor=values)
+            if kind == "sinusoidal":
+                parts.append(_sinusoid_part(stored, subject))
+            parts += _health_parts(subject, stored, declared)
 
     judged = [p.status for p in parts if p.status is not Status.SKIP]
     status = Status.worst(judged) if judged else Status.SKIP
@@ -143,9 +142,10 @@ def find_tables(subject: Subject) -> list[PositionTable]:
         low = name.lower()
         if tensor.ndim != 2 or not any(k in low for k in TABLE_NAMES) or any(k in low for k in EXCLUDE):
             continue
-        if tensor.data_ptr() in seen:
+        key = id(tensor) if tensor.device.type == "meta" else tensor.data_ptr()  # offloaded: all at address 0
+        if key in seen:
             continue
-        seen.add(tensor.data_ptr())
+        seen.add(key)
         parts = name.split(".")
         stack = subject.stacks[0]
         for s in subject.stacks:
@@ -440,22 +440,20 @@ def _marker(subject: Subject, stack: str, t: PositionTable, ids, enc, default, l
     """Add a marker to row position_offset+1 and see which position of the default forward moves."""
     fam = subject.family
     row = fam.position_offset + 1
-    if t.tensor.device.type == "meta":
-        return Part("offsets", Status.SKIP, f"{label}{t.name}: offloaded (meta) weights: no marker probe",
-                    details={"where": where})
     if row >= t.rows:
         return Part("offsets", Status.SKIP, f"{label}{t.name}: too few rows for the marker probe", details={"where": where})
     gen = torch.Generator().manual_seed(1234)
-    scale = max(float(t.tensor.detach().abs().max()), 1.0)
-    marker = (torch.randn(t.dim, generator=gen) * scale).to(t.tensor.dtype).to(t.tensor.device)
-    saved = t.tensor.detach()[row].clone()
-    try:
-        with torch.no_grad():
-            t.tensor[row] += marker
-        moved = subject.forward(ids[None], stack=stack, encoder_ids=enc).hidden[0][0]
-    finally:
-        with torch.no_grad():
-            t.tensor[row] = saved
+    with subject.stored_weight(t.name) as table:  # offloaded: an in-memory copy the next forward reads
+        scale = max(float(table.detach().abs().max()), 1.0)
+        marker = (torch.randn(t.dim, generator=gen) * scale).to(table.dtype).to(table.device)
+        saved = table.detach()[row].clone()
+        try:
+            with torch.no_grad():
+                table[row] += marker
+            moved = subject.forward(ids[None], stack=stack, encoder_ids=enc).hidden[0][0]
+        finally:
+            with torch.no_grad():
+                table[row] = saved
     change = (moved - default).double().norm(dim=-1) / max(float(default.double().norm(dim=-1).median()), 1e-30)
     line = FAIL_RATIO * MACHINE_EPSILON.get(subject.dtype_name, 1.2e-7)
     hit = [int(i) for i in torch.nonzero(change > line).flatten()]
@@ -644,7 +642,11 @@ def _fresh_init_evidence(subject: Subject, used: torch.Tensor) -> str:
     emb = subject.model.get_input_embeddings() if hasattr(subject.model, "get_input_embeddings") else None
     if emb is None or getattr(emb, "weight", None) is None:
         return ""
-    tok = emb.weight.detach()[: 4096].double().cpu()
+    emb_name = next((n for n, m in subject.model.named_modules() if m is emb), None)
+    if emb_name is None:
+        return ""
+    with subject.stored_weight(f"{emb_name}.weight") as weight:  # offloaded embeddings: read from accelerate's map
+        tok = weight.detach()[: 4096].double().cpu()
     c_tok, se_tok = _adjacent_cosine(tok)
     init = getattr(subject.config, "initializer_range", None) or getattr(subject.config, "init_std", None)
     std_tok, std_pos = float(tok.std()), float(used.std())
