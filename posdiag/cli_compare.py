@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 import typer
 
 from posdiag.cli import (
-    AttnOpt, DebugOpt, DeviceMapOpt, DeviceOpt, DType, DtypeOpt, Device, JsonOpt, MaxBatchOpt, PickleOpt,
+    AttnOpt, DebugOpt, DeviceMapOpt, DeviceOpt, MaxMemoryOpt, OffloadOpt, DType, DtypeOpt, Device, JsonOpt, MaxBatchOpt, PickleOpt,
     QuietOpt, RevisionOpt, SeedOpt, TextOpt, TrustOpt, UpcastOpt, _fail, _guarded, _quiet_transformers, app,
 )
 
@@ -42,7 +42,8 @@ def compare(
     candidate_attn: Annotated[Optional[str], typer.Option(
         "--candidate-attn-implementation", help="Attention implementation for the candidate (default: as the reference).")] = None,
     revision: RevisionOpt = None, trust_remote_code: TrustOpt = False, dtype: DtypeOpt = DType.auto,
-    device: DeviceOpt = Device.auto, device_map: DeviceMapOpt = None, attn_implementation: AttnOpt = "eager",
+    device: DeviceOpt = Device.auto, device_map: DeviceMapOpt = None, max_memory: MaxMemoryOpt = None,
+    offload_folder: OffloadOpt = None, attn_implementation: AttnOpt = "eager",
     upcast: UpcastOpt = True, allow_pickle: PickleOpt = False, seed: SeedOpt = 0, text: TextOpt = None,
     max_batch: MaxBatchOpt = None, json: JsonOpt = None, quiet: QuietOpt = False, debug: DebugOpt = False,
 ) -> None:
@@ -121,6 +122,7 @@ def _load_options(args: dict, dtype: str, attn: str, upcast: bool):
 
     return LoadOptions(
         revision=args["revision"], trust_remote_code=args["trust_remote_code"], dtype=dtype,
-        device=args["device"].value, device_map=args["device_map"], attn_implementation=attn,
+        device=args["device"].value, device_map=args["device_map"], max_memory=args["max_memory"],
+        offload_folder=args["offload_folder"], attn_implementation=attn,
         upcast=upcast, allow_pickle=args["allow_pickle"], max_batch=args["max_batch"],
     )

@@ -22,7 +22,7 @@ from typing import Annotated, Optional
 import typer
 
 from posdiag.cli import (
-    DebugOpt, Device, DeviceMapOpt, DeviceOpt, DType, JsonOpt, PickleOpt, QuietOpt, RevisionOpt, SeedOpt,
+    DebugOpt, Device, DeviceMapOpt, DeviceOpt, MaxMemoryOpt, OffloadOpt, DType, JsonOpt, PickleOpt, QuietOpt, RevisionOpt, SeedOpt,
     SeqLenOpt, TrustOpt, _emit, _fail, _guarded, _load, _run_options, app,
 )
 
@@ -53,7 +53,8 @@ def kernels(
     head_dim: HeadDimOpt = 64, causal: CausalOpt = True, alignment: AlignOpt = "bottom_right", padding: PaddingOpt = 0,
     window: WindowOpt = None, sweep: SweepOpt = None, repeats: RepeatsOpt = 3, memory: MemoryOpt = True,
     revision: RevisionOpt = None, trust_remote_code: TrustOpt = False, dtype: SDtypeOpt = "auto",
-    device: DeviceOpt = Device.auto, device_map: DeviceMapOpt = None, upcast: KUpcastOpt = False,
+    device: DeviceOpt = Device.auto, device_map: DeviceMapOpt = None, max_memory: MaxMemoryOpt = None,
+    offload_folder: OffloadOpt = None, upcast: KUpcastOpt = False,
     allow_pickle: PickleOpt = False, seq_len: SeqLenOpt = None, seed: SeedOpt = 0, json: JsonOpt = None,
     quiet: QuietOpt = False, debug: DebugOpt = False,
 ) -> None:

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from posdiag.cli import (
-    AttnOpt, DebugOpt, DeviceMapOpt, DeviceOpt, Device, DType, DtypeOpt, JsonOpt, ModelArg, PickleOpt, QuietOpt,
+    AttnOpt, DebugOpt, DeviceMapOpt, DeviceOpt, MaxMemoryOpt, OffloadOpt, Device, DType, DtypeOpt, JsonOpt, ModelArg, PickleOpt, QuietOpt,
     RevisionOpt, SeedOpt, TrustOpt, UpcastOpt, _fail, _guarded, _load, _quiet_transformers, app,
 )
 
@@ -33,7 +33,8 @@ def rope(
     model: ModelArg,
     target_length: TargetOpt = None, config_only: ConfigOnlyOpt = False, plot: PlotOpt = None, probe: ProbeOpt = None,
     revision: RevisionOpt = None, trust_remote_code: TrustOpt = False, dtype: DtypeOpt = DType.auto,
-    device: DeviceOpt = Device.auto, device_map: DeviceMapOpt = None, attn_implementation: AttnOpt = "eager",
+    device: DeviceOpt = Device.auto, device_map: DeviceMapOpt = None, max_memory: MaxMemoryOpt = None,
+    offload_folder: OffloadOpt = None, attn_implementation: AttnOpt = "eager",
     upcast: UpcastOpt = True, allow_pickle: PickleOpt = False, seed: SeedOpt = 0, json: JsonOpt = None,
     quiet: QuietOpt = False, debug: DebugOpt = False,
 ) -> None:

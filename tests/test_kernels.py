@@ -262,3 +262,43 @@ def test_isolated_implementation_on_an_in_memory_model_says_why():
     subject = from_module(zoo.tiny_model("llama"))
     result = run_checks(subject, ["kernels"], RunOptions(seq_len=16, check_options={"kernels": {"implementations": ["flex_attention"]}})).check("kernels")
     assert result.status is Status.SKIP and "in-memory model" in result.summary
+
+
+# ------------------------------------------------------------------ offloaded models (--device-map)
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+
+
+@pytest.mark.parametrize("max_memory", ["cpu=0", "cpu=250KB"])  # all on disk; embeddings in memory, rest on disk
+def test_offloaded_model_gets_the_same_float64_reference(max_memory):
+    """accelerate loads offloaded weights inside the module's forward: the reference converts them
+    after that load (and restores before they are dropped), giving the same numbers as in memory."""
+    from posdiag.subject import load_subject
+
+    plain = run_checks(load_subject(str(FIXTURES / "llama-tiny"), LoadOptions()), ["kernels"]).check("kernels")
+    subject = load_subject(str(FIXTURES / "llama-tiny"), LoadOptions(device_map="auto", max_memory=max_memory))
+    offloaded = run_checks(subject, ["kernels"]).check("kernels")
+    assert offloaded.status is Status.PASS == plain.status
+    assert offloaded.metrics["reference_dtype"] == "float64"
+    assert offloaded.metrics["ratio"] == pytest.approx(plain.metrics["ratio"], rel=1e-9)
+    assert all(p.device.type == "meta" for n, p in subject.model.named_parameters() if n.startswith("model.layers"))
+
+
+def test_offloaded_model_with_planted_kernel_bug_fails():
+    from posdiag.subject import load_subject
+
+    subject = load_subject(str(FIXTURES / "llama-tiny"), LoadOptions(device_map="auto", max_memory="cpu=0"))
+    plants.drop_padding_mask(subject.model)
+    result = run_checks(subject, ["kernels"]).check("kernels")
+    assert result.status is Status.FAIL and "left-padded" in result.summary
+
+
+def test_offloaded_model_without_a_module_by_module_reference_skips():
+    """T5's feed-forward reads its child's weight dtype: only a whole-block conversion works, which
+    a dispatched model cannot get. No reference, no verdict."""
+    from posdiag.subject import load_subject
+
+    in_memory = run_checks(load_subject(str(FIXTURES / "t5-tiny"), LoadOptions()), ["kernels"]).check("kernels")
+    assert in_memory.status is Status.PASS and "one block at a time" in in_memory.details["reference"]
+    subject = load_subject(str(FIXTURES / "t5-tiny"), LoadOptions(device_map="auto", max_memory="cpu=0"))
+    result = run_checks(subject, ["kernels"]).check("kernels")
+    assert result.status is Status.SKIP and "offloaded" in result.summary

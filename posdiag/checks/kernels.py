@@ -25,7 +25,7 @@ import torch
 from posdiag.isolated import ISOLATED, Outcome, describe_exception, run_isolated
 from posdiag.options import RunOptions, probe_ids
 from posdiag.results import CheckResult, Status, Table
-from posdiag.subject import Subject
+from posdiag.subject import Subject, is_dispatched
 from posdiag.verdict import MACHINE_EPSILON
 
 TITLE = "Attention kernels agree with eager"
@@ -243,7 +243,7 @@ def _as_dtype(model: torch.nn.Module, dtype: torch.dtype, current: torch.dtype) 
 
 
 @contextlib.contextmanager
-def _streamed_dtype(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[None]:
+def _streamed_dtype(model: torch.nn.Module, dtype: torch.dtype, per_block: bool = False) -> Iterator[None]:
     """Run in `dtype` one module at a time, so memory holds one module's higher-precision copy
     instead of the whole model's. Each module's own floating parameters and buffers are converted
     when it is called and put back (the original storage: memory-mapped weights stay mapped) when
@@ -252,13 +252,18 @@ def _streamed_dtype(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[None
     converts its weight a slice of rows at a time. Copies go into reused buffers (_Scratch).
     Measured on a 125M Llama (2 CPU cores, 64 tokens), peak RSS of the check over a bare load +
     forward: 2.2x whole model, 1.7x per module, 1.3x with embedding/head, ~1.15x reusing buffers.
-    A module whose weights are read outside its own forward makes the matmul dtypes clash: the
-    caller falls back to converting the whole model."""
+    A module whose weights are read outside its own forward (T5's feed-forward casts to its child's
+    weight dtype) makes the matmul dtypes clash: per_block=True then converts each transformer block
+    whole on entry (memory: one block's copy), and the caller's last resort is the whole model."""
     scratch = _Scratch(dtype)
     saved: dict[int, list] = {}
+    blocks = _blocks(model) if per_block else []
+    whole = {id(b) for b in blocks}
+    covered = {id(m) for b in blocks for m in b.modules() if m is not b}
 
     def own(module: torch.nn.Module) -> list[torch.Tensor]:
-        tensors = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
+        recurse = id(module) in whole
+        tensors = list(module.parameters(recurse=recurse)) + list(module.buffers(recurse=recurse))
         return [t for t in tensors if t.is_floating_point()]
 
     def pre(module, args):
@@ -278,14 +283,34 @@ def _streamed_dtype(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[None
     def embedding_output(module, args, out):
         return out.to(dtype) if isinstance(out, torch.Tensor) and out.is_floating_point() else out
 
-    handles, swapped = [], []
+    def around_accelerate(hook):
+        """accelerate loads an offloaded module's weights inside module.forward (its hook's
+        pre_forward) and drops them again in post_forward: convert after the one, restore before
+        the other. Torch's own pre-hooks would see meta tensors."""
+        load, unload = hook.pre_forward, hook.post_forward
+
+        def pre_forward(module, *args, **kwargs):
+            args, kwargs = load(module, *args, **kwargs)
+            pre(module, args)
+            return args, kwargs
+
+        def post_forward(module, output):
+            post(module, None, output)
+            return unload(module, output)
+
+        hook.pre_forward, hook.post_forward = pre_forward, post_forward
+        return hook
+
+    handles, swapped, wrapped = [], [], []
     for module in model.modules():
-        if not own(module):
+        if id(module) in covered or not own(module):
             continue
-        managed = hasattr(module, "_hf_hook")  # accelerate moves its weights in its own forward wrapper
-        if isinstance(module, torch.nn.Embedding) and not managed:
+        accelerate_hook = getattr(module, "_hf_hook", None)  # set by accelerate's dispatch (device maps)
+        if isinstance(module, torch.nn.Embedding):
             handles.append(module.register_forward_hook(embedding_output))
-        elif (type(module) is torch.nn.Linear and not managed and "forward" not in vars(module)
+        elif accelerate_hook is not None:
+            wrapped.append(around_accelerate(accelerate_hook))
+        elif (type(module) is torch.nn.Linear and "forward" not in vars(module)
               and module.weight.numel() * dtype.itemsize > _SLICE_BYTES):
             module.forward = _sliced_linear(module, scratch)
             swapped.append(module)
@@ -299,6 +324,8 @@ def _streamed_dtype(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[None
             handle.remove()
         for module in swapped:
             del module.forward
+        for hook in wrapped:
+            del hook.pre_forward, hook.post_forward  # the class's methods again
 
 
 class _Scratch:
@@ -355,6 +382,34 @@ def _sliced_linear(module: torch.nn.Linear, scratch: _Scratch):
         return torch.cat(parts, dim=-1)
 
     return forward
+
+
+def _reference_runs(subject: Subject, scenarios: list[Scenario], ref_dtype: torch.dtype) -> tuple[list[Run] | None, str]:
+    """(the reference runs, how they were built) or (None, why not): in ref_dtype one module at a
+    time, else one block at a time, else the whole model converted (not on a dispatched model:
+    accelerate refuses to move it)."""
+    padding_guard = ref_dtype == torch.float64
+    if ref_dtype == subject.dtype:
+        with _finite_padding(subject.model, padding_guard):
+            return [_forward(subject, sc) for sc in scenarios], "no conversion"
+    dispatched = is_dispatched(subject.model)
+    failure = None
+    for per_block in (False, True):
+        if per_block and dispatched:
+            break
+        try:
+            with _streamed_dtype(subject.model, ref_dtype, per_block), _finite_padding(subject.model, padding_guard):
+                runs = [_forward(subject, sc) for sc in scenarios]
+            if all(r.hidden[-1].dtype == ref_dtype for r in runs):
+                return runs, "one block at a time" if per_block else "one module at a time"
+            failure = "the conversion did not reach every module"
+        except (RuntimeError, TypeError) as exc:
+            failure = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__
+    if dispatched:
+        return None, (f"no {str(ref_dtype).removeprefix('torch.')} reference on this offloaded model (converting "
+                      f"module by module failed: {failure}); run it where the model fits in memory")
+    with _as_dtype(subject.model, ref_dtype, subject.dtype), _finite_padding(subject.model, padding_guard):
+        return [_forward(subject, sc) for sc in scenarios], "whole model converted"
 
 
 def _reference_dtype(subject: Subject) -> torch.dtype:
@@ -448,14 +503,9 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
 
     # Reference and the same-dtype eager baseline.
     ref_dtype = _reference_dtype(subject)
-    try:
-        with _streamed_dtype(subject.model, ref_dtype), _finite_padding(subject.model, ref_dtype == torch.float64):
-            reference = [_forward(subject, sc) for sc in scenarios]
-        if ref_dtype != dtype and any(h.dtype != ref_dtype for r in reference for h in r.hidden[-1:]):
-            raise TypeError("streamed conversion did not reach every module")
-    except (RuntimeError, TypeError):
-        with _as_dtype(subject.model, ref_dtype, dtype), _finite_padding(subject.model, ref_dtype == torch.float64):
-            reference = [_forward(subject, sc) for sc in scenarios]
+    reference, built = _reference_runs(subject, scenarios, ref_dtype)
+    if reference is None:
+        return CheckResult("kernels", Status.SKIP, built)
     eager = [_forward(subject, sc) for sc in scenarios]
 
     runs: dict[str, list[Run] | str] = {"eager": eager}
@@ -470,7 +520,8 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
 
     atol = MACHINE_EPSILON.get(dname, 1.2e-7) / 2  # unit roundoff of the run dtype (relative)
     floor_note = f"reference eager in {str(ref_dtype).removeprefix('torch.')}" + (
-        "" if ref_dtype != dtype else " (no higher precision fits: the eager baseline is the reference itself)")
+        f" (converted {built})" if ref_dtype != dtype else
+        " (no higher precision fits: the eager baseline is the reference itself)")
 
     rows_table: list[tuple] = []
     layer_rows: list[tuple] = []
