@@ -3,7 +3,9 @@
     python benchmarks/bench.py fixtures/llama-tiny --seq-len 64 [--checks shuffle,load] [--device cpu]
 
 Each side runs in its own fresh process, so wall time includes Python + torch + transformers
-imports for both, and peak memory is each process's max RSS (plus CUDA peak when on GPU).
+imports for both, and peak memory is each process's max RSS (plus CUDA peak when on GPU); per
+check, RSS is sampled every 2 ms while it runs (the model's own memory included) and the CUDA
+peak statistics are reset before it.
 Prints a markdown table (paste it into the README's performance section) and --json writes
 the raw numbers. Not a test: timings depend on the machine.
 """
@@ -41,14 +43,42 @@ print(json.dumps({"imports": t1 - t0, "load": t2 - t1, "forward": t3 - t2, "tota
 """
 
 POSDIAG = r"""
-import json, resource, sys, time
+import json, resource, sys, threading, time
 t0 = time.perf_counter()
 from typer.testing import CliRunner
+import posdiag.api as api
 from posdiag.cli import app
+
+# Peak memory per check: RSS sampled every 2 ms while the check runs (ru_maxrss only ever grows),
+# and torch's CUDA peak statistics reset before each check.
+def rss_mb():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+peaks, current = {}, {"name": None, "peak": 0.0}
+def sample():
+    while True:
+        if current["name"] is not None:
+            current["peak"] = max(current["peak"], rss_mb())
+        time.sleep(0.002)
+threading.Thread(target=sample, daemon=True).start()
+run_one = api._run_one
+def measured(subject, name, options):
+    import torch
+    cuda = torch.cuda.is_available() and subject.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    current.update(name=name, peak=rss_mb())
+    try:
+        return run_one(subject, name, options)
+    finally:
+        peaks[name] = {"rss_mb": max(current["peak"], rss_mb()),
+                       "cuda_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else 0.0}
+        current["name"] = None
+api._run_one = measured
 args = sys.argv[1:]
 result = CliRunner().invoke(app, args)
 t1 = time.perf_counter()
-print(json.dumps({"total": t1 - t0, "exit_code": result.exit_code,
+print(json.dumps({"total": t1 - t0, "exit_code": result.exit_code, "peaks": peaks,
                   "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
 
@@ -90,20 +120,29 @@ def main() -> None:
 
     checks = report["checks"]
     load_and_imports = bare["imports"] + bare["load"]
-    rows = [("bare load + 1 forward", f"{bare['total']:.2f}", "1", f"{bare['rss_mb']:.0f}", "1.00")]
+    cuda = a.device.startswith("cuda")
+    def memory(entry: dict) -> str:
+        text = f"{entry['rss_mb']:.0f} ({entry['rss_mb'] / bare['rss_mb']:.2f}x)"
+        if cuda:
+            text += f"; CUDA {entry['cuda_mb']:.0f} ({entry['cuda_mb'] / max(bare['cuda_mb'], 1e-9):.2f}x)"
+        return text
+
+    rows = [("bare load + 1 forward", f"{bare['total']:.2f}", "1", memory(bare), "1.00")]
     for c in checks:
         # Each check against (load + the forwards it needed, at the bare forward's cost).
         minimum = load_and_imports + max(1, c["forward_passes"]) * bare["forward"]
-        rows.append((f"check `{c['name']}` ({c['status']})", f"{c['seconds']:.2f}", str(c["forward_passes"]), "",
-                     f"{(load_and_imports + c['seconds']) / minimum:.2f}"))
+        peak = run["peaks"].get(c["name"])
+        rows.append((f"check `{c['name']}` ({c['status']})", f"{c['seconds']:.2f}", str(c["forward_passes"]),
+                     memory(peak) if peak else "", f"{(load_and_imports + c['seconds']) / minimum:.2f}"))
     floor = load_and_imports + len(checks) * bare["forward"]
+    whole = {"rss_mb": run["rss_mb"], "cuda_mb": max((p["cuda_mb"] for p in run["peaks"].values()), default=0.0)}
     rows.append((f"posdiag check, whole run ({len(checks)} checks)", f"{run['total']:.2f}",
-                 str(sum(c["forward_passes"] for c in checks)), f"{run['rss_mb']:.0f}", f"{run['total'] / floor:.2f}"))
+                 str(sum(c["forward_passes"] for c in checks)), memory(whole), f"{run['total'] / floor:.2f}"))
     print(f"model {a.model}, seq-len {a.seq_len or 'default (64; causal sweeps 32)'}, device {a.device}; imports {bare['imports']:.2f}s, "
           f"load {bare['load']:.2f}s, one forward {bare['forward'] * 1000:.1f}ms")
     print(f"startup: posdiag --help {startup('--help'):.2f}s, posdiag --version {startup('--version'):.2f}s")
     print(f"peak memory ratio (posdiag / bare): {run['rss_mb'] / bare['rss_mb']:.2f}\n")
-    print("| what | wall s | forwards | peak RSS MB | ratio to minimum |")
+    print("| what | wall s | forwards | peak memory MB (x bare) | time ratio to minimum |")
     print("|---|---|---|---|---|")
     for r in rows:
         print("| " + " | ".join(r) + " |")
