@@ -58,7 +58,10 @@ def run_isolated(subject: Any, name: str, scenarios: list) -> Outcome:
         except subprocess.TimeoutExpired:
             return Outcome(kind="unavailable", reason=f"{name} did not finish within {CHILD_TIMEOUT_S} s in its process")
         if proc.returncode < 0:
-            sig = signal.Signals(-proc.returncode).name if -proc.returncode in signal.Signals._value2member_map_ else proc.returncode
+            try:
+                sig = signal.Signals(-proc.returncode).name
+            except ValueError:
+                sig = f"signal {-proc.returncode}"
             return Outcome(kind="crashed", reason=f"{name} killed its process ({sig}){_last_line(proc.stderr)}")
         if proc.returncode != 0 or not os.path.exists(result):
             return Outcome(kind="unavailable", reason=f"the {name} process failed (exit {proc.returncode}){_last_line(proc.stderr)}")
