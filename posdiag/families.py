@@ -162,7 +162,10 @@ def family_for(config: Any) -> Family:
     model_type = getattr(config, "model_type", None) or "generic"
     row = _ROWS.get(model_type)
     if row is None:
-        return replace(GENERIC, name=model_type, kind=_guess_kind(config))
+        kind = _guess_kind(config)
+        # posdiag hands encoder-decoder stacks no position_ids (Subject.forward): positions are
+        # whatever the stacks derive inside, so a "consistent" permutation cannot be built.
+        return replace(GENERIC, name=model_type, kind=kind, position_ids="ignored" if kind == "seq2seq" else "honoured")
     if model_type == "falcon" and getattr(config, "alibi", False):
         # Falcon-alibi builds the bias from the 2D mask like Bloom.
         return replace(row, position_kind="alibi", mask_form="layer_hook", position_ids="ignored",

@@ -116,11 +116,15 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
                       return_dict_in_generate=True, pad_token_id=pad, eos_token_id=None, forced_eos_token_id=None,
                       forced_bos_token_id=None)
 
+    decoder_start: list[int] = []  # what generate() put before the first decoder step (seq2seq)
+
     def generate(ids: torch.Tensor, attn: torch.Tensor, impl: str | None) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=attn, cache_implementation=impl, **gen_kwargs)
         subject.forward_count += len(out.logits)
         logits = torch.stack(out.logits, 1).float()
+        if seq2seq:
+            decoder_start.append(int(out.sequences[0, 0]))
         return logits, out.sequences[:, -logits.shape[1]:]
 
     static_ok, static_why = static_support(subject)
@@ -143,8 +147,10 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
                 run_.skipped = static_why
 
     done = [r for r in runs if not r.skipped]
-    # Teacher-forced forward of every generated row *alone* (unpadded prompt + its tokens).
-    refs, prompt_logits, floor_measured = _reference(subject, prompts, done, pad, seq2seq)
+    # Teacher-forced forward of every generated row *alone* (unpadded prompt + its tokens), with the
+    # decoder start generate() used (the config may not say: T5Gemma keeps it in generation_config).
+    start_id = decoder_start[0] if decoder_start else None
+    refs, prompt_logits, floor_measured = _reference(subject, prompts, done, pad, seq2seq, start_id)
     floor = noise_floor(floor_measured, dtype)
     tolerance = FAIL_RATIO * floor
 
@@ -235,7 +241,7 @@ def _first_bad(r: Run, tolerance: float) -> str | None:
 
 
 def _reference(subject: Subject, prompts: list[torch.Tensor], done: list[Run], pad: int,
-               seq2seq: bool) -> tuple[dict[tuple[str, int], torch.Tensor], list[torch.Tensor], float]:
+               seq2seq: bool, start_id: int | None) -> tuple[dict[tuple[str, int], torch.Tensor], list[torch.Tensor], float]:
     """Teacher-forced forward logits for each generated row alone, prompt-only logits per prompt,
     and the measured noise floor (max per position over equivalent cache-free paths).
 
@@ -245,7 +251,6 @@ def _reference(subject: Subject, prompts: list[torch.Tensor], done: list[Run], p
     sequences stacked; the prompt-only pass is the padded-encoder batch with its mask.
     """
     model = subject.model
-    start_id = getattr(subject.config, "decoder_start_token_id", None)
     items = [(r.name, i, row, r.tokens[i]) for r in done for i, row in enumerate(r.rows)]
     refs: dict[tuple[str, int], torch.Tensor] = {}
     with torch.inference_mode():

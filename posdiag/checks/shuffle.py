@@ -87,12 +87,13 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
         if not fid.ok:
             return CheckResult("shuffle", Status.SKIP, f"mask not faithful, no verdict: {fid.reason}",
                                metrics, details)
-        if consistent and final_floor > 0 and final_residual > 0 and max(floor[-1]) >= 0.5 * final_residual:
-            # Permuting position ids with the tokens did not restore P f(x): the ids are not what
-            # the model positions by. The consistent run is then no floor; say so, don't guess.
-            details["floor_source"] = f"{dtype} machine epsilon (position ids passed but not honoured)"
-            floor = [[0.0] for _ in range(layers)]
-            final_floor = 0.0
+    if consistent and final_floor > 0 and final_residual > 0 and max(floor[-1]) >= 0.5 * final_residual:
+        # Permuting position ids with the tokens did not restore P f(x): the ids are not what
+        # the model positions by (an unknown family's stack deriving them inside). The consistent
+        # run is then no floor; say so, don't guess.
+        details["floor_source"] = f"{dtype} machine epsilon (position ids passed but not honoured)"
+        floor = [[0.0] for _ in range(layers)]
+        final_floor = 0.0
 
     verdict = judge_position_signal(final_residual, final_floor, dtype)
     table_rows = []
