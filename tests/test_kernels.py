@@ -302,3 +302,49 @@ def test_offloaded_model_without_a_module_by_module_reference_skips():
     subject = load_subject(str(FIXTURES / "t5-tiny"), LoadOptions(device_map="auto", max_memory="cpu=0"))
     result = run_checks(subject, ["kernels"]).check("kernels")
     assert result.status is Status.SKIP and "offloaded" in result.summary
+
+
+# ------------------------------------------------------------------ when float64 cannot run
+def tiny_mixtral() -> torch.nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                           intermediate_size=64, vocab_size=256, max_position_embeddings=256)
+    return MixtralForCausalLM(config).eval()
+
+
+def test_moe_reference_runs_its_experts_in_the_eager_loop():
+    """grouped_mm (MoE experts) has no float64 kernel: the reference switches the experts to
+    transformers' eager loop instead of crashing the check; the model is restored afterwards."""
+    model = tiny_mixtral()
+    before = model.get_experts_implementation()
+    result = run_checks(from_module(model), ["kernels"]).check("kernels")
+    assert result.status is Status.PASS, result.summary
+    assert result.metrics["reference_dtype"] == "float64" and "eager loop" in result.details["reference"]
+    assert model.get_experts_implementation() == before
+
+
+def test_moe_with_planted_kernel_bug_fails():
+    model = tiny_mixtral()
+    plants.drop_padding_mask(model)
+    assert run_checks(from_module(model), ["kernels"]).check("kernels").status is Status.FAIL
+
+
+def _refuses_float64(model: torch.nn.Module) -> torch.nn.Module:
+    def hook(module, args):
+        if args and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float64:
+            raise RuntimeError("no float64 kernel for this op")
+    model.model.norm.register_forward_pre_hook(hook)
+    return model
+
+
+def test_no_reference_more_precise_than_the_run_is_a_skip():
+    result = run_checks(from_module(_refuses_float64(zoo.tiny_model("llama"))), ["kernels"]).check("kernels")
+    assert result.status is Status.SKIP and "no reference more precise than float32" in result.summary
+
+
+def test_bfloat16_model_falls_back_to_a_float32_reference():
+    model = _refuses_float64(zoo.tiny_model("llama").to(torch.bfloat16))
+    result = run_checks(from_module(model, options=LoadOptions(upcast=False)), ["kernels"]).check("kernels")
+    assert result.status is Status.PASS and result.metrics["reference_dtype"] == "float32"

@@ -384,32 +384,61 @@ def _sliced_linear(module: torch.nn.Linear, scratch: _Scratch):
     return forward
 
 
-def _reference_runs(subject: Subject, scenarios: list[Scenario], ref_dtype: torch.dtype) -> tuple[list[Run] | None, str]:
-    """(the reference runs, how they were built) or (None, why not): in ref_dtype one module at a
-    time, else one block at a time, else the whole model converted (not on a dispatched model:
-    accelerate refuses to move it)."""
-    padding_guard = ref_dtype == torch.float64
-    if ref_dtype == subject.dtype:
-        with _finite_padding(subject.model, padding_guard):
-            return [_forward(subject, sc) for sc in scenarios], "no conversion"
+def _reference_runs(subject: Subject, scenarios: list[Scenario],
+                    preferred: torch.dtype) -> tuple[list[Run] | None, torch.dtype, str]:
+    """(reference runs, their dtype, how they were built) or (None, preferred, why not).
+
+    In `preferred` one module at a time, else one block at a time, else the whole model converted
+    (not on a dispatched model: accelerate refuses to move it). A model with an op that has no
+    float64 kernel (grouped_mm in MoE experts) falls back to float32 when that is still more precise
+    than the run dtype (a bf16 model); with nothing more precise that runs there is no reference."""
+    if preferred == subject.dtype:
+        with _finite_padding(subject.model, preferred == torch.float64):
+            return [_forward(subject, sc) for sc in scenarios], preferred, "no conversion"
     dispatched = is_dispatched(subject.model)
-    failure = None
-    for per_block in (False, True):
-        if per_block and dispatched:
-            break
-        try:
-            with _streamed_dtype(subject.model, ref_dtype, per_block), _finite_padding(subject.model, padding_guard):
-                runs = [_forward(subject, sc) for sc in scenarios]
-            if all(r.hidden[-1].dtype == ref_dtype for r in runs):
-                return runs, "one block at a time" if per_block else "one module at a time"
-            failure = "the conversion did not reach every module"
-        except (RuntimeError, TypeError) as exc:
-            failure = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__
-    if dispatched:
-        return None, (f"no {str(ref_dtype).removeprefix('torch.')} reference on this offloaded model (converting "
-                      f"module by module failed: {failure}); run it where the model fits in memory")
-    with _as_dtype(subject.model, ref_dtype, subject.dtype), _finite_padding(subject.model, padding_guard):
-        return [_forward(subject, sc) for sc in scenarios], "whole model converted"
+    candidates = [preferred] + [d for d in (torch.float32,)
+                                if preferred.itemsize > d.itemsize > subject.dtype.itemsize]
+    failure = ""
+    for ref_dtype in candidates:
+        padding_guard = ref_dtype == torch.float64
+        ways = [("one module at a time", lambda: _streamed_dtype(subject.model, ref_dtype, False))]
+        if not dispatched:
+            ways += [("one block at a time", lambda: _streamed_dtype(subject.model, ref_dtype, True)),
+                     ("whole model converted", lambda: _as_dtype(subject.model, ref_dtype, subject.dtype))]
+        for how, converted in ways:
+            try:
+                with _eager_experts(subject.model) as experts, converted(), _finite_padding(subject.model, padding_guard):
+                    runs = [_forward(subject, sc) for sc in scenarios]
+                if all(r.hidden[-1].dtype == ref_dtype for r in runs):
+                    return runs, ref_dtype, how + ("; MoE experts through the eager loop" if experts else "")
+                failure = f"{str(ref_dtype).removeprefix('torch.')}: the conversion did not reach every module"
+            except (RuntimeError, TypeError) as exc:
+                text = str(exc).strip().splitlines()
+                failure = f"{str(ref_dtype).removeprefix('torch.')}: {(text[0] if text else type(exc).__name__)[:120]}"
+    where = "this offloaded model (run it where the model fits in memory)" if dispatched else "this model"
+    return None, preferred, (f"no reference more precise than {subject.dtype_name} runs on {where}: {failure}; "
+                             f"FlashAttention's rule needs one")
+
+
+@contextlib.contextmanager
+def _eager_experts(model: torch.nn.Module) -> Iterator[bool]:
+    """MoE experts through transformers' eager loop for the reference: grouped_mm has no float64
+    kernel ("Expected mat_a to be Float32, BFloat16 or Float16"). Same function, other summation
+    order, like any reference. Restored afterwards."""
+    get = getattr(model, "get_experts_implementation", None)
+    saved = get() if callable(get) else {}
+    if not any(v not in (None, "eager") for v in saved.values()):
+        yield False
+        return
+    try:
+        model.set_experts_implementation("eager")
+    except Exception:  # the class cannot switch: the reference runs as the model is
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        model.set_experts_implementation(saved)
 
 
 def _reference_dtype(subject: Subject) -> torch.dtype:
@@ -502,8 +531,7 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
         return CheckResult("kernels", Status.SKIP, f"the model runs {base_impl}; load it with eager attention to compare")
 
     # Reference and the same-dtype eager baseline.
-    ref_dtype = _reference_dtype(subject)
-    reference, built = _reference_runs(subject, scenarios, ref_dtype)
+    reference, ref_dtype, built = _reference_runs(subject, scenarios, _reference_dtype(subject))
     if reference is None:
         return CheckResult("kernels", Status.SKIP, built)
     eager = [_forward(subject, sc) for sc in scenarios]
