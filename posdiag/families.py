@@ -34,6 +34,9 @@ class Family:
                       (RoBERTa reads the ids as table rows; OPT adds its 2 inside).
     eager_only:       the family refuses attn_implementation="sdpa" in transformers 5.x.
     mask_note:        why mask_form is "none" (shown in skips).
+    offsets_known:    position_offset / explicit_position_offset were measured for this row. False
+                      for model types with no row: `table` then discovers which table row position 0
+                      reads instead of assuming 0 (BioGPT, unknown to posdiag, reads row 2).
     """
 
     name: str
@@ -46,13 +49,14 @@ class Family:
     explicit_position_offset: int = 0
     eager_only: bool = False
     mask_note: str = ""
+    offsets_known: bool = True
 
     @property
     def takes_position_ids(self) -> bool:
         return self.position_ids in ("honoured", "required")
 
 
-GENERIC = Family(name="generic")
+GENERIC = Family(name="generic", offsets_known=False)
 
 
 # ------------------------------------------------------------------ injectors (imports torch lazily)

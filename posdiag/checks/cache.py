@@ -59,8 +59,45 @@ def static_support(subject: Subject) -> tuple[bool, str]:
 
 
 def text_config(subject: Subject) -> Any:
+    """The config a decoder cache is sized from, with the layer count the decoder really has.
+
+    T5/mT5 configs count encoder layers in num_hidden_layers (num_layers) and keep the decoder's in
+    num_decoder_layers; a cache built from the top config (as generate() builds it) has too few
+    layers when they differ (measured: mT5 with num_layers=2, num_decoder_layers=8: IndexError in
+    cache.update). The model's own forward sizes its cache from the decoder stack's config."""
+    import copy
+
     cfg = subject.config
-    return cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+    cfg = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+    layers = decoder_layer_count(subject)
+    if layers is not None and getattr(cfg, "num_hidden_layers", layers) != layers:
+        cfg = copy.deepcopy(cfg)
+        cfg.num_hidden_layers = layers
+    return cfg
+
+
+def decoder_layer_count(subject: Subject) -> int | None:
+    """Blocks in the decoder stack of an encoder-decoder (None: not one, or not found)."""
+    if subject.kind != "seq2seq" or not hasattr(subject.model, "get_decoder"):
+        return None
+    decoder = subject.model.get_decoder()
+    for attr in ("layers", "block", "layer", "h"):
+        blocks = getattr(decoder, attr, None)
+        if isinstance(blocks, torch.nn.ModuleList):
+            return len(blocks)
+    return None
+
+
+def cache_layer_note(subject: Subject) -> str:
+    """Why posdiag sized the cache itself, where the config's layer count is not the decoder's."""
+    cfg = subject.config
+    top = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+    layers = decoder_layer_count(subject)
+    declared = getattr(top, "num_hidden_layers", None)
+    if layers is None or declared is None or declared == layers:
+        return ""
+    return (f"the config's num_hidden_layers={declared} is not the decoder's {layers} layers: a cache sized from it "
+            "(generate()'s default) crashes, so posdiag sizes the cache for the decoder")
 
 
 def new_cache(subject: Subject, kind: str, max_len: int, encoder_len: int = 0) -> Any:
@@ -241,6 +278,10 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
                "paths_judged": len(judged)}
     skipped = sorted({p.skipped for p in paths if p.skipped})
     tail = f"; skipped: {'; '.join(skipped)}" if skipped else ""
+    note = cache_layer_note(subject)
+    if note:
+        details["cache_note"] = note
+        tail += f"; note: {note}"
     if status is Status.FAIL:
         bad = first_bad(worst)
         step = _step_name(worst, bad[0]) if bad else "?"

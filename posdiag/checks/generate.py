@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from posdiag.checks.cache import cache_support, first_line, output_of, static_support
+from posdiag.checks.cache import cache_layer_note, cache_support, first_line, new_cache, output_of, static_support
 from posdiag.options import RunOptions, probe_length
 from posdiag.results import CheckResult, Status, Table
 from posdiag.subject import Subject
@@ -71,14 +71,28 @@ def _support(subject: Subject) -> tuple[bool, str]:
     return True, ""
 
 
-def _pad_id(subject: Subject) -> int:
+def _pad_id(subject: Subject) -> tuple[int, str]:
+    """The padding id: the config's pad (else eos, bos; config, then generation_config) when it is a
+    row of the embedding table. Tiny or resized configs keep ids of the full vocabulary (measured:
+    starcoder2/gpt_bigcode with vocab_size=256 keep bos/eos 50256 / 0 -> "index out of range in self"
+    on the padded batch): posdiag never feeds an id >= vocab_size, and says which id it used."""
+    vocab = subject.vocab_size
+    invalid: list[str] = []
+    sources = [subject.config, getattr(subject.model, "generation_config", None)]
     for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
-        value = getattr(subject.config, name, None)
-        if isinstance(value, (list, tuple)):
-            value = value[0] if value else None
-        if isinstance(value, int):
-            return value
-    return 0
+        for src in sources:
+            value = getattr(src, name, None) if src is not None else None
+            if isinstance(value, (list, tuple)):
+                value = value[0] if value else None
+            if isinstance(value, int) and not isinstance(value, bool):
+                if 0 <= value < vocab:
+                    return value, (f"padding with {name} {value} ({'; '.join(invalid)})" if invalid else "")
+                text = f"{name} {value} is outside the vocabulary of {vocab}"
+                if text not in invalid:
+                    invalid.append(text)
+    ordinary = sorted(set(range(min(vocab, 8))) - subject.special_ids())
+    pad = ordinary[0] if ordinary else 0
+    return pad, f"padding with id {pad} ({'; '.join(invalid)})" if invalid else ""
 
 
 def run(subject: Subject, options: RunOptions) -> CheckResult:
@@ -97,7 +111,8 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     model = subject.model
     seq2seq = subject.kind == "seq2seq"
     dtype = subject.dtype_name
-    pad = _pad_id(subject)
+    pad, pad_note = _pad_id(subject)
+    cache_note = cache_layer_note(subject)
 
     lens = [length, max(2, length - max(1, length // 4)), max(2, length - max(2, length // 2))][:ROWS]
     prompts = subject.sample_ids(len(lens), length, options.seed)
@@ -119,8 +134,12 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     decoder_start: list[int] = []  # what generate() put before the first decoder step (seq2seq)
 
     def generate(ids: torch.Tensor, attn: torch.Tensor, impl: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        extra: dict[str, Any] = {"cache_implementation": impl}
+        if cache_note:  # generate() would size its cache from the wrong layer count: hand it ours
+            kind = impl or "dynamic"
+            extra = {"cache": new_cache(subject, kind, max_len=ids.shape[1] + new_tokens + 1, encoder_len=ids.shape[1])}
         with torch.inference_mode():
-            out = model.generate(ids, attention_mask=attn, cache_implementation=impl, **gen_kwargs)
+            out = model.generate(ids, attention_mask=attn, **extra, **gen_kwargs)
         subject.forward_count += len(out.logits)
         logits = torch.stack(out.logits, 1).float()
         if seq2seq:
@@ -210,6 +229,10 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
                "first_step_error": first_step_error, "runs_judged": len(done)}
     skipped = sorted({r.skipped for r in runs if r.skipped})
     tail = f"; skipped: {'; '.join(skipped)}" if skipped else ""
+    for key, note in (("pad_note", pad_note), ("cache_note", cache_note)):
+        if note:
+            details[key] = note
+            tail += f"; note: {note}"
     if status is Status.FAIL:
         where = _first_bad(worst, tolerance) or "?"
         details["first_difference"] = {"run": worst.name, "where": where}

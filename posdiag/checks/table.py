@@ -47,6 +47,7 @@ EXCLUDE = ("token_type", "relative", "inv_freq", "rotary")
 ROW_TOKENS = 64          # positions per row of the capacity probe (position ids passed)
 DEFAULT_MAX_PROBE = 16384  # positions probed exhaustively; larger contexts are sampled evenly
 OFFSET_LEN = 16          # tokens of the offset / marker probes
+DISCOVER_ROWS = 1024     # rows searched for the first one read, for a family with no measured offset
 
 
 @dataclass
@@ -94,15 +95,16 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     parts: list[Part] = []
     tables_out: list[Table] = []
     declared = _declared_logical(subject)
+    own_offsets: dict[str, int] = {}  # table name -> row read at position 0 (the family's, or discovered)
     for stack in subject.stacks:
         stack_tables = [t for t in tables if t.stack == stack]
-        parts += _stack_parts(subject, options, settings, stack, stack_tables, declared, tables_out)
+        parts += _stack_parts(subject, options, settings, stack, stack_tables, declared, tables_out, own_offsets)
     for t in tables:
         with subject.stored_weight(t.name) as values:  # offloaded (meta) tables: read from accelerate's map
             stored = replace(t, tensor=values)
             if kind == "sinusoidal":
                 parts.append(_sinusoid_part(stored, subject))
-            parts += _health_parts(subject, stored, declared)
+            parts += _health_parts(subject, stored, declared, own_offsets.get(t.name))
 
     judged = [p.status for p in parts if p.status is not Status.SKIP]
     status = Status.worst(judged) if judged else Status.SKIP
@@ -164,19 +166,34 @@ def _declared_logical(subject: Subject) -> int | None:
 
 # ====================================================================== per stack
 def _stack_parts(subject: Subject, options: RunOptions, settings: dict, stack: str,
-                 tables: list[PositionTable], declared: int | None, out_tables: list[Table]) -> list[Part]:
+                 tables: list[PositionTable], declared: int | None, out_tables: list[Table],
+                 own_offsets: dict[str, int]) -> list[Part]:
     where = f"{stack}_" if len(subject.stacks) > 1 else ""
     label = f"{stack}: " if len(subject.stacks) > 1 else ""
-    offset = subject.family.position_offset
     parts: list[Part] = []
     token = int(subject.sample_ids(1, 1, options.seed)[0, 0])
     sizes = {f"table_rows_{t.name}": t.rows for t in tables}
 
+    # 3. offsets first: they also tell whether position ids are really honoured and, for a family
+    # posdiag has no row for, which row each probe reads.
+    offset_parts, honoured, found = _offset_parts(subject, options, stack, tables, label, where)
+    parts += offset_parts
+    own_offsets.update(found["own"])
+    offset = found["probe"]  # the row the capacity/beyond probes read for logical position 0
+
     rows_cap = min((t.rows - offset for t in tables), default=None)
+    if (found["discovered"] and rows_cap is not None and declared is not None and rows_cap < declared
+            and min(t.rows for t in tables) >= declared):
+        # RoBERTa's convention: max_position_embeddings counts the offset rows. Whatever the offset,
+        # the table holds every row the model's own numbering can read; only rows_cap positions exist.
+        parts.append(Part("offsets", Status.PASS, f"{label}the declared {declared} positions count the "
+                          f"{offset} offset row(s), as RoBERTa's config does: {rows_cap} usable positions",
+                          {"usable_positions": rows_cap}, {"where": where}))
+        declared = rows_cap
     n = declared if declared is not None else rows_cap
     if n is None:
-        return [Part("capacity", Status.SKIP, f"{label}no declared context and no table rows to size the probe",
-                     details={"where": where})]
+        return parts + [Part("capacity", Status.SKIP, f"{label}no declared context and no table rows to size the probe",
+                             details={"where": where})]
     static_short = rows_cap is not None and declared is not None and rows_cap < declared
     if static_short:
         t = min(tables, key=lambda x: x.rows)
@@ -187,10 +204,6 @@ def _stack_parts(subject: Subject, options: RunOptions, settings: dict, stack: s
                           {"where": where, "first_bad_position": rows_cap}))
         n = rows_cap
 
-    # 3. offsets first: they also tell whether position ids are really honoured.
-    offset_parts, honoured = _offset_parts(subject, options, stack, tables, label, where)
-    parts += offset_parts
-
     # 1. capacity
     cap, outputs = _capacity(subject, settings, stack, n, token, honoured, label, where)
     cap.metrics.update({"declared_positions": declared, "position_offset": offset, **sizes})
@@ -200,7 +213,7 @@ def _stack_parts(subject: Subject, options: RunOptions, settings: dict, stack: s
 
     # 2. past the declared context
     if declared is not None and not static_short:
-        parts.append(_beyond(subject, stack, declared, token, honoured, tables, outputs, label, where))
+        parts.append(_beyond(subject, stack, declared, token, honoured, tables, outputs, label, where, offset))
     return parts
 
 
@@ -342,8 +355,7 @@ def _pattern(h: torch.Tensor, positions: torch.Tensor, bad: torch.Tensor, twin: 
 
 # ---------------------------------------------------------------------- past the context
 def _beyond(subject: Subject, stack: str, declared: int, token: int, honoured: bool,
-            tables: list[PositionTable], outputs: dict, label: str, where: str) -> Part:
-    offset = subject.family.position_offset
+            tables: list[PositionTable], outputs: dict, label: str, where: str, offset: int) -> Part:
     row_needed = declared + offset
     rows = min((t.rows for t in tables), default=None)
     if subject.device.type != "cpu" and (rows is None or row_needed >= rows):
@@ -387,7 +399,12 @@ def _beyond(subject: Subject, stack: str, declared: int, token: int, honoured: b
 
 # ---------------------------------------------------------------------- offsets
 def _offset_parts(subject: Subject, options: RunOptions, stack: str, tables: list[PositionTable],
-                  label: str, where: str) -> tuple[list[Part], bool]:
+                  label: str, where: str) -> tuple[list[Part], bool, dict[str, Any]]:
+    """Markers (which row the model's own numbering reads at position 1), then omitted vs passed ids.
+
+    Returns the parts, whether ids are honoured, and the offsets: "own" (table -> row read at
+    position 0 without ids), "probe" (row read at logical position 0 by the capacity/beyond probes)
+    and "discovered" (the family has no measured row: the offsets were found, not assumed)."""
     fam = subject.family
     dtype = subject.dtype_name
     length = OFFSET_LEN
@@ -396,9 +413,21 @@ def _offset_parts(subject: Subject, options: RunOptions, stack: str, tables: lis
     default = subject.forward(ids[None], stack=stack, encoder_ids=enc).hidden[0][0]
     parts: list[Part] = []
     honoured = fam.takes_position_ids
+    own: dict[str, int] = {}
+    for t in tables:
+        part, row0 = (_marker(subject, stack, t, ids, enc, default, label, where) if fam.offsets_known
+                      else _discover(subject, stack, t, ids, enc, default, label, where))
+        parts.append(part)
+        if row0 is not None:
+            own[t.name] = row0
+    discovered = not fam.offsets_known and bool(own)
+    own_offset = next(iter(own.values()), fam.position_offset) if discovered else fam.position_offset
+    found: dict[str, Any] = {"own": own, "probe": own_offset, "discovered": discovered}
 
     if fam.takes_position_ids:
         shifts = [s for s in (-2, -1, 0, 1, 2) if s >= -fam.position_offset - fam.explicit_position_offset]
+        if discovered:  # passed id x reads row x + k; k is 0 or OPT's 2 in practice: shift own-k matches
+            shifts = sorted(set(shifts) | {s for s in (own_offset, own_offset - 1, own_offset - 2) if s > 2})
         try:
             out = _shifted(subject, stack, ids, enc, shifts)
         except Exception:  # a negative shift below the table's first row (a wrong offset, say)
@@ -409,6 +438,7 @@ def _offset_parts(subject: Subject, options: RunOptions, stack: str, tables: lis
         moved = judge_position_signal(err[1], 0.0, dtype)  # a shift must move far above rounding
         honoured = moved.status is Status.PASS
         metrics = {"offset_error": err[0], "offset_shift_effect": err[1]}
+        match = [s for s in shifts if s != 0 and judge_agreement(err[s], 0.0, dtype).status is Status.PASS]
         if not honoured:
             parts.append(Part("offsets", Status.SKIP,
                               f"{label}shifting the passed position ids by 1 changes the embeddings by only "
@@ -417,17 +447,21 @@ def _offset_parts(subject: Subject, options: RunOptions, stack: str, tables: lis
         elif agree.status is Status.PASS:
             parts.append(Part("offsets", Status.PASS, f"{label}ids omitted == ids passed as logical+"
                               f"{fam.explicit_position_offset} (error {err[0]:.2g})", metrics, {"where": where}))
+        elif discovered and match:
+            # No convention to judge against: which ids reproduce the model's own numbering is information.
+            found["probe"] = own_offset - match[0]
+            parts.append(Part("offsets", Status.PASS, f"{label}the model's own positions are ids passed as "
+                              f"logical{match[0]:+d} (error {err[match[0]]:.2g}; posdiag passes logical+0: "
+                              f"{fam.name} has no row in posdiag's family table)", {**metrics, "matching_shift": match[0]},
+                              {"where": where, "matching_shift": match[0]}))
         else:
-            match = [s for s in shifts if s != 0 and judge_agreement(err[s], 0.0, dtype).status is Status.PASS]
             said = (f"the model's own positions are the convention shifted by {match[0]:+d}" if match
                     else "no small shift explains it")
-            parts.append(Part("offsets", Status.FAIL, f"{label}ids omitted != ids passed as logical+"
+            status = Status.FAIL if fam.offsets_known else Status.WARN  # no convention known: inconclusive
+            parts.append(Part("offsets", status, f"{label}ids omitted != ids passed as logical+"
                               f"{fam.explicit_position_offset} (error {err[0]:.2g} = {agree.ratio:.3g}x floor): {said}",
                               metrics, {"where": where, "matching_shift": match[0] if match else None}))
-
-    for t in tables:
-        parts.append(_marker(subject, stack, t, ids, enc, default, label, where))
-    return parts, honoured
+    return parts, honoured, found
 
 
 def _shifted(subject: Subject, stack: str, ids, enc, shifts: list[int]):
@@ -436,39 +470,80 @@ def _shifted(subject: Subject, stack: str, ids, enc, shifts: list[int]):
                     encoder_ids=None if enc is None else enc.expand(len(rows), -1))
 
 
-def _marker(subject: Subject, stack: str, t: PositionTable, ids, enc, default, label: str, where: str) -> Part:
+def _moved(subject: Subject, stack: str, t: PositionTable, rows: list[int], ids, enc, default) -> list[int]:
+    """Positions of the default forward that move when a distinct random marker is added to each of `rows`."""
+    gen = torch.Generator().manual_seed(1234)
+    with subject.stored_weight(t.name) as table:  # offloaded: an in-memory copy the next forward reads
+        scale = max(float(table.detach().abs().max()), 1.0)
+        index = torch.tensor(rows, device=table.device)
+        marker = (torch.randn(len(rows), t.dim, generator=gen) * scale).to(table.dtype).to(table.device)
+        saved = table.detach()[index].clone()
+        try:
+            with torch.no_grad():
+                table[index] += marker
+            moved = subject.forward(ids[None], stack=stack, encoder_ids=enc).hidden[0][0]
+        finally:
+            with torch.no_grad():
+                table[index] = saved
+    change = (moved - default).double().norm(dim=-1) / max(float(default.double().norm(dim=-1).median()), 1e-30)
+    line = FAIL_RATIO * MACHINE_EPSILON.get(subject.dtype_name, 1.2e-7)
+    return [int(i) for i in torch.nonzero(change > line).flatten()]
+
+
+def _marker(subject: Subject, stack: str, t: PositionTable, ids, enc, default, label: str,
+            where: str) -> tuple[Part, int | None]:
     """Add a marker to row position_offset+1 and see which position of the default forward moves."""
     fam = subject.family
     row = fam.position_offset + 1
     if row >= t.rows:
-        return Part("offsets", Status.SKIP, f"{label}{t.name}: too few rows for the marker probe", details={"where": where})
-    gen = torch.Generator().manual_seed(1234)
-    with subject.stored_weight(t.name) as table:  # offloaded: an in-memory copy the next forward reads
-        scale = max(float(table.detach().abs().max()), 1.0)
-        marker = (torch.randn(t.dim, generator=gen) * scale).to(table.dtype).to(table.device)
-        saved = table.detach()[row].clone()
-        try:
-            with torch.no_grad():
-                table[row] += marker
-            moved = subject.forward(ids[None], stack=stack, encoder_ids=enc).hidden[0][0]
-        finally:
-            with torch.no_grad():
-                table[row] = saved
-    change = (moved - default).double().norm(dim=-1) / max(float(default.double().norm(dim=-1).median()), 1e-30)
-    line = FAIL_RATIO * MACHINE_EPSILON.get(subject.dtype_name, 1.2e-7)
-    hit = [int(i) for i in torch.nonzero(change > line).flatten()]
+        return Part("offsets", Status.SKIP, f"{label}{t.name}: too few rows for the marker probe",
+                    details={"where": where}), None
+    hit = _moved(subject, stack, t, [row], ids, enc, default)
     metrics = {"marker_row": row, "marker_positions": hit}
     if hit == [1]:
         return Part("offsets", Status.PASS, f"{label}{t.name}: row {row} is read at position 1 "
-                    f"(offset {fam.position_offset}, as the family says)", metrics, {"where": where})
+                    f"(offset {fam.position_offset}, as the family says)", metrics, {"where": where}), fam.position_offset
     if not hit:
         return Part("offsets", Status.FAIL, f"{label}{t.name}: a marker in row {row} moves no position of "
-                    f"0..{len(change) - 1}: the model does not read this table at offset {fam.position_offset}",
-                    metrics, {"where": where})
+                    f"0..{len(ids) - 1}: the model does not read this table at offset {fam.position_offset}",
+                    metrics, {"where": where}), None
     actual = row - hit[0]
     return Part("offsets", Status.FAIL, f"{label}{t.name}: row {row} is read at position(s) {hit[:4]}, not 1: the "
                 f"model's offset is {actual}, the family convention {fam.position_offset}", metrics,
-                {"where": where, "model_offset": actual})
+                {"where": where, "model_offset": actual}), None
+
+
+def _discover(subject: Subject, stack: str, t: PositionTable, ids, enc, default, label: str,
+              where: str) -> tuple[Part, int | None]:
+    """A family with no measured offsets: find the row position 0 reads (blocks of rows marked at
+    once, then one row to confirm) and report it. What is wrong whatever the offset still FAILs: no
+    row read at all, or rows not read in position order (row off+1 must move position 1 only)."""
+    n = len(ids)
+    limit = min(t.rows, DISCOVER_ROWS)
+    forwards = 0
+    for lo in range(0, limit, n):
+        block = list(range(lo, min(lo + n, limit)))
+        hit = _moved(subject, stack, t, block, ids, enc, default)
+        forwards += 1
+        if hit:
+            break
+    else:
+        return Part("offsets", Status.FAIL, f"{label}{t.name}: markers in rows 0..{limit - 1} move no position of "
+                    f"0..{n - 1}: the model does not read this table", {"marker_forwards": forwards},
+                    {"where": where}), None
+    # positions 0..c-1 read rows off..off+c-1 inside the block [lo, lo+n): off = block end - c
+    offset = block[-1] + 1 - len(hit) if hit[0] == 0 else lo - hit[0]
+    row = offset + 1
+    single = _moved(subject, stack, t, [row], ids, enc, default) if 0 <= row < t.rows else []
+    metrics = {"discovered_offset": offset, "marker_row": row, "marker_positions": single,
+               "marker_forwards": forwards + 1}
+    if single == [1]:
+        return Part("offsets", Status.PASS, f"{label}{t.name}: position 0 reads row {offset} (offset discovered: "
+                    f"{subject.family.name} has no row in posdiag's family table); row {row} is read at position 1",
+                    metrics, {"where": where, "model_offset": offset}), offset
+    return Part("offsets", Status.FAIL, f"{label}{t.name}: rows are not read in position order: markers in rows "
+                f"{block[0]}..{block[-1]} moved positions {hit[:6]}, a marker in row {row} moved {single[:6] or 'none'} "
+                "(position 1 only expected, whatever the offset)", metrics, {"where": where}), None
 
 
 # ====================================================================== sinusoids
@@ -564,9 +639,9 @@ def _rotation_residual(pairs: torch.Tensor) -> float:
 
 
 # ====================================================================== health
-def _health_parts(subject: Subject, t: PositionTable, declared: int | None) -> list[Part]:
+def _health_parts(subject: Subject, t: PositionTable, declared: int | None, offset: int | None) -> list[Part]:
     where = f"{t.stack}_" if len(subject.stacks) > 1 else ""
-    offset = subject.family.position_offset
+    offset = subject.family.position_offset if offset is None else offset
     n = declared if declared is not None else t.rows - offset
     used = t.tensor.detach()[offset: offset + n].double().cpu()
     parts: list[Part] = []
