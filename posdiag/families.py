@@ -140,6 +140,10 @@ _ROWS: dict[str, Family] = {
     "gpt_neo": Family("gpt_neo", position_kind="learned", injector=_gpt_neo_buffers, eager_only=True),
     # OPT derives positions from the 2D mask cumsum (+2); with a 4D mask it needs explicit ids.
     "opt": Family("opt", position_kind="learned", position_ids="required", position_offset=2),
+    # BioGPT adds 2 inside (OPT's table layout) but numbers positions by arange, and passed ids are
+    # read as logical positions (+2 inside). Without the row the table probe looked at row 1 (read
+    # by no position: a false FAIL); measured: row 3 read at position 1, omitted == passed ids.
+    "biogpt": Family("biogpt", position_kind="learned", position_offset=2),
     # --- ALiBi: positions come from the 2D mask (Bloom, Falcon) or arange (MPT); position_ids
     #     are accepted and dropped (bit-identical outputs). --------------------------------
     "bloom": Family("bloom", position_kind="alibi", mask_form="layer_hook", position_ids="ignored", eager_only=True,
@@ -150,6 +154,10 @@ _ROWS: dict[str, Family] = {
     "bert": Family("bert", kind="encoder", position_kind="learned"),
     # RoBERTa reads explicit position_ids as table rows; its own ids start at padding_idx + 1.
     "roberta": Family("roberta", kind="encoder", position_kind="learned"),
+    # Same embeddings as RoBERTa (offset padding_idx + 1, set in family_for). Without a row they
+    # fell through to GENERIC and the RoBERTa branch of family_for never ran.
+    "xlm-roberta": Family("xlm-roberta", kind="encoder", position_kind="learned"),
+    "camembert": Family("camembert", kind="encoder", position_kind="learned"),
     "distilbert": Family("distilbert", kind="encoder", position_kind="learned"),
     # Local layers attend |q - k| <= local_attention // 2 (config.sliding_window): dict by layer type.
     "modernbert": Family("modernbert", kind="encoder", position_kind="rope", mask_form="layer_dict"),
@@ -158,6 +166,12 @@ _ROWS: dict[str, Family] = {
     "t5": Family("t5", kind="seq2seq", position_kind="relative_bias", position_ids="ignored"),
     "bart": Family("bart", kind="seq2seq", position_kind="learned", position_ids="ignored", position_offset=2),
     "marian": Family("marian", kind="seq2seq", position_kind="sinusoidal", position_ids="ignored"),
+    # Pegasus: Marian's fixed sinusoidal tables ([sin|cos], offset 0, no position_ids). Without the row
+    # the table was taken for a learned one and never checked against the formula.
+    "pegasus": Family("pegasus", kind="seq2seq", position_kind="sinusoidal", position_ids="ignored"),
+    # mBART: BART's learned tables (offset 2, positions from arange + cache length, no position_ids).
+    # Measured: row 3 read at position 1 in both stacks; passed position_ids change nothing.
+    "mbart": Family("mbart", kind="seq2seq", position_kind="learned", position_ids="ignored", position_offset=2),
 }
 
 
