@@ -27,6 +27,12 @@ left-padded row is still exact; absolute schemes numbered by arange (BART, Maria
 left-padded at all, so only right padding is tested there (said in the report). Rows with
 non-affine positions need position_ids: not run for those families (said in the report).
 Encoder-decoders: each stack; the decoder with one fixed, unpadded encoder input.
+
+Recurrent / linear-attention / convolutional mixers (posdiag.mixers) need no permutation here: a row alone
+must still equal itself in the batch, and transformers hands them the same 2D padding mask. A
+`module:factory` model gets posdiag's 4D mask, which transformers' recurrent layers ignore (padding is not
+masked in the recurrence), so there left padding is not tested (said in the report): right padding comes
+after every valid token, and a causal recurrence cannot see it.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from typing import Any
 import torch
 
 from posdiag.checks.positions import FLOOR_SOURCE, jittered, per_token_change, restart_positions, tolerance
+from posdiag.mixers import recurrent_mixers
 from posdiag.options import RunOptions, probe_ids, probe_length
 from posdiag.probe import Row, run_rows
 from posdiag.results import CheckResult, Status, Table, combine_stacks
@@ -69,6 +76,12 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
     dev = subject.device
     takes = subject.family.takes_position_ids and subject.kind != "seq2seq"
     notes: list[str] = []
+    recurrent = recurrent_mixers(subject.model)
+    no_left = recurrent and not subject.is_hf
+    if no_left:
+        notes.append(f"left padding not tested: {subject.family.name} has recurrent sequence mixers "
+                     f"({', '.join(recurrent)}) and posdiag's 4D mask hides padding from attention only, "
+                     f"not from the recurrence")
 
     def padded(x: torch.Tensor, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
         fill = torch.full((pads,), pad, dtype=x.dtype, device=dev)
@@ -85,6 +98,8 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
     # (name, ids, 2D mask, positions or None, reference key, left-padded?)
     rows: list[tuple[str, torch.Tensor, torch.Tensor, Any, str, bool]] = []
     for left in (False, True):
+        if left and no_left:
+            continue
         if left and not takes and subject.position_kind not in _START_INVARIANT:
             notes.append(f"left padding not tested: {subject.family.name} numbers {subject.position_kind} positions "
                          f"by arange inside and takes no position_ids, so a left-padded row is not the same input")
@@ -93,7 +108,7 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
         rows.append((f"a {'left' if left else 'right'}-padded", ids, mask,
                      positions(pa, left) if takes else None, "a", left))
     if takes:
-        for left in (False, True):
+        for left in (False, True) if not no_left else (False,):
             ids, mask = padded(b, left)
             rows.append((f"b {'left' if left else 'right'}-padded, restart positions", ids, mask,
                          positions(pb, left), "b", left))
@@ -150,6 +165,7 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
         "floor_source": FLOOR_SOURCE if has_jitter else f"{dtype} machine epsilon (no token embedding found to jitter)",
         "path": "2D padding mask + position_ids (model builds its mask)" if subject.is_hf else "explicit 4D mask",
         "error_per_row": errors, "first_diverging_token": first_token, "notes": notes,
+        **({"recurrent_mixers": recurrent} if recurrent else {}),
         "positions": {"a": pa.tolist(), "b": pb.tolist()} if takes else "derived inside the model",
     }
     tested = f"{len(errors)} rows: {', '.join(errors)}"

@@ -15,6 +15,11 @@ causal mask) and the explicit mask (posdiag's additive 4D pattern in the family'
 Encoders are bidirectional by design: skipped. Encoder-decoders: the decoder stack, with one
 fixed encoder input for every row. Reports the first leaking (query, key) pair (lowest key),
 the largest leak, the distances j − i that leak, and the first layer where the leak shows.
+
+Recurrent / linear-attention / convolutional mixers (posdiag.mixers) are swept the same way: the test edits
+tokens, never permutes them, so it needs no consistent permutation; the recurrence is causal by
+construction (a bidirectional scan or a centred (non-causal) convolution would leak and be caught), and the explicit
+mask reaches the attention layers only, which is what that path checks.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from posdiag.checks.positions import FLOOR_SOURCE, jittered, per_token_change, tolerance
+from posdiag.mixers import recurrent_mixers
 from posdiag.options import RunOptions, probe_ids, probe_length
 from posdiag.probe import Row, run_rows
 from posdiag.results import CheckResult, Status, Table
@@ -96,6 +102,10 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
                      "paths": {r["path"]: r["details"] for r in results}}
     if not ok:
         details["explicit_mask"] = f"not run: {why}"
+    recurrent = recurrent_mixers(subject.model)
+    if recurrent:
+        details["recurrent_mixers"] = recurrent
+        details["explicit_mask_reaches"] = "attention layers only (the recurrent mixers are causal by construction)"
     if status is Status.PASS:
         summary = (f"no output before j moves when token j changes, for every j (max change "
                    f"{worst['metrics']['leak']:.2g} <= {worst['metrics']['tolerance']:.2g}; "

@@ -25,6 +25,12 @@ Families whose positions are derived inside (position_ids accepted and dropped: 
 buckets, BART/Marian offsets — `Family.position_ids == "ignored"`) are skipped with that reason:
 there is nothing to honour, and a pass would claim something never measured.
 
+Models with recurrent / linear-attention / convolutional mixers (posdiag.mixers) read order through the
+recurrence: no consistent permutation exists, so measurement 1 is not run (said in the report) and the
+verdict rests on measurement 2 — tokens and pattern unchanged, only the ids move, so only layers that read
+position ids can respond. Such a model with no position mechanism at all (Jamba: NoPE attention + Mamba)
+has no ids to honour and is skipped.
+
 The jitter helpers here are shared with the `batch` and `causal` checks.
 """
 
@@ -35,6 +41,7 @@ from typing import Iterator
 
 import torch
 
+from posdiag.mixers import recurrent_mixers, recurrent_reason
 from posdiag.options import RunOptions, probe_ids
 from posdiag.probe import Row, fidelity_rows, judge_fidelity, moving_permutations, run_rows
 from posdiag.results import CheckResult, Status, Table
@@ -156,6 +163,12 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     stack = subject.stacks[0]
     causal = stack == "decoder"
     dtype = subject.dtype_name
+    recurrent = recurrent_mixers(subject.model)
+    if recurrent and subject.position_kind not in ("rope", "learned", "sinusoidal", "alibi", "relative_bias"):
+        return CheckResult(
+            "positions", Status.SKIP,
+            f"{recurrent_reason(subject)}; and no position mechanism was found ({subject.position_kind}), so there "
+            f"are no position ids to honour", details={"recurrent_mixers": recurrent})
     if causal:
         ok, why = subject.explicit_mask_supported
         if not ok:
@@ -181,6 +194,8 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     jitter_row = len(rows)
     rows.append(Row(ids))
     first_perm = len(rows)
+    if recurrent:
+        perms = []  # no consistent permutation through a recurrence
     rows += [Row(ids[p], order=p, positions=p) for p in perms]
     first_variant = len(rows)
     rows += [Row(ids, positions=pos) for _, pos in variants]
@@ -203,6 +218,8 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     floor = floors[-1] if has_jitter else 0.0
     details: dict = {
         "seq_len": length, "permutations": len(perms),
+        **({"recurrent_mixers": recurrent, "consistent_permutation": f"not run: {recurrent_reason(subject)}"}
+           if recurrent else {}),
         "floor_source": FLOOR_SOURCE if has_jitter else f"{dtype} machine epsilon (no token embedding found to jitter)",
         "consistent_error_per_permutation": consistent[-1],
         "variants": {n: [int(v) for v in p.tolist()] for n, p in variants},
@@ -218,24 +235,28 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
             return CheckResult("positions", Status.SKIP, f"mask not faithful, no verdict: {fid_result.reason}",
                                metrics, details)
 
-    agree = judge_agreement(max(consistent[-1]), floor, dtype)
+    # Recurrent mixers: no consistent permutation was run; its error is reported as 0 nowhere (not judged).
+    agree = judge_agreement(max(consistent[-1]) if perms else 0.0, floor, dtype)
     # Judged on the strongest variant: any non-affine change that moves the outputs proves the ids
     # are read (an ignoring model gives exactly 0 for every variant); ModernBERT at default init
     # moves only 1.8e-5 under the restart (126x floor at 64 tokens), 3.6e-5 under the gaps.
     signal = judge_position_signal(max(moved[-1]), floor, dtype)
     tol = tolerance(floor, dtype)
-    first_bad = next((l for l in range(layers) if max(consistent[l]) > tolerance(floors[l] if has_jitter else 0.0, dtype)), None)
+    first_bad = next((l for l in range(layers) if perms and max(consistent[l]) > tolerance(floors[l] if has_jitter else 0.0, dtype)), None)
     strongest = max(range(len(variants)), key=lambda i: moved[-1][i])
-    metrics.update({
-        "consistent_error": agree.residual, "residual": signal.residual, "noise_floor": agree.noise_floor,
-        "consistent_ratio": agree.ratio, "ratio": signal.ratio, "tolerance": tol,
-    })
+    metrics.update({"residual": signal.residual, "noise_floor": agree.noise_floor, "ratio": signal.ratio,
+                    "tolerance": tol})
+    if perms:
+        metrics.update({"consistent_error": agree.residual, "consistent_ratio": agree.ratio})
     details["consistent_breaks_at"] = None if first_bad is None else _layer_name(first_bad, layers)
     details["strongest_variant"] = variants[strongest][0]
 
-    status = Status.worst([agree.status, signal.status])
+    status = Status.worst([agree.status, signal.status]) if perms else signal.status
     parts = []
-    if agree.status is Status.PASS:
+    if not perms:
+        parts.append(f"consistent permutation not run ({subject.family.name} has recurrent sequence mixers: "
+                     f"{', '.join(recurrent)}; order enters through the recurrence)")
+    elif agree.status is Status.PASS:
         parts.append(f"consistent permutation reproduces P f(x) (error {agree.residual:.2g} <= {tol:.2g})")
     else:
         at = f", from {details['consistent_breaks_at']}" if first_bad is not None else ""
@@ -249,12 +270,12 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
                      f"{signal.ratio:.3g}x floor (position_ids ignored)")
     else:
         parts.append(f"non-contiguous ids ({name}): {signal.reason}")
-    if status is Status.FAIL and agree.status is Status.FAIL and signal.status is Status.FAIL:
+    if status is Status.FAIL and perms and agree.status is Status.FAIL and signal.status is Status.FAIL:
         parts.insert(0, "position_ids ignored")
     summary = "; ".join(parts) + f" [noise floor {agree.noise_floor:.2g}, {length} tokens]"
 
     table_rows = tuple(
-        (_layer_name(l, layers), f"{max(consistent[l]):.3e}", *[f"{m:.3e}" for m in moved[l]],
+        (_layer_name(l, layers), f"{max(consistent[l]):.3e}" if perms else "not run", *[f"{m:.3e}" for m in moved[l]],
          f"{noise_floor(floors[l] if has_jitter else 0.0, dtype):.2e}")
         for l in range(layers))
     table = Table("position ids by layer", ("layer", "consistent error", *[f"{n} residual" for n, _ in variants],

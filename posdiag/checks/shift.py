@@ -21,6 +21,12 @@ a prefix instead: k padding tokens, invisible to every query, placed before the 
 positions (learned or sinusoidal tables) are not meant to be invariant: the check reports how much
 the outputs change and SKIPs. Stateful rope types (dynamic, longrope) choose frequencies from the
 largest position in the batch; the whole ladder shares one forward, so one set of frequencies.
+
+Recurrent / linear-attention / convolutional mixers (posdiag.mixers) never see position ids, so the
+direct route stays faithful for them (the ids move, the recurrence does not care); only the floor changes:
+no consistent permutation exists, so the baseline repeated with its token embeddings jittered by ~1 ulp
+(see `positions`) gives it. The prefix route is not run for them: an explicit 4D mask hides the prefix
+from attention only, the recurrence still reads it.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from typing import Callable
 
 import torch
 
+from posdiag.checks.positions import FLOOR_SOURCE, jittered
+from posdiag.mixers import recurrent_mixers, recurrent_reason
 from posdiag.options import RunOptions, probe_length
 from posdiag.probe import Row, fidelity_rows, judge_fidelity, run_rows
 from posdiag.results import CheckResult, Status, Table, combine_stacks
@@ -59,6 +67,7 @@ class _Probe:
     span: int  # tokens of the probe
     prefix: bool  # shifted by invisible padding tokens instead of position ids
     make_row: Callable[[int], Row]  # the probe shifted by k
+    jitter: int | None = None  # row of the jittered baseline (floor), recurrent mixers only
 
 
 def run(subject: Subject, options: RunOptions) -> CheckResult:
@@ -86,6 +95,10 @@ def _build(subject: Subject, options: RunOptions, stack: str) -> _Probe | str:
     if declared is not None:
         length = min(length, max(4, declared // 2))  # leave room for the ladder
     prefix = not subject.family.takes_position_ids
+    recurrent = bool(recurrent_mixers(subject.model))
+    if prefix and recurrent:
+        return (f"{recurrent_reason(subject)}; nor can positions be shifted by an invisible prefix (the family "
+                f"takes no position_ids, and a 4D mask hides the prefix from attention only, not from the recurrence)")
     settings = options.for_check("shift")
     if prefix:
         k_max = PREFIX_MAX_SHIFT if declared is None else min(PREFIX_MAX_SHIFT, declared - length)
@@ -127,6 +140,10 @@ def _build(subject: Subject, options: RunOptions, stack: str) -> _Probe | str:
     rows += [Row(ids, positions=arange + k) for k in ladder]  # the base row has positions=None: arange
     gap = len(rows)
     rows.append(Row(ids, positions=arange + (arange >= length // 2).long()))
+    if recurrent:  # no consistent permutation through a recurrence: the jittered baseline is the floor
+        rows.append(Row(ids))
+        return _Probe(rows, ladder, base, shifted, gap, None, None, length, False,
+                      lambda k: Row(ids, positions=arange + k), jitter=len(rows) - 1)
     gen = torch.Generator().manual_seed(options.seed + 7919)
     perm = torch.randperm(length, generator=gen).to(ids.device)
     consistent = len(rows)
@@ -149,7 +166,12 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
         first = probe.rows[probe.base].ids
         enc = first if not probe.prefix else first[: probe.span]
         encoder_ids = enc[None].expand(len(probe.rows), -1)
-    out = run_rows(subject, probe.rows, stack=stack, encoder_ids=encoder_ids)
+    if probe.jitter is not None:
+        with jittered(subject, stack, probe.jitter, len(probe.rows), options.seed) as has_jitter:
+            out = run_rows(subject, probe.rows, stack=stack, encoder_ids=encoder_ids)
+    else:
+        has_jitter = False
+        out = run_rows(subject, probe.rows, stack=stack, encoder_ids=encoder_ids)
     details: dict = {"stack": stack, "route": "prefix of invisible padding" if probe.prefix else "position_ids + k",
                      "seq_len": probe.span, "ladder": probe.ladder}
     metrics: dict = {}
@@ -173,6 +195,13 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
     if probe.consistent is not None:
         measured_floor = relative_l2(out.hidden[final][probe.consistent], out.hidden[final][probe.base][probe.perm])
         floor_source = "consistent permutation (tokens, mask and position ids permuted together)"
+    elif probe.jitter is not None:
+        mixers = ", ".join(recurrent_mixers(subject.model))
+        if has_jitter:
+            measured_floor = relative_l2(out.hidden[final][probe.jitter], out.hidden[final][probe.base])
+        floor_source = (f"{FLOOR_SOURCE if has_jitter else f'{dtype} machine epsilon'} (recurrent sequence "
+                        f"mixers {mixers}: no consistent permutation)")
+        details["recurrent_mixers"] = recurrent_mixers(subject.model)
     floor = noise_floor(measured_floor, dtype)
     eps = MACHINE_EPSILON.get(dtype, MACHINE_EPSILON["float32"])
     details["floor_source"] = floor_source

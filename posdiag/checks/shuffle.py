@@ -7,12 +7,22 @@ and measure residual = ||f(P x, P M Pᵀ) − P f(x)|| / ||f(x)||. The noise flo
 the same run: the *consistent* permutation (tokens, mask and position ids permuted
 together) must reproduce P f(x) exactly in exact arithmetic, so its residual is rounding.
 Causal stacks need an explicit mask, so its fidelity is measured first (probe.Fidelity).
+
+Models with recurrent / linear-attention / convolutional mixers (posdiag.mixers) read order through the
+recurrence, so no consistent permutation exists: the floor is then the baseline row with its token
+embeddings jittered by ~1 ulp (see `positions`), and a PASS says that order enters the model, not that
+positions reach its attention layers (`positions`, `shift` and `rope` judge those).
 """
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 
+from posdiag.checks.positions import FLOOR_SOURCE, jittered
+from posdiag.mixers import recurrent_mixers
 from posdiag.options import RunOptions, probe_ids
 from posdiag.probe import Row, fidelity_rows, judge_fidelity, moving_permutations, run_rows
 from posdiag.results import CheckResult, Status, Table, combine_stacks
@@ -41,9 +51,10 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
     ids = probe_ids(subject, options)[0]
     length = ids.shape[0]
     perms = [p.to(subject.device) for p in moving_permutations(length, options.permutations, options.seed + 7919)]
-    consistent = subject.family.takes_position_ids
+    recurrent = recurrent_mixers(subject.model)
+    consistent = subject.family.takes_position_ids and not recurrent
 
-    # One batched forward: [fidelity rows (causal only) | baseline | permuted... | consistent...]
+    # One batched forward: [fidelity rows (causal only) | baseline | permuted... | consistent... | jittered]
     rows: list[Row] = []
     fidelity_where = None
     if causal:
@@ -56,9 +67,13 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
     first_consistent = len(rows)
     if consistent:
         rows += [Row(ids[p], order=p, positions=p) for p in perms]
+    jitter_row = len(rows) if recurrent else None
+    if recurrent:
+        rows.append(Row(ids))
     # Encoder-decoders: the decoder is tested against one fixed encoder input for every row.
     encoder_ids = ids[None].expand(len(rows), -1) if subject.kind == "seq2seq" and stack == "decoder" else None
-    out = run_rows(subject, rows, stack=stack, encoder_ids=encoder_ids)
+    with jittered(subject, stack, len(rows) - 1, len(rows), options.seed) if recurrent else _nothing() as has_jitter:
+        out = run_rows(subject, rows, stack=stack, encoder_ids=encoder_ids)
     base = [h[0] for h in out.hidden]
 
     if not all(torch.isfinite(h).all() for h in out.hidden):
@@ -69,14 +84,20 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
     layers = len(base)
     residual = [[relative_l2(out.hidden[l][first_perm + i], base[l][p]) for i, p in enumerate(perms)] for l in range(layers)]
     floor = [[relative_l2(out.hidden[l][first_consistent + i], base[l][p]) for i, p in enumerate(perms)]
-             if consistent else [0.0] for l in range(layers)]
+             if consistent else [relative_l2(out.hidden[l][jitter_row], base[l]) if has_jitter else 0.0]
+             for l in range(layers)]
 
     final_residual = min(residual[-1])
     final_floor = max(floor[-1])
     floor_source = "consistent permutation (tokens, mask and position ids permuted together)" if consistent else \
         f"{dtype} machine epsilon ({subject.family.name} derives positions inside: no consistent permutation)"
+    if recurrent:
+        floor_source = (f"{FLOOR_SOURCE if has_jitter else f'{dtype} machine epsilon'} ({subject.family.name} has "
+                        f"recurrent sequence mixers: no consistent permutation)")
     details: dict = {"stack": stack, "seq_len": length, "permutations": len(perms), "floor_source": floor_source,
                      "residual_per_permutation": residual[-1], "floor_per_permutation": floor[-1]}
+    if recurrent:
+        details["recurrent_mixers"] = recurrent
     metrics: dict = {}
 
     if causal:
@@ -109,9 +130,18 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
     where = f"; enters at {enters}" if enters and verdict.status is Status.PASS else ""
     summary = (f"{verdict.reason}: residual {verdict.residual:.3g} = {verdict.ratio:.3g}x noise floor "
                f"{verdict.noise_floor:.2g} ({len(perms)} permutations, {length} tokens{where})")
+    if recurrent:
+        summary += (f"; {subject.family.name} has recurrent sequence mixers ({', '.join(recurrent)}): order enters "
+                    f"through the recurrence, so this shows order reaches the outputs, not that positions reach "
+                    f"the attention layers (see positions, shift, rope)")
     table = Table(f"shuffle residual by layer ({stack})" if subject.kind == "seq2seq" else "shuffle residual by layer",
                   ("layer", "residual", "noise floor", "ratio"), tuple(table_rows))
     return CheckResult("shuffle", verdict.status, summary, metrics, details, (table,))
+
+
+@contextlib.contextmanager
+def _nothing() -> Iterator[bool]:
+    yield False
 
 
 def _layer_name(index: int, total: int | None = None) -> str:
