@@ -531,10 +531,11 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
         return CheckResult("kernels", Status.SKIP, f"the model runs {base_impl}; load it with eager attention to compare")
 
     # Reference and the same-dtype eager baseline.
+    # The model as it is first: if that cannot run, the check errors; it is not a missing reference.
+    eager = [_forward(subject, sc) for sc in scenarios]
     reference, ref_dtype, built = _reference_runs(subject, scenarios, _reference_dtype(subject))
     if reference is None:
         return CheckResult("kernels", Status.SKIP, built)
-    eager = [_forward(subject, sc) for sc in scenarios]
 
     runs: dict[str, list[Run] | str] = {"eager": eager}
     notes: dict[str, str] = {}
