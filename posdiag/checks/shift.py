@@ -73,7 +73,10 @@ class _Probe:
 def run(subject: Subject, options: RunOptions) -> CheckResult:
     kind = subject.position_kind
     if kind not in RELATIVE_KINDS + ABSOLUTE_KINDS:
-        return CheckResult("shift", Status.SKIP, f"no position mechanism found ({kind}): nothing to shift")
+        recurrent = recurrent_mixers(subject.model)
+        why = (f"; order enters through {subject.family.name}'s recurrent sequence mixers ({', '.join(recurrent)}), "
+               f"which read no position ids") if recurrent else ""
+        return CheckResult("shift", Status.SKIP, f"no position mechanism found ({kind}): nothing to shift{why}")
     return combine_stacks("shift", [_run_stack(subject, options, stack) for stack in subject.stacks])
 
 
