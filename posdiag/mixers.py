@@ -33,11 +33,14 @@ import torch
 # "LinearAttention" is left out on purpose: KimiLinearAttention is Kimi-Linear's full (MLA) attention.
 _NAME = re.compile(r"Mamba|LightningAttention|GatedDeltaNet|DeltaNet|DeltaAttention|ShortConv|Rwkv|RWKV|Rglru"
                    r"|RecurrentBlock|[msx]LSTM|Hyena|Retention|Ssm(?![a-z])|SSM")
+# Classes of a recurrent family that are not its mixer (MambaRMSNorm, RwkvFeedForward, MambaModel...).
+_NOT_MIXER = re.compile(r"(Norm|NormGated|MLP|Mlp|FeedForward|Embeddings?|Model|ForCausalLM|Output|PreTrainedModel)$")
 # Parameters / buffers that only a recurrence owns.
 _STATE = ("A_log", "dt_bias", "slope_rate", "time_decay", "time_first", "recurrent_param")
 # Config layer types that are attention; anything else in a layer-type list is taken as a recurrent mixer.
 _ATTENTION_TYPES = re.compile(r"^(full|sliding|chunked|global|local|sparse|compressed\w*|heavily\w*)?_?attention$"
                               r"|^(global|local|full|sliding|attn)$")
+_ATTENTION_CLASS = re.compile(r"(Attention|Attn)$")
 _LAYER_TYPE_FIELDS = ("layer_types", "layers_block_type", "block_types")
 
 _CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[str, ...]]" = weakref.WeakKeyDictionary()
@@ -74,7 +77,8 @@ def recurrent_mixers(model: torch.nn.Module) -> list[str]:
     owners = [n for n, m in modules.items() if _owns_state(m)]
     # A class named like a mixer counts when no state owner sits inside it (a decoder layer named
     # "...MambaDecoderLayer" wraps the mixer that owns the state: the mixer is the one to name).
-    named = [n for n, m in modules.items() if _NAME.search(type(m).__name__)
+    named = [n for n, m in modules.items() if _NAME.search(type(m).__name__) and not _NOT_MIXER.search(type(m).__name__)
+             and any(isinstance(c, torch.nn.Linear) for c in m.modules())
              and not any(o.startswith(n + ".") for o in owners)]
     hits = sorted(set(owners) | set(named))
     outer = [n for n in hits if not any(n.startswith(h + ".") for h in hits if h)]
@@ -90,6 +94,13 @@ def recurrent_mixers(model: torch.nn.Module) -> list[str]:
     return found
 
 
+def attention_free(model: torch.nn.Module) -> bool:
+    """Recurrent mixers and no attention module at all (Mamba, Mamba2): no layer reads an attention mask."""
+    mixers = set(recurrent_mixers(model))
+    return bool(mixers) and not any(_ATTENTION_CLASS.search(type(m).__name__) and type(m).__name__ not in mixers
+                                    for m in model.modules())
+
+
 def recurrent_reason(subject: Any) -> str | None:
     """The skip reason for checks that need a consistent permutation, or None for pure attention models."""
     names = recurrent_mixers(subject.model)
@@ -99,4 +110,4 @@ def recurrent_reason(subject: Any) -> str | None:
             f"recurrence, so a consistent permutation cannot be built")
 
 
-__all__ = ["recurrent_mixers", "recurrent_reason"]
+__all__ = ["recurrent_mixers", "recurrent_reason", "attention_free"]

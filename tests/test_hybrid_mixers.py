@@ -228,3 +228,20 @@ def test_plain_attention_unchanged(family):
     assert found["shuffle"].status is Status.PASS
     assert "consistent permutation" in found["shuffle"].details["floor_source"]
     assert found["positions"].status is Status.PASS and "consistent_error" in found["positions"].metrics
+
+
+# ------------------------------------------------------------------ no attention at all
+def test_pure_mamba_skips_what_needs_a_mask_and_still_judges_causality():
+    """Mamba reads a 4D mask as padding and crashed shuffle and causal (ERROR); nothing there reads a mask."""
+    cfg = AutoConfig.for_model("mamba", hidden_size=32, num_hidden_layers=2, vocab_size=256, state_size=4)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    found = checks(model)
+    for name, c in found.items():
+        assert c.status in (Status.PASS, Status.SKIP), (name, c.summary)
+        if c.status is Status.SKIP:
+            assert "MambaMixer" in c.summary, (name, c.summary)
+    assert found["shuffle"].status is Status.SKIP and "no layer is attention" in found["shuffle"].summary
+    assert found["causal"].status is Status.PASS
+    _reversed_in_time(model)
+    assert checks(model, ["causal"])["causal"].status is Status.FAIL

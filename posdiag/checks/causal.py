@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from posdiag.checks.positions import FLOOR_SOURCE, jittered, per_token_change, tolerance
-from posdiag.mixers import recurrent_mixers
+from posdiag.mixers import attention_free, recurrent_mixers
 from posdiag.options import RunOptions, probe_ids, probe_length
 from posdiag.probe import Row, run_rows
 from posdiag.results import CheckResult, Status, Table
@@ -69,6 +69,8 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
 
     paths = [("default mask", False)]
     ok, why = subject.explicit_mask_supported
+    if ok and attention_free(subject.model):
+        ok, why = False, "no attention layer reads it (only recurrent sequence mixers)"
     if ok:
         paths.append(("explicit mask", True))
     results = []

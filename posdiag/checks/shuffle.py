@@ -22,7 +22,7 @@ from typing import Iterator
 import torch
 
 from posdiag.checks.positions import FLOOR_SOURCE, jittered
-from posdiag.mixers import recurrent_mixers
+from posdiag.mixers import attention_free, recurrent_mixers, recurrent_reason
 from posdiag.options import RunOptions, probe_ids
 from posdiag.probe import Row, fidelity_rows, judge_fidelity, moving_permutations, run_rows
 from posdiag.results import CheckResult, Status, Table, combine_stacks
@@ -48,6 +48,10 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
         if not ok:
             return CheckResult("shuffle", Status.SKIP, f"cannot permute the causal mask: {why}", details={"stack": stack})
 
+    if attention_free(subject.model):
+        return CheckResult("shuffle", Status.SKIP,
+                           f"{recurrent_reason(subject)}; and no layer is attention, so there is no mask to permute: "
+                           f"order enters through the recurrence by construction", details={"stack": stack})
     ids = probe_ids(subject, options)[0]
     length = ids.shape[0]
     perms = [p.to(subject.device) for p in moving_permutations(length, options.permutations, options.seed + 7919)]
@@ -72,7 +76,7 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
         rows.append(Row(ids))
     # Encoder-decoders: the decoder is tested against one fixed encoder input for every row.
     encoder_ids = ids[None].expand(len(rows), -1) if subject.kind == "seq2seq" and stack == "decoder" else None
-    with jittered(subject, stack, len(rows) - 1, len(rows), options.seed) if recurrent else _nothing() as has_jitter:
+    with jittered(subject, stack, jitter_row, len(rows), options.seed) if recurrent else _nothing() as has_jitter:
         out = run_rows(subject, rows, stack=stack, encoder_ids=encoder_ids)
     base = [h[0] for h in out.hidden]
 
