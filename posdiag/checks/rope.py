@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from posdiag import rope_math
+from posdiag.mixers import recurrent_reason
 from posdiag.options import RunOptions
 from posdiag.probe import Row, run_rows
 from posdiag.results import CheckResult, Status, Table
@@ -455,6 +456,10 @@ def _probe_applied(subject: Subject, layer_spec, refs, positions: np.ndarray, to
         out = run_rows(subject, [Row(ids, positions=torch.as_tensor(positions))])
     if not capture.records:
         return [], [], False, "the attention function was never called with q/k", []
+    # The same token at every position gives the same pre-rotation q/k only when nothing before the
+    # attention layer reads order; a recurrent mixer does (healthy Qwen3-Next, LFM2, Bamba FAILed here
+    # at 1e2-7e5x). The attention factor (rotated / un-rotated length) needs no such premise.
+    recurrent = recurrent_reason(subject)
     eps = MACHINE_EPSILON.get(subject.dtype_name, 1.2e-7)
     findings: list[Finding] = []
     factors: list[Finding] = []
@@ -477,7 +482,8 @@ def _probe_applied(subject: Subject, layer_spec, refs, positions: np.ndarray, to
                                         message=f"non-finite rotated {name} at layer {layer}, position {int(positions[bad[1]])}, dim {int(bad[2])}"))
                 fits[name] = None
                 continue
-            fits[name] = {lay: _judge_applied(arr, freqs, spec, positions, lay, eps, floor, layer, name) for lay in LAYOUTS}
+            fits[name] = None if recurrent else {
+                lay: _judge_applied(arr, freqs, spec, positions, lay, eps, floor, layer, name) for lay in LAYOUTS}
             rot = min(2 * freqs.shape[0], arr.shape[-1])
             for *pair, source in plain:  # the first un-rotated capture that lines up with this tensor
                 before = _unrotated(pair[0 if name == "q" else 1], arr.shape, rot, len(positions))
@@ -503,6 +509,8 @@ def _probe_applied(subject: Subject, layer_spec, refs, positions: np.ndarray, to
         for f in (best["q"][0], best["k"][0]):
             f.extra["layout"] = lay_q if f.tensor == "q" else lay_k
             f.extra["input_spread"] = spread
+    if recurrent:
+        return findings + factors, [], False, f"{recurrent} (the same token gives a different q/k at each position)", factors
     rows = [(int(p), float(r)) for p, r in zip(positions, by_pos)]
     return findings + factors, rows, True, "", factors
 
