@@ -172,3 +172,32 @@ def test_unrotated_capture_must_line_up_at_position_zero():
     u = rng.standard_normal((4, 3, 16))
     assert _same_vectors(1.1386 * u, u, 16, 1.2e-7)
     assert not _same_vectors(1.1386 * u, rng.standard_normal((4, 3, 16)), 16, 1.2e-7)  # another layer's q
+
+
+def _hunyuan():
+    """HunYuan normalises q/k after RoPE: attention receives no pure rotation."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("hunyuan_v1_moe", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=64, vocab_size=256, max_position_embeddings=256,
+                                  num_key_value_heads=2, head_dim=8)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # trained-like norm weights (at init they are 1 and the norm commutes with rotation)
+        for name, p in model.named_parameters():
+            if name.endswith(("query_layernorm.weight", "key_layernorm.weight")):
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def test_norm_after_rotation_is_judged_where_the_rotation_is_applied():
+    """A false FAIL before (3.96e5x): the rotation is judged at apply_rotary_pos_emb's output, and the
+    attention factor on that call's own input and output."""
+    model = _hunyuan()
+    result = api.run_checks(from_module(model), ["rope"]).check("rope")
+    assert result.status is Status.PASS, result.summary
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("inv_freq"):
+                buffer.mul_(1.5)  # wrong frequencies reach the rotation
+    assert api.run_checks(from_module(model), ["rope"]).check("rope").status is Status.FAIL

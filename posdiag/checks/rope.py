@@ -354,17 +354,20 @@ class _Capture:
 
     def __init__(self, eager: bool):
         self.eager_mode = eager  # the model runs the eager attention function (it sees what attention consumes)
-        self.records: list[tuple[Any, torch.Tensor, torch.Tensor, list[tuple]]] = []  # (module, q, k, [(q0, k0, source)])
-        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # inputs of the last apply call
+        # (module, q, k, [(q0, k0, source, q1, k1)]): q0/k0 un-rotated, q1/k1 the same call's rotated
+        # output (None: the q/k attention consumed). Pairing the apply function's own input and output
+        # keeps whatever runs between rotation and attention (HunYuan's q/k norm) out of the factor.
+        self.records: list[tuple[Any, torch.Tensor, torch.Tensor, list[tuple]]] = []
+        self.pending: tuple[torch.Tensor, ...] | None = None  # inputs and outputs of the last apply call
         self.projected: dict[int, dict[str, torch.Tensor]] = {}  # id(attention) -> q_proj/k_proj outputs
 
     def eager(self, original):
         def wrapped(module, query, key, value, *args, **kwargs):
-            plain = [] if self.pending is None else [(*self.pending, "apply_rotary_pos_emb inputs")]
+            plain = [] if self.pending is None else [(*self.pending[:2], "apply_rotary_pos_emb inputs", *self.pending[2:])]
             self.pending = None
             proj = self.projected.pop(id(module), {})
             if {"q", "k"} <= set(proj):
-                plain.append((proj["q"], proj["k"], "q_proj/k_proj outputs"))
+                plain.append((proj["q"], proj["k"], "q_proj/k_proj outputs", None, None))
             self.records.append((module, query.detach().clone(), key.detach().clone(), plain))
             return original(module, query, key, value, *args, **kwargs)
         return wrapped
@@ -381,10 +384,10 @@ class _Capture:
             if all(isinstance(t, torch.Tensor) and t.shape == o.shape for t, o in zip((q_in, k_in), out)):
                 plain = (q_in.detach().clone(), k_in.detach().clone())
             if not record:
-                self.pending = plain
+                self.pending = None if plain is None else (*plain, out[0].detach().clone(), out[1].detach().clone())
             else:
                 self.records.append((None, out[0].detach().clone(), out[1].detach().clone(),
-                                     [(*plain, "apply_rotary_pos_emb inputs")] if plain else []))
+                                     [(*plain, "apply_rotary_pos_emb inputs", None, None)] if plain else []))
             return out
         return wrapped
 
@@ -465,6 +468,13 @@ def _probe_applied(subject: Subject, layer_spec, refs, positions: np.ndarray, to
     factors: list[Finding] = []
     by_pos = np.zeros(len(positions))
     for layer, (module, q, k, plain) in enumerate(capture.records):
+        judged_at = "attention input"
+        for _q0, _k0, _source, q1, k1 in plain:
+            # Something changed q/k between the rotation and attention (HunYuan's q/k norm after RoPE):
+            # what attention receives is no pure rotation, so judge the rotation where it is applied.
+            if q1 is not None and q1.shape == q.shape and k1.shape == k.shape and not (torch.equal(q1, q) and torch.equal(k1, k)):
+                q, k, judged_at = q1, k1, "apply_rotary_pos_emb output (q/k change between rotation and attention)"
+                break
         spec = layer_spec[min(layer, len(layer_spec) - 1)]
         freqs, scaling = refs[id(spec)]
         hidden = out.hidden[min(layer, len(out.hidden) - 1)][0].double()
@@ -484,11 +494,15 @@ def _probe_applied(subject: Subject, layer_spec, refs, positions: np.ndarray, to
                 continue
             fits[name] = None if recurrent else {
                 lay: _judge_applied(arr, freqs, spec, positions, lay, eps, floor, layer, name) for lay in LAYOUTS}
-            rot = min(2 * freqs.shape[0], arr.shape[-1])
-            for *pair, source in plain:  # the first un-rotated capture that lines up with this tensor
-                before = _unrotated(pair[0 if name == "q" else 1], arr.shape, rot, len(positions))
-                if before is not None and positions[0] == 0 and _same_vectors(arr, before, rot, eps):
-                    factors.append(_judge_factor(arr, before, rot, scaling, eps, positions, layer, name, source))
+            for q0, k0, source, q1, k1 in plain:  # the first un-rotated capture that lines up with this tensor
+                rotated = (q1 if name == "q" else k1)
+                after = arr if rotated is None else _heads(rotated, len(positions))
+                if after is None or not np.isfinite(after).all():
+                    continue
+                rot = min(2 * freqs.shape[0], after.shape[-1])
+                before = _unrotated(q0 if name == "q" else k0, after.shape, rot, len(positions))
+                if before is not None and positions[0] == 0 and _same_vectors(after, before, rot, eps):
+                    factors.append(_judge_factor(after, before, rot, scaling, eps, positions, layer, name, source))
                     break
         if fits.get("q") is None or fits.get("k") is None:
             continue
@@ -509,6 +523,7 @@ def _probe_applied(subject: Subject, layer_spec, refs, positions: np.ndarray, to
         for f in (best["q"][0], best["k"][0]):
             f.extra["layout"] = lay_q if f.tensor == "q" else lay_k
             f.extra["input_spread"] = spread
+            f.extra["judged_at"] = judged_at
     if recurrent:
         return findings + factors, [], False, f"{recurrent} (the same token gives a different q/k at each position)", factors
     rows = [(int(p), float(r)) for p, r in zip(positions, by_pos)]
