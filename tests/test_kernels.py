@@ -348,3 +348,23 @@ def test_bfloat16_model_falls_back_to_a_float32_reference():
     model = _refuses_float64(zoo.tiny_model("llama").to(torch.bfloat16))
     result = run_checks(from_module(model, options=LoadOptions(upcast=False)), ["kernels"]).check("kernels")
     assert result.status is Status.PASS and result.metrics["reference_dtype"] == "float32"
+
+
+def _reference_differs(model: torch.nn.Module, when) -> torch.nn.Module:
+    """The float64 run computes something else (as Zamba2's did on padded inputs) where `when(output)`."""
+    def hook(module, args, output):
+        if output.dtype == torch.float64 and when(output):
+            return output + 1.0
+    model.model.norm.register_forward_hook(hook)
+    return model
+
+
+def test_reference_that_is_not_the_same_function_is_not_judged():
+    """Both eager and sdpa 1.4 off the reference used to pass the 2x rule; now those inputs are not
+    judged (WARN), and with none left the check skips."""
+    partly = _reference_differs(zoo.tiny_model("llama"), lambda out: out.shape[1] > 20)  # full-length inputs only
+    result = run_checks(from_module(partly), ["kernels"], RunOptions(seq_len=32)).check("kernels")
+    assert result.status is Status.WARN and "not judged: unpadded, left-padded" in result.summary
+    wholly = _reference_differs(zoo.tiny_model("llama"), lambda out: True)
+    result = run_checks(from_module(wholly), ["kernels"], RunOptions(seq_len=32)).check("kernels")
+    assert result.status is Status.SKIP and "not the same function" in result.summary
