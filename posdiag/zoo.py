@@ -155,6 +155,29 @@ def tiny_config(family: str, **overrides: Any) -> PretrainedConfig:
     return config
 
 
+# Sizes for tiny models of model types outside FAMILIES (robustness sweeps of families posdiag has
+# no quirk row for): small enough for CPU tests, every common size field set consistently.
+OTHER_SIZES: dict[str, Any] = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   head_dim=8, intermediate_size=64, vocab_size=256, max_position_embeddings=256)
+
+
+def tiny_model_of_type(model_type: str, *, head: str = "causal", seed: int = 0,
+                       attn_implementation: str | None = None, **overrides: Any) -> nn.Module:
+    """A tiny model of any transformers ``model_type`` (eval mode, transformers' default init seeded
+    with ``seed``): ``AutoConfig.for_model`` with OTHER_SIZES, then ``overrides`` (family-specific
+    fields). ``head``: "causal", "seq2seq" or "base"; ``attn_implementation``: None keeps
+    transformers' default."""
+    import torch
+    import transformers
+
+    auto = {"causal": transformers.AutoModelForCausalLM, "seq2seq": transformers.AutoModelForSeq2SeqLM,
+            "base": transformers.AutoModel}[head]
+    config = transformers.AutoConfig.for_model(model_type, **{**OTHER_SIZES, **overrides})
+    torch.manual_seed(seed)
+    kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    return auto.from_config(config, **kwargs).eval()
+
+
 def tiny_model(
     family: str, *, seed: int = 0, init: str = "default", dtype: Any = None, **overrides: Any
 ) -> nn.Module:

@@ -21,8 +21,6 @@ from posdiag.results import Status
 from posdiag.subject import from_module
 
 OWNED = ["shuffle", "positions", "batch", "shift", "causal"]
-COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=256,
-              max_position_embeddings=256, num_key_value_heads=2, head_dim=8)
 MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
               mamba_chunk_size=16)
 # family -> (extra config, expected mixer class, has RoPE)
@@ -45,9 +43,7 @@ ROPE_HYBRIDS = [f for f, (_, _, rope) in HYBRIDS.items() if rope]
 
 
 def tiny(family: str) -> torch.nn.Module:
-    cfg = AutoConfig.for_model(family, **COMMON, **HYBRIDS[family][0])
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg).eval()
+    return zoo.tiny_model_of_type(family, **HYBRIDS[family][0])
 
 
 def checks(model, names=OWNED) -> dict:

@@ -306,12 +306,7 @@ def test_offloaded_model_without_a_module_by_module_reference_skips():
 
 # ------------------------------------------------------------------ when float64 cannot run
 def tiny_mixtral() -> torch.nn.Module:
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    torch.manual_seed(0)
-    config = MixtralConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                           intermediate_size=64, vocab_size=256, max_position_embeddings=256)
-    return MixtralForCausalLM(config).eval()
+    return zoo.tiny_model_of_type("mixtral")
 
 
 def test_moe_reference_runs_its_experts_in_the_eager_loop():

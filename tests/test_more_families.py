@@ -10,25 +10,22 @@ from dataclasses import replace
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
 import plants_table as P
+from posdiag import zoo
 from posdiag.api import run_checks
 from posdiag.families import GENERIC
 from posdiag.options import RunOptions
 from posdiag.results import Status
 from posdiag.subject import from_module
 
-TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=256,
-            max_position_embeddings=128, num_key_value_heads=2, head_dim=8)
 SHORT = RunOptions(seq_len=16)
 
 
-def _build(model_type: str, auto=AutoModelForCausalLM, **extra):
+def _build(model_type: str, head: str = "causal", **extra):
     warnings.filterwarnings("ignore")
-    torch.manual_seed(0)
-    cfg = AutoConfig.for_model(model_type, **{**TINY, **extra})
-    return auto.from_config(cfg, attn_implementation="eager").eval()
+    return zoo.tiny_model_of_type(model_type, head=head, attn_implementation="eager",
+                                  **{"max_position_embeddings": 128, **extra})
 
 
 def _check(model, name: str, generic: bool = False, options: RunOptions | None = None):
@@ -84,9 +81,7 @@ def test_known_family_still_judged_against_its_offset():
 
 
 def test_xlm_roberta_gets_the_roberta_offset():
-    torch.manual_seed(0)
-    cfg = AutoConfig.for_model("xlm-roberta", **{**TINY, "max_position_embeddings": 66})
-    subject = from_module(AutoModel.from_config(cfg, attn_implementation="eager").eval())
+    subject = from_module(_build("xlm-roberta", head="base", max_position_embeddings=66))
     assert subject.family.position_offset == 2 and subject.family.explicit_position_offset == 2
     assert run_checks(subject, ["table"]).checks[0].status is Status.PASS
 
@@ -94,7 +89,7 @@ def test_xlm_roberta_gets_the_roberta_offset():
 @pytest.fixture(scope="module")
 def mt5_asymmetric():
     """num_layers (num_hidden_layers) 1 but num_decoder_layers 3: a cache sized from the config is too short."""
-    return _build("mt5", AutoModelForSeq2SeqLM, num_hidden_layers=1, num_decoder_layers=3)
+    return _build("mt5", head="seq2seq", num_hidden_layers=1, num_decoder_layers=3)
 
 
 @pytest.mark.parametrize("name", ["cache", "generate"])

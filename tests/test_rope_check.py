@@ -176,13 +176,7 @@ def test_unrotated_capture_must_line_up_at_position_zero():
 
 def _hunyuan():
     """HunYuan normalises q/k after RoPE: attention receives no pure rotation."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model("hunyuan_v1_moe", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                  intermediate_size=64, vocab_size=256, max_position_embeddings=256,
-                                  num_key_value_heads=2, head_dim=8)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    model = zoo.tiny_model_of_type("hunyuan_v1_moe")
     with torch.no_grad():  # trained-like norm weights (at init they are 1 and the norm commutes with rotation)
         for name, p in model.named_parameters():
             if name.endswith(("query_layernorm.weight", "key_layernorm.weight")):
