@@ -2,7 +2,7 @@
 
 Writes JSON + text summaries under $OUT (or benchmarks/out). Everything degrades: without CUDA it
 runs a short CPU smoke test; a backend or implementation that refuses is recorded with its reason.
-No network: models are the posdiag.zoo families built from configs (default init), widened context.
+No network: models are the posdiag.testing.zoo families built from configs (default init), widened context.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def say(*parts) -> None:
 
 
 def synthetic_part(device: str, dtypes: list[str], max_len: int, budget_s: float) -> list[dict]:
-    from posdiag.attention import Shape, judge_synthetic, sweep_lengths, synthetic
+    from posdiag.tools.attention import Shape, judge_synthetic, sweep_lengths, synthetic
 
     records = []
     start = time.time()
@@ -70,10 +70,11 @@ def model_part(device: str, dtypes: list[str], seq_lens: list[int], families: li
 
     import transformers
 
-    from posdiag import zoo
+    from posdiag.testing import zoo
     from posdiag.api import run_checks
     from posdiag.options import RunOptions
-    from posdiag.subject import LoadOptions, from_module
+    from posdiag.options import LoadOptions
+    from posdiag.model.loading import from_module
 
     transformers.utils.logging.set_verbosity_error()
     impls = ["sdpa"]

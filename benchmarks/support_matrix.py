@@ -3,9 +3,9 @@
     python benchmarks/support_matrix.py            # print the table
     python benchmarks/support_matrix.py --write    # also replace it in README.md
 
-Rows are the families of posdiag.zoo at transformers' default init; each cell is the check's
+Rows are the families of posdiag.testing.zoo at transformers' default init; each cell is the check's
 status on the healthy model. The last column is the shuffle verdict once positions are removed
-(posdiag.zoo.remove_positions) — the planted bug the headline check must catch. The same
+(posdiag.testing.zoo.remove_positions) — the planted bug the headline check must catch. The same
 expectations are asserted by the test suite; this script only tabulates them.
 """
 
@@ -26,9 +26,10 @@ def main() -> None:
     import torch
     import transformers
 
-    from posdiag import checks, zoo
+    from posdiag import checks
+    from posdiag.testing import zoo
     from posdiag.api import run_checks
-    from posdiag.subject import from_module
+    from posdiag.model.loading import from_module
 
     transformers.utils.logging.set_verbosity_error()
     torch.set_num_threads(2)

@@ -9,7 +9,7 @@ Attributes are imported lazily so `import posdiag` stays cheap (no torch until u
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from posdiag._version import __version__
 __all__ = ["check_model", "__version__"]
 
 

@@ -74,7 +74,7 @@ def versions() -> dict[str, str]:
     import torch
     import transformers
 
-    from posdiag import __version__
+    from posdiag._version import __version__
 
     return {"posdiag": __version__, "torch": torch.__version__, "transformers": transformers.__version__}
 
@@ -84,10 +84,11 @@ def check_model(model: Any, checks: Iterable[str] | None = None, *, skip: Iterab
     """Run posdiag on an in-memory `nn.Module`, a checkpoint directory or a hub id.
 
     checks: names to run (default: every applicable check); skip: names to leave out.
-    load_options: fields of `posdiag.subject.LoadOptions` (dtype, device, upcast, max_batch...).
+    load_options: fields of `posdiag.model.subject.LoadOptions` (dtype, device, upcast, max_batch...).
     Nothing is printed; the returned Report is data (`report.exit_code`, `report.check(name)`).
     """
-    from posdiag.subject import LoadOptions, from_module, load_subject
+    from posdiag.options import LoadOptions
+    from posdiag.model.loading import from_module, load_subject
 
     load = LoadOptions(**load_options)
     if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):

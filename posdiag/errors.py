@@ -3,3 +3,9 @@
 
 class PosdiagError(Exception):
     """A usage or load problem. The message is shown as-is, on one line, with exit code 2."""
+
+
+def one_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type name when it has none), at most 300 characters."""
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:300]

@@ -7,6 +7,23 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class LoadOptions:
+    """How to load MODEL. Mirrors the command-line options one to one."""
+
+    revision: str | None = None
+    trust_remote_code: bool = False
+    dtype: str = "auto"  # auto = the checkpoint's dtype
+    device: str = "auto"
+    device_map: str | None = None
+    max_memory: str | None = None  # accelerate's budget per device, "0=70GiB,cpu=200GiB" (with device_map)
+    offload_folder: str | None = None  # disk-offloaded weights (with device_map); None = a temporary folder
+    attn_implementation: str = "eager"  # custom masks need eager; kernels compares the rest
+    upcast: bool = True  # run equivariance checks in float32 when the model is half precision
+    allow_pickle: bool = False  # never unpickle .bin checkpoints unless asked
+    max_batch: int | None = None  # rows per forward; None = all rows a check needs in one call
+
+
+@dataclass(frozen=True)
 class RunOptions:
     """seq_len:       tokens per probe sequence; None = min(64, declared context).
     seed:          seeds token sampling and permutations: same seed, same numbers.

@@ -164,7 +164,7 @@ class Report:
         raise KeyError(name)
 
     def to_dict(self) -> dict[str, Any]:
-        from posdiag import __version__
+        from posdiag._version import __version__
 
         return {
             "schema": SCHEMA_VERSION,

@@ -12,7 +12,7 @@ import types
 import torch
 from torch import nn
 
-from posdiag import zoo
+from posdiag.testing import zoo
 from transformers.models.llama import modeling_llama as ml
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}

@@ -120,6 +120,6 @@ def smooth_table(model: nn.Module, seed: int = 0) -> nn.Module:
 
 def demo_clamped_gpt2() -> nn.Module:
     """CLI demo factory: `posdiag check tests.plants_table:demo_clamped_gpt2 --only table`."""
-    from posdiag.zoo import tiny_model
+    from posdiag.testing.zoo import tiny_model
 
     return clamp_rows(tiny_model("gpt2"), 100)

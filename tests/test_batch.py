@@ -10,11 +10,12 @@ import pytest
 import torch
 
 import plants_order
-from posdiag import zoo
+from posdiag.testing import zoo
 from posdiag.api import _run_one, run_checks
 from posdiag.options import RunOptions
 from posdiag.results import Status
-from posdiag.subject import LoadOptions, from_module
+from posdiag.options import LoadOptions
+from posdiag.model.loading import from_module
 
 OPTIONS = RunOptions(seq_len=16)
 

@@ -8,11 +8,11 @@ Llama, GPT-2 and T5 — found from the first leaking pair, not from a suffix. He
 import pytest
 
 import plants_order
-from posdiag import zoo
+from posdiag.testing import zoo
 from posdiag.api import _run_one
 from posdiag.options import RunOptions
 from posdiag.results import Status
-from posdiag.subject import from_module
+from posdiag.model.loading import from_module
 
 OPTIONS = RunOptions(seq_len=16)
 

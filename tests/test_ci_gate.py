@@ -7,7 +7,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from posdiag import zoo
+from posdiag.testing import zoo
 from posdiag.cli import app
 from posdiag.report.github import format_github
 from posdiag.report.junit import format_junit
@@ -119,7 +119,7 @@ def test_python_api_on_an_in_memory_model():
 
 
 PLUGIN_TEST = '''
-from posdiag import zoo
+from posdiag.testing import zoo
 
 def test_healthy(posdiag):
     posdiag.assert_ok(zoo.tiny_model("llama"), checks=["shuffle"])

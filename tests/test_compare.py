@@ -11,12 +11,13 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from posdiag import zoo
-from posdiag.compare import bucket_edges, compare_subjects, original_context, parse_layer_map
+from posdiag.testing import zoo
+from posdiag.tools.compare import bucket_edges, compare_subjects, original_context, parse_layer_map
 from posdiag.errors import PosdiagError
 from posdiag.options import RunOptions
 from posdiag.results import Status
-from posdiag.subject import LoadOptions, from_module
+from posdiag.options import LoadOptions
+from posdiag.model.loading import from_module
 
 from plants_compare import copy_of, ignore_rope_scaling, interleave_qk, wrong_norm_eps
 

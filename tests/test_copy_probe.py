@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from posdiag import copy_probe, zoo
+from posdiag.tools import copy_probe
+from posdiag.testing import zoo
 from posdiag.results import Status
-from posdiag.subject import from_module, load_subject
+from posdiag.model.loading import from_module, load_subject
 
 LENGTHS = [16, 32, 64, 128]
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "rope-copy"

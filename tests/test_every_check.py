@@ -6,10 +6,10 @@ The support matrix in the README comes from the same runs on every family
 
 import pytest
 
-from posdiag import zoo
+from posdiag.testing import zoo
 from posdiag.api import run_checks
 from posdiag.results import Status
-from posdiag.subject import from_module
+from posdiag.model.loading import from_module
 
 QUIRKY = ["roberta", "opt", "gpt_neo", "falcon_alibi", "t5", "modernbert", "gemma3", "mpt"]
 

@@ -4,11 +4,11 @@ SKIP with a reason; planted generation/decode position bugs FAIL with the row an
 
 import pytest
 
-from posdiag import zoo
+from posdiag.testing import zoo
 from posdiag.api import run_checks
 from posdiag.options import RunOptions
 from posdiag.results import Status
-from posdiag.subject import from_module
+from posdiag.model.loading import from_module
 
 import plants_cache as plants
 

@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from posdiag import zoo
+from posdiag.testing import zoo
 from posdiag.api import run_checks
 from posdiag.options import RunOptions
 from posdiag.results import Status
-from posdiag.subject import LoadOptions, from_module
+from posdiag.options import LoadOptions
+from posdiag.model.loading import from_module
 
 sys.path.insert(0, str(Path(__file__).parent))
 import plants_kernels as plants  # noqa: E402
@@ -204,8 +205,8 @@ def saved_llama(tmp_path_factory):
 def test_isolated_run_matches_the_same_implementation_in_process(saved_llama):
     """The child reloads the checkpoint with the same options: same weights, same numbers."""
     from posdiag.checks.kernels import _run_here, _scenarios
-    from posdiag.isolated import run_isolated
-    from posdiag.subject import load_subject
+    from posdiag.checks.kernels.isolated import run_isolated
+    from posdiag.model.loading import load_subject
 
     subject = load_subject(str(saved_llama), LoadOptions())
     scenarios = _scenarios(subject, RunOptions(seq_len=16))
@@ -221,8 +222,8 @@ def test_isolated_run_matches_the_same_implementation_in_process(saved_llama):
 def test_implementation_killing_its_process_fails_and_report_is_written(saved_llama, monkeypatch):
     """A segfault in a kernel is a finding, reported: the parent survives it."""
     import posdiag.checks.kernels as kernels
-    import posdiag.isolated as isolated
-    from posdiag.subject import load_subject
+    import posdiag.checks.kernels.isolated as isolated
+    from posdiag.model.loading import load_subject
 
     monkeypatch.setattr(isolated, "CHILD_COMMAND", (sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"))
     monkeypatch.setattr(isolated, "ISOLATED", frozenset({"sdpa"}))
@@ -272,7 +273,7 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 def test_offloaded_model_gets_the_same_float64_reference(max_memory):
     """accelerate loads offloaded weights inside the module's forward: the reference converts them
     after that load (and restores before they are dropped), giving the same numbers as in memory."""
-    from posdiag.subject import load_subject
+    from posdiag.model.loading import load_subject
 
     plain = run_checks(load_subject(str(FIXTURES / "llama-tiny"), LoadOptions()), ["kernels"]).check("kernels")
     subject = load_subject(str(FIXTURES / "llama-tiny"), LoadOptions(device_map="auto", max_memory=max_memory))
@@ -284,7 +285,7 @@ def test_offloaded_model_gets_the_same_float64_reference(max_memory):
 
 
 def test_offloaded_model_with_planted_kernel_bug_fails():
-    from posdiag.subject import load_subject
+    from posdiag.model.loading import load_subject
 
     subject = load_subject(str(FIXTURES / "llama-tiny"), LoadOptions(device_map="auto", max_memory="cpu=0"))
     plants.drop_padding_mask(subject.model)
@@ -295,7 +296,7 @@ def test_offloaded_model_with_planted_kernel_bug_fails():
 def test_offloaded_model_without_a_module_by_module_reference_skips():
     """T5's feed-forward reads its child's weight dtype: only a whole-block conversion works, which
     a dispatched model cannot get. No reference, no verdict."""
-    from posdiag.subject import load_subject
+    from posdiag.model.loading import load_subject
 
     in_memory = run_checks(load_subject(str(FIXTURES / "t5-tiny"), LoadOptions()), ["kernels"]).check("kernels")
     assert in_memory.status is Status.PASS and "one block at a time" in in_memory.details["reference"]

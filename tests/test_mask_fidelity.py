@@ -4,10 +4,10 @@ from dataclasses import replace
 
 import torch
 
-from posdiag import zoo
+from posdiag.testing import zoo
 from posdiag.api import run_checks
 from posdiag.results import Status
-from posdiag.subject import from_module
+from posdiag.model.loading import from_module
 
 
 def shuffle_with_family(model, **family_changes):

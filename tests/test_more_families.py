@@ -12,12 +12,12 @@ import pytest
 import torch
 
 import plants_table as P
-from posdiag import zoo
+from posdiag.testing import zoo
 from posdiag.api import run_checks
-from posdiag.families import GENERIC
+from posdiag.model.families import GENERIC
 from posdiag.options import RunOptions
 from posdiag.results import Status
-from posdiag.subject import from_module
+from posdiag.model.loading import from_module
 
 SHORT = RunOptions(seq_len=16)
 

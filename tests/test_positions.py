@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import plants_order
-from posdiag import zoo
+from posdiag.testing import zoo
 from posdiag.api import _run_one
 from posdiag.options import RunOptions
 from posdiag.results import Status
-from posdiag.subject import from_module
+from posdiag.model.loading import from_module
 
 OPTIONS = RunOptions(seq_len=16, permutations=2)
 
@@ -56,8 +56,8 @@ def test_positions_rebuilt_as_arange_fail(family):
 
 def test_rope_offset_alone_would_prove_nothing():
     """Why the variants are non-affine: a constant shift of every position id is invisible to RoPE."""
-    from posdiag.probe import Row, run_rows
-    from posdiag.tensors import relative_l2
+    from posdiag.model.probe import Row, run_rows
+    from posdiag.model.tensors import relative_l2
 
     subject = from_module(zoo.tiny_model("llama"))
     ids = subject.sample_ids(1, 16, 0)[0]

@@ -8,11 +8,12 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from posdiag import checks, zoo
+from posdiag import checks
+from posdiag.testing import zoo
 from posdiag.api import run_checks
 from posdiag.options import RunOptions
 from posdiag.results import Status
-from posdiag.subject import from_module
+from posdiag.model.loading import from_module
 
 HEALTHY_NEVER_FAIL = ["shuffle", "shift", "positions", "batch", "causal"]
 

@@ -7,10 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from posdiag import api, zoo
+from posdiag import api
+from posdiag.testing import zoo
 from posdiag.options import RunOptions
 from posdiag.results import Status
-from posdiag.subject import LoadOptions, from_module
+from posdiag.options import LoadOptions
+from posdiag.model.loading import from_module
 
 sys.path.insert(0, str(Path(__file__).parent))
 import plants_rope as P  # noqa: E402

@@ -25,9 +25,9 @@ def test_config_json_alone(fixtures_dir):
 
 
 def test_config_only_never_loads_weights(fixtures_dir, monkeypatch):
-    import posdiag.subject
+    import posdiag.model.loading
 
-    monkeypatch.setattr(posdiag.subject, "load_subject", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    monkeypatch.setattr(posdiag.model.loading, "load_subject", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
     result = invoke(fixtures_dir / "llama-tiny", "--config-only", "--json", "-", "-q")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout[result.stdout.index("{"):])
@@ -67,21 +67,21 @@ def test_plot_without_matplotlib_is_a_clear_error(fixtures_dir, monkeypatch):
 
 
 def test_copy_probe_missing_and_present(fixtures_dir, monkeypatch):
-    monkeypatch.setitem(sys.modules, "posdiag.copy_probe", None)
+    monkeypatch.setitem(sys.modules, "posdiag.tools.copy_probe", None)
     result = invoke(fixtures_dir / "llama-tiny", "--probe", "copy")
     assert result.exit_code == 2 and "--probe copy is not available" in result.output
 
     from posdiag.results import CheckResult, Status
 
     seen = {}
-    fake = types.ModuleType("posdiag.copy_probe")
+    fake = types.ModuleType("posdiag.tools.copy_probe")
 
     def run(subject, lengths, seed):
         seen.update(lengths=lengths, seed=seed)
         return CheckResult("copy", Status.PASS, "copy accuracy 1.0 at every length")
 
     fake.run = run
-    monkeypatch.setitem(sys.modules, "posdiag.copy_probe", fake)
+    monkeypatch.setitem(sys.modules, "posdiag.tools.copy_probe", fake)
     result = invoke(fixtures_dir / "llama-tiny", "--probe", "copy", "--seed", 3, "-q")
     assert result.exit_code == 0, result.output
     assert "PASS copy" in result.output and "PASS rope" in result.output

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import transformers
 
-from posdiag import rope_math as rm
+from posdiag.tools import rope_math as rm
 
 
 def llama2():

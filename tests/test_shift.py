@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from plants_shift import absolute_leak, bf16_angles, bf16_positions, keys_never_rotated, layout_mismatch
-from posdiag import zoo
+from posdiag.testing import zoo
 from posdiag.api import run_checks
 from posdiag.results import Status
-from posdiag.subject import from_module
+from posdiag.model.loading import from_module
 
 
 def shift(model):
@@ -115,7 +115,7 @@ def test_bfloat16_model_is_upcast_and_passes():
 def test_absolute_positions_in_bfloat16_are_reported_as_used(family):
     """In bfloat16 the rounding term for RoPE angles exceeds a whole unit shift of an absolute model:
     whether positions are used is judged against the noise floor instead."""
-    from posdiag.subject import LoadOptions
+    from posdiag.options import LoadOptions
 
     model = zoo.tiny_model(family).to(torch.bfloat16)
     result = run_checks(from_module(model, options=LoadOptions(upcast=False)), ["shift"]).check("shift")

@@ -1,6 +1,6 @@
 """The headline check on every family: healthy PASS, positions removed FAIL.
 
-Each family is built tiny from a config (posdiag.zoo) at transformers' default init (weak
+Each family is built tiny from a config (posdiag.testing.zoo) at transformers' default init (weak
 position signal: ModernBERT's residual is ~5e-5) and at a strong init, in float32 and in
 bfloat16 (upcast to float32 by default: equivariance is a property of the function). The
 planted bug, zoo.remove_positions, removes position the way the family injects it (RoPE
@@ -10,10 +10,11 @@ rotation made the identity, tables zeroed, ALiBi bias zeroed, T5 buckets zeroed)
 import pytest
 import torch
 
-from posdiag import zoo
+from posdiag.testing import zoo
 from posdiag.api import run_checks
 from posdiag.results import Status
-from posdiag.subject import LoadOptions, from_module
+from posdiag.options import LoadOptions
+from posdiag.model.loading import from_module
 
 
 def shuffle(model, **load):

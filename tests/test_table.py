@@ -11,13 +11,13 @@ import pytest
 import torch
 
 import plants_table as P
-from posdiag import zoo
+from posdiag.testing import zoo
 from posdiag.api import run_checks
 from posdiag.checks import table as table_check
 from posdiag.checks.table import sinusoid_report
 from posdiag.options import RunOptions
 from posdiag.results import Status
-from posdiag.subject import from_module, load_subject
+from posdiag.model.loading import from_module, load_subject
 
 OFFSET = {"opt": 2, "bart": 2, "roberta": 2}
 
@@ -241,7 +241,7 @@ def test_random_everywhere_models_do_not_trigger_the_fresh_init_warning(family, 
 def test_half_precision_run_is_never_a_false_verdict():
     """Kept in bf16 (no upcast): a healthy table is PASS or an inconclusive WARN, never FAIL;
     a clamp is reported (WARN, inconclusive in bf16) with its position, never PASS."""
-    from posdiag.subject import LoadOptions
+    from posdiag.options import LoadOptions
 
     def run(model):
         subject = from_module(model, options=LoadOptions(upcast=False))

@@ -13,7 +13,7 @@ import torch
 
 from posdiag.api import run_checks
 from posdiag.results import Status
-from posdiag.subject import from_module
+from posdiag.model.loading import from_module
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "T5GemmaForConditionalGeneration"):

@@ -28,7 +28,7 @@ left-padded at all, so only right padding is tested there (said in the report). 
 non-affine positions need position_ids: not run for those families (said in the report).
 Encoder-decoders: each stack; the decoder with one fixed, unpadded encoder input.
 
-Recurrent / linear-attention / convolutional mixers (posdiag.mixers) need no permutation here: a row alone
+Recurrent / linear-attention / convolutional mixers (posdiag.model.introspect) need no permutation here: a row alone
 must still equal itself in the batch, and transformers hands them the same 2D padding mask. A
 `module:factory` model gets posdiag's 4D mask, which transformers' recurrent layers ignore (padding is not
 masked in the recurrence), so there left padding is not tested (said in the report): right padding comes
@@ -42,12 +42,12 @@ from typing import Any
 import torch
 
 from posdiag.checks.positions import FLOOR_SOURCE, jittered, per_token_change, restart_positions, tolerance
-from posdiag.mixers import recurrent_mixers
+from posdiag.model.introspect import recurrent_mixers
 from posdiag.options import RunOptions, probe_ids, probe_length
-from posdiag.probe import Row, run_rows
+from posdiag.model.probe import Row, run_rows
 from posdiag.results import CheckResult, Status, Table, combine_stacks
-from posdiag.subject import Subject
-from posdiag.tensors import relative_l2
+from posdiag.model.subject import Subject
+from posdiag.model.tensors import relative_l2
 from posdiag.verdict import judge_agreement
 
 TITLE = "Per-row positions in a padded batch"

@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
-from posdiag.mixers import recurrent_mixers
+from posdiag.model.introspect import recurrent_mixers
 from posdiag.options import RunOptions, probe_ids, probe_length
 from posdiag.results import CheckResult, Status, Table
-from posdiag.subject import Subject
-from posdiag.tensors import relative_l2
+from posdiag.model.subject import Subject
+from posdiag.model.tensors import relative_l2
 from posdiag.verdict import FAIL_RATIO, judge_agreement, noise_floor
 
 TITLE = "KV-cache decoding vs full forward"

@@ -16,7 +16,7 @@ Encoders are bidirectional by design: skipped. Encoder-decoders: the decoder sta
 fixed encoder input for every row. Reports the first leaking (query, key) pair (lowest key),
 the largest leak, the distances j − i that leak, and the first layer where the leak shows.
 
-Recurrent / linear-attention / convolutional mixers (posdiag.mixers) are swept the same way: the test edits
+Recurrent / linear-attention / convolutional mixers (posdiag.model.introspect) are swept the same way: the test edits
 tokens, never permutes them, so it needs no consistent permutation; the recurrence is causal by
 construction (a bidirectional scan or a centred (non-causal) convolution would leak and be caught), and the explicit
 mask reaches the attention layers only, which is what that path checks.
@@ -27,11 +27,11 @@ from __future__ import annotations
 import torch
 
 from posdiag.checks.positions import FLOOR_SOURCE, jittered, per_token_change, tolerance
-from posdiag.mixers import attention_free, recurrent_mixers
+from posdiag.model.introspect import attention_free, recurrent_mixers
 from posdiag.options import RunOptions, probe_ids, probe_length
-from posdiag.probe import Row, run_rows
+from posdiag.model.probe import Row, run_rows
 from posdiag.results import CheckResult, Status, Table
-from posdiag.subject import Subject
+from posdiag.model.subject import Subject
 from posdiag.verdict import judge_agreement
 
 TITLE = "Causal masking (no position sees the future)"

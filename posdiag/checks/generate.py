@@ -28,8 +28,8 @@ import torch
 from posdiag.checks.cache import cache_layer_note, cache_support, first_line, new_cache, output_of, static_support
 from posdiag.options import RunOptions, probe_length
 from posdiag.results import CheckResult, Status, Table
-from posdiag.subject import Subject
-from posdiag.tensors import relative_l2
+from posdiag.model.subject import Subject
+from posdiag.model.tensors import relative_l2
 from posdiag.verdict import FAIL_RATIO, judge_agreement, noise_floor
 
 TITLE = "generate() vs forward pass"

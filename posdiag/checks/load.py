@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from posdiag.options import RunOptions
 from posdiag.results import CheckResult, Status, Table
-from posdiag.subject import Subject
+from posdiag.model.subject import Subject
 
 TITLE = "Position parameters loaded"
 

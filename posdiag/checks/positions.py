@@ -25,7 +25,7 @@ Families whose positions are derived inside (position_ids accepted and dropped: 
 buckets, BART/Marian offsets — `Family.position_ids == "ignored"`) are skipped with that reason:
 there is nothing to honour, and a pass would claim something never measured.
 
-Models with recurrent / linear-attention / convolutional mixers (posdiag.mixers) read order through the
+Models with recurrent / linear-attention / convolutional mixers (posdiag.model.introspect) read order through the
 recurrence: no consistent permutation exists, so measurement 1 is not run (said in the report) and the
 verdict rests on measurement 2 — tokens and pattern unchanged, only the ids move, so only layers that read
 position ids can respond. Such a model with no position mechanism at all (Jamba: NoPE attention + Mamba)
@@ -41,12 +41,12 @@ from typing import Iterator
 
 import torch
 
-from posdiag.mixers import recurrent_mixers, recurrent_reason
+from posdiag.model.introspect import recurrent_mixers, recurrent_reason
 from posdiag.options import RunOptions, probe_ids
-from posdiag.probe import Row, fidelity_rows, judge_fidelity, moving_permutations, run_rows
+from posdiag.model.probe import Row, fidelity_rows, judge_fidelity, moving_permutations, run_rows
 from posdiag.results import CheckResult, Status, Table
-from posdiag.subject import Subject
-from posdiag.tensors import relative_l2
+from posdiag.model.subject import Subject
+from posdiag.model.tensors import relative_l2
 from posdiag.verdict import judge_agreement, judge_position_signal, noise_floor
 from posdiag.verdict import agreement_tolerance as tolerance
 

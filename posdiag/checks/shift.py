@@ -22,7 +22,7 @@ positions (learned or sinusoidal tables) are not meant to be invariant: the chec
 the outputs change and SKIPs. Stateful rope types (dynamic, longrope) choose frequencies from the
 largest position in the batch; the whole ladder shares one forward, so one set of frequencies.
 
-Recurrent / linear-attention / convolutional mixers (posdiag.mixers) never see position ids, so the
+Recurrent / linear-attention / convolutional mixers (posdiag.model.introspect) never see position ids, so the
 direct route stays faithful for them (the ids move, the recurrence does not care); only the floor changes:
 no consistent permutation exists, so the baseline repeated with its token embeddings jittered by ~1 ulp
 (see `positions`) gives it. The prefix route is not run for them: an explicit 4D mask hides the prefix
@@ -37,12 +37,12 @@ from typing import Callable
 import torch
 
 from posdiag.checks.positions import FLOOR_SOURCE, jittered
-from posdiag.mixers import recurrent_mixers, recurrent_reason
+from posdiag.model.introspect import recurrent_mixers, recurrent_reason
 from posdiag.options import RunOptions, probe_length
-from posdiag.probe import Row, fidelity_rows, judge_fidelity, run_rows
+from posdiag.model.probe import Row, fidelity_rows, judge_fidelity, run_rows
 from posdiag.results import CheckResult, Status, Table, combine_stacks
-from posdiag.subject import Subject
-from posdiag.tensors import relative_l2
+from posdiag.model.subject import Subject
+from posdiag.model.tensors import relative_l2
 from posdiag.verdict import FAIL_RATIO, MACHINE_EPSILON, PASS_RATIO, noise_floor
 
 TITLE = "Relative invariance under a position shift"

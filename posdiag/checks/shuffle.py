@@ -8,7 +8,7 @@ the same run: the *consistent* permutation (tokens, mask and position ids permut
 together) must reproduce P f(x) exactly in exact arithmetic, so its residual is rounding.
 Causal stacks need an explicit mask, so its fidelity is measured first (probe.Fidelity).
 
-Models with recurrent / linear-attention / convolutional mixers (posdiag.mixers) read order through the
+Models with recurrent / linear-attention / convolutional mixers (posdiag.model.introspect) read order through the
 recurrence, so no consistent permutation exists: the floor is then the baseline row with its token
 embeddings jittered by ~1 ulp (see `positions`), and a PASS says that order enters the model, not that
 positions reach its attention layers (`positions`, `shift` and `rope` judge those).
@@ -22,12 +22,12 @@ from typing import Iterator
 import torch
 
 from posdiag.checks.positions import FLOOR_SOURCE, jittered
-from posdiag.mixers import attention_free, recurrent_mixers, recurrent_reason
+from posdiag.model.introspect import attention_free, recurrent_mixers, recurrent_reason
 from posdiag.options import RunOptions, probe_ids
-from posdiag.probe import Row, fidelity_rows, judge_fidelity, moving_permutations, run_rows
+from posdiag.model.probe import Row, fidelity_rows, judge_fidelity, moving_permutations, run_rows
 from posdiag.results import CheckResult, Status, Table, combine_stacks
-from posdiag.subject import Subject
-from posdiag.tensors import relative_l2
+from posdiag.model.subject import Subject
+from posdiag.model.tensors import relative_l2
 from posdiag.verdict import PASS_RATIO, judge_position_signal, noise_floor
 
 TITLE = "Permutation equivariance"

@@ -21,9 +21,9 @@ import math
 
 import torch
 
-from posdiag.probe import Row, run_rows
+from posdiag.model.probe import Row, run_rows
 from posdiag.results import CheckResult, Status, Table
-from posdiag.subject import Subject
+from posdiag.model.subject import Subject
 
 ROWS_PER_LENGTH = 16
 Z_SIGNIFICANT = 3.0

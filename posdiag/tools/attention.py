@@ -249,7 +249,7 @@ class Measurement:
 
 
 def random_qkv(shape: Shape, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from posdiag.subject import DTYPES
+    from posdiag.model.tensors import DTYPES
 
     gen = torch.Generator().manual_seed(seed)
     dt = DTYPES[shape.dtype]

@@ -42,3 +42,15 @@ def causal_allowed(seq_len: int, device: torch.device | str = "cpu", window: int
 def permute_square(m: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     """P M Pᵀ on the last two dims: row i of the result is row perm[i], column j is column perm[j]."""
     return m[..., perm, :][..., :, perm]
+
+
+DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

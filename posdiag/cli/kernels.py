@@ -22,8 +22,26 @@ from typing import Annotated, Optional
 import typer
 
 from posdiag.cli import (
-    DebugOpt, Device, DeviceMapOpt, DeviceOpt, MaxMemoryOpt, OffloadOpt, DType, JsonOpt, PickleOpt, QuietOpt, RevisionOpt, SeedOpt,
-    SeqLenOpt, TrustOpt, _emit, _fail, _guarded, _load, _run_options, app,
+    DebugOpt,
+    Device,
+    DeviceMapOpt,
+    DeviceOpt,
+    MaxMemoryOpt,
+    OffloadOpt,
+    DType,
+    JsonOpt,
+    PickleOpt,
+    QuietOpt,
+    RevisionOpt,
+    SeedOpt,
+    SeqLenOpt,
+    TrustOpt,
+    _emit,
+    _fail,
+    _guarded,
+    _load,
+    _run_options,
+    app,
 )
 
 SyntheticOpt = Annotated[bool, typer.Option("--synthetic", help="No model: random q/k/v of the shape below.")]
@@ -107,8 +125,8 @@ def _synthetic(args: dict) -> None:
     if args["heads"] % kv:
         _fail(f"--heads {args['heads']} is not a multiple of --kv-heads {kv}")
 
-    from posdiag.attention import Shape, judge_synthetic, sweep_lengths, synthetic
-    from posdiag.subject import resolve_device
+    from posdiag.tools.attention import Shape, judge_synthetic, sweep_lengths, synthetic
+    from posdiag.model.loading import resolve_device
 
     device = _guarded(lambda: resolve_device(args["device"].value), debug)
     if device.type == "cpu" and dtype == "float16":

@@ -13,8 +13,28 @@ from typing import Annotated, Optional
 import typer
 
 from posdiag.cli import (
-    AttnOpt, DebugOpt, DeviceMapOpt, DeviceOpt, MaxMemoryOpt, OffloadOpt, DType, DtypeOpt, Device, JsonOpt, MaxBatchOpt, PickleOpt,
-    QuietOpt, RevisionOpt, SeedOpt, TextOpt, TrustOpt, UpcastOpt, _fail, _guarded, _quiet_transformers, app,
+    AttnOpt,
+    DebugOpt,
+    DeviceMapOpt,
+    DeviceOpt,
+    MaxMemoryOpt,
+    OffloadOpt,
+    DType,
+    DtypeOpt,
+    Device,
+    JsonOpt,
+    MaxBatchOpt,
+    PickleOpt,
+    QuietOpt,
+    RevisionOpt,
+    SeedOpt,
+    TextOpt,
+    TrustOpt,
+    UpcastOpt,
+    _fail,
+    _guarded,
+    _quiet_transformers,
+    app,
 )
 
 CandidateArg = Annotated[str, typer.Argument(help="The port to check: hub id, directory, or module.path:factory.",
@@ -67,7 +87,7 @@ def compare(
     ref_opts = _load_options(locals(), dtype.value, attn_implementation, upcast)
     cand_opts = _load_options(locals(), candidate_dtype.value if candidate_dtype else dtype.value,
                               candidate_attn or attn_implementation, upcast and candidate_dtype is None)
-    from posdiag.subject import load_subject
+    from posdiag.model.loading import load_subject
 
     _quiet_transformers()
     with err.status(f"loading {reference}…"):
@@ -76,7 +96,7 @@ def compare(
         cand = _guarded(lambda: load_subject(candidate, cand_opts), debug)
 
     from posdiag.api import versions
-    from posdiag.compare import compare_subjects
+    from posdiag.tools.compare import compare_subjects
     from posdiag.options import RunOptions
     from posdiag.report.compare_console import render_compare, write_png
     from posdiag.report.json_report import format_json
@@ -112,13 +132,13 @@ def compare(
 
 
 def _layer_map(text: str):
-    from posdiag.compare import parse_layer_map
+    from posdiag.tools.compare import parse_layer_map
 
     return parse_layer_map(text)
 
 
 def _load_options(args: dict, dtype: str, attn: str, upcast: bool):
-    from posdiag.subject import LoadOptions
+    from posdiag.options import LoadOptions
 
     return LoadOptions(
         revision=args["revision"], trust_remote_code=args["trust_remote_code"], dtype=dtype,

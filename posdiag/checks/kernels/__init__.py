@@ -22,10 +22,11 @@ from typing import Any, Iterator
 
 import torch
 
-from posdiag.isolated import ISOLATED, Outcome, describe_exception, run_isolated
+from posdiag.checks.kernels.isolated import ISOLATED, Outcome, describe_exception, run_isolated
 from posdiag.options import RunOptions, probe_ids
 from posdiag.results import CheckResult, Status, Table
-from posdiag.subject import Subject, is_dispatched
+from posdiag.model.subject import Subject
+from posdiag.model.placement import is_dispatched
 from posdiag.verdict import MACHINE_EPSILON
 
 TITLE = "Attention kernels agree with eager"

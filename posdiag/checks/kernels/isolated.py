@@ -7,7 +7,7 @@ still writes its report. The child loads the checkpoint again with the same Load
 same dtype, device and seeded re-initialisation), runs the scenarios it is handed and writes the
 hidden states back; tensors travel through torch.save / torch.load(weights_only=True).
 
-    python -m posdiag.isolated REQUEST.pt RESULT.pt
+    python -m posdiag.checks.kernels.isolated REQUEST.pt RESULT.pt
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import tempfile
 from typing import Any
 
 ISOLATED = frozenset({"flex_attention"})  # implementations that run only in a child process
-CHILD_COMMAND = (sys.executable, "-m", "posdiag.isolated")
+CHILD_COMMAND = (sys.executable, "-m", "posdiag.checks.kernels.isolated")
 CHILD_TIMEOUT_S = 1800  # compiling flex kernels on a CPU takes minutes; a hang must still end
 
 # Exceptions from torch's compiler stack: the toolchain of this machine failed, not the model.
@@ -96,7 +96,8 @@ def _child(request_path: str, result_path: str) -> None:
     import torch
 
     from posdiag.checks.kernels import Scenario, _forward, _Refused, implementation
-    from posdiag.subject import LoadOptions, load_subject
+    from posdiag.options import LoadOptions
+    from posdiag.model.loading import load_subject
 
     warnings.simplefilter("ignore")
     request = torch.load(request_path, weights_only=True)

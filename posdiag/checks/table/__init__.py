@@ -34,9 +34,9 @@ from typing import Any
 import torch
 
 from posdiag.options import RunOptions
-from posdiag.probe import Row, run_rows
+from posdiag.model.probe import Row, run_rows
 from posdiag.results import CheckResult, Status, Table
-from posdiag.subject import Subject
+from posdiag.model.subject import Subject
 from posdiag.verdict import FAIL_RATIO, MACHINE_EPSILON, agreement_tolerance, judge_agreement, judge_position_signal
 
 TITLE = "Position tables"

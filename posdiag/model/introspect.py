@@ -111,3 +111,19 @@ def recurrent_reason(subject: Any) -> str | None:
 
 
 __all__ = ["recurrent_mixers", "recurrent_reason", "attention_free"]
+
+
+def detect_position_kind(model: torch.nn.Module) -> str:
+    """Best effort for families not in the table: look at module and parameter names."""
+    names = [n for n, _ in model.named_modules()]
+    buffers = [n for n, _ in model.named_buffers()]
+    params = [n for n, _ in model.named_parameters()]
+    if any("rotary" in n.lower() or n.endswith("inv_freq") for n in names + buffers):
+        return "rope"
+    if any("alibi" in n.lower() for n in names + buffers):
+        return "alibi"
+    if any("relative_attention_bias" in n for n in params):
+        return "relative_bias"
+    if any(k in n for n in params for k in ("position_embeddings", "wpe", "embed_positions", "pos_emb")):
+        return "learned"
+    return "none found"

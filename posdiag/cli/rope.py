@@ -16,8 +16,28 @@ from typing import Annotated, Any, Optional
 import typer
 
 from posdiag.cli import (
-    AttnOpt, DebugOpt, DeviceMapOpt, DeviceOpt, MaxMemoryOpt, OffloadOpt, Device, DType, DtypeOpt, JsonOpt, ModelArg, PickleOpt, QuietOpt,
-    RevisionOpt, SeedOpt, TrustOpt, UpcastOpt, _fail, _guarded, _load, _quiet_transformers, app,
+    AttnOpt,
+    DebugOpt,
+    DeviceMapOpt,
+    DeviceOpt,
+    MaxMemoryOpt,
+    OffloadOpt,
+    Device,
+    DType,
+    DtypeOpt,
+    JsonOpt,
+    ModelArg,
+    PickleOpt,
+    QuietOpt,
+    RevisionOpt,
+    SeedOpt,
+    TrustOpt,
+    UpcastOpt,
+    _fail,
+    _guarded,
+    _load,
+    _quiet_transformers,
+    app,
 )
 
 TargetOpt = Annotated[Optional[int], typer.Option("--target-length", min=1, help="Length you intend to run at (default: the declared context).")]
@@ -52,13 +72,13 @@ def rope(
         _require_matplotlib()
     copy_probe = _import_copy_probe() if probe == "copy" else None
 
-    from posdiag import rope_math
+    from posdiag.tools import rope_math
 
-    from posdiag.subject import _looks_like_factory
+    from posdiag.model.loading import looks_like_factory
 
     _quiet_transformers()
     out = Console(stderr=True) if json == "-" else Console()
-    factory = _looks_like_factory(model)
+    factory = looks_like_factory(model)
     if factory and config_only:
         _fail("--config-only needs a config.json, a checkpoint directory or a hub id, not a module:factory")
     subject = _guarded(lambda: _load(args), debug) if factory else None
@@ -123,11 +143,11 @@ def _import_copy_probe():
     import importlib
 
     try:
-        copy_probe = importlib.import_module("posdiag.copy_probe")
+        copy_probe = importlib.import_module("posdiag.tools.copy_probe")
     except ImportError as exc:
         _fail(f"--probe copy is not available in this installation ({exc})")
     if not callable(getattr(copy_probe, "run", None)):
-        _fail("--probe copy: posdiag.copy_probe has no run(subject, lengths, seed)")
+        _fail("--probe copy: posdiag.tools.copy_probe has no run(subject, lengths, seed)")
     return copy_probe
 
 
@@ -143,7 +163,7 @@ def _run_probe(args: dict, subject: Any, target_length: Optional[int], copy_prob
 
     from rich.console import Console
 
-    from posdiag import rope_math
+    from posdiag.tools import rope_math
     from posdiag.api import run_checks
     from posdiag.options import RunOptions
     from posdiag.report.console import render

@@ -12,8 +12,8 @@ from typing import Any, Callable
 
 import torch
 
-from posdiag.subject import Outputs, Subject
-from posdiag.tensors import relative_l2
+from posdiag.model.subject import Outputs, Subject
+from posdiag.model.tensors import relative_l2
 from posdiag.verdict import FAIL_RATIO, MACHINE_EPSILON, agreement_tolerance
 
 

@@ -39,9 +39,9 @@ import torch
 
 from posdiag.errors import PosdiagError
 from posdiag.options import RunOptions
-from posdiag.probe import Row, run_rows
+from posdiag.model.probe import Row, run_rows
 from posdiag.results import CheckResult, Status, Table
-from posdiag.subject import Outputs, Subject
+from posdiag.model.subject import Outputs, Subject
 from posdiag.verdict import FAIL_RATIO, LOW_PRECISION, MACHINE_EPSILON, PASS_RATIO, noise_floor
 
 TITLE = "Comparison with a reference, position-resolved"

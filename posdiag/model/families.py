@@ -1,7 +1,7 @@
 """Per-architecture quirks, in one table.
 
 Every row says what breaks without it and how that was measured (transformers 5.24,
-torch 2.13, CPU, tiny configs from `posdiag.zoo`, eager attention). Checks never test a
+torch 2.13, CPU, tiny configs from `posdiag.testing.zoo`, eager attention). Checks never test a
 family name themselves: they read a `Family` and its fields.
 
 Unknown model types get `GENERIC`, whose fields are the safe defaults: positions and masks
@@ -96,7 +96,7 @@ def _layer_mask_hook(build: Callable[[Any, dict, dict], Any]) -> Callable[[Any, 
 
 
 def _bloom_mask(subject: Any, patterns: dict, kwargs: dict) -> Any:
-    from posdiag.tensors import additive_mask
+    from posdiag.model.tensors import additive_mask
     return additive_mask(patterns["full"][:, None], subject.dtype)
 
 

@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from posdiag import __version__
+from posdiag._version import __version__
 
 app = typer.Typer(
     name="posdiag",
@@ -279,7 +279,8 @@ def _show_config(settings: dict, source: dict, check_options: dict) -> None:
 
 def _load(args: dict):
     """Load MODEL from command-line style settings (enums or plain strings)."""
-    from posdiag.subject import LoadOptions, load_subject
+    from posdiag.options import LoadOptions
+    from posdiag.model.loading import load_subject
 
     _quiet_transformers()
     options = LoadOptions(
@@ -335,4 +336,4 @@ def _tokenize(model: str, text: str, revision, trust_remote_code: bool) -> tuple
 
 
 # Commands that live in their own modules register themselves on `app` when imported.
-from posdiag import cli_compare, cli_kernels, cli_rope  # noqa: E402,F401
+from posdiag.cli import compare as cli_compare, kernels as cli_kernels, rope as cli_rope  # noqa: E402,F401

@@ -34,12 +34,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from posdiag import rope_math
-from posdiag.mixers import recurrent_reason
+from posdiag.tools import rope_math
+from posdiag.model.introspect import recurrent_reason
 from posdiag.options import RunOptions
-from posdiag.probe import Row, run_rows
+from posdiag.model.probe import Row, run_rows
 from posdiag.results import CheckResult, Status, Table
-from posdiag.subject import Subject
+from posdiag.model.subject import Subject
 from posdiag.verdict import FAIL_RATIO, LOW_PRECISION, MACHINE_EPSILON
 
 TITLE = "RoPE frequencies and applied rotation"

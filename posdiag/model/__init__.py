@@ -1,0 +1,1 @@
+"""The model adapter: loading, placement, the family table, sniffing and finer-dtype runs."""

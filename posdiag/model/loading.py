@@ -1,0 +1,295 @@
+"""Loading MODEL (hub id, checkpoint directory, module:factory or an in-memory module) into a Subject.
+
+Every failure becomes a PosdiagError with one line of advice (exit code 2). Half-precision
+models are upcast to float32 when memory allows: equivariance is a property of the function.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import sys
+import warnings
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posdiag.errors import PosdiagError, one_line
+from posdiag.model.checkpoint import checkpoint_dtype, weight_files
+from posdiag.model.families import Family, family_for
+from posdiag.model.introspect import detect_position_kind
+from posdiag.model.placement import (
+    device_map_kwargs,
+    input_device,
+    is_dispatched,
+    kept_in_memory,
+    parse_max_memory,
+    placement_note,
+    unreadable_offloaded,
+)
+from posdiag.model.subject import LoadInfo, Subject
+from posdiag.model.tensors import DTYPES, dtype_name
+from posdiag.options import LoadOptions
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise PosdiagError(f"--device {name}: CUDA is not available on this machine (use --device cpu)")
+    if name == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise PosdiagError("--device mps: MPS is not available on this machine (use --device cpu)")
+    return torch.device(name)
+
+
+def from_module(model: torch.nn.Module, *, name: str = "in-memory model", options: LoadOptions | None = None) -> Subject:
+    """Wrap an already-built model (unit tests, the Python API): nothing is loaded or written."""
+    options = options or LoadOptions()
+    config = getattr(model, "config", None)
+    is_hf = config is not None and hasattr(config, "model_type") and hasattr(model, "get_input_embeddings")
+    param = next(iter(model.parameters()), None)
+    load_dtype = param.dtype if param is not None else torch.float32
+    device = input_device(model)
+    if is_hf:
+        family = family_for(config)
+        _check_attn_implementation(model, options)
+    else:
+        config = _CustomConfig(model)
+        family = Family(name="custom", kind=getattr(model, "posdiag_kind", "causal"),
+                        position_kind=getattr(model, "posdiag_position_kind", "none found"))
+    subject = Subject(
+        model=model.eval(), config=config, family=family, spec=name, kind=family.kind,
+        position_kind=family.position_kind if family.position_kind != "none found" else detect_position_kind(model),
+        dtype=load_dtype, load_dtype=load_dtype, device=device,
+        load_info=LoadInfo(checkpoint_keys=None, source="in-memory module"),
+        options=options, is_hf=is_hf,
+    )
+    _maybe_upcast(subject)
+    return subject
+
+
+class _CustomConfig:
+    """Stand-in config for factory models: reads what it can off the module."""
+
+    model_type = "custom"
+
+    def __init__(self, model: torch.nn.Module):
+        cfg = getattr(model, "posdiag_config", None) or {}
+        for k, v in dict(cfg).items():
+            setattr(self, k, v)
+        if not hasattr(self, "vocab_size"):
+            emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+            if emb is None:
+                emb = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
+            if emb is not None:
+                self.vocab_size = emb.num_embeddings
+
+
+def _check_attn_implementation(model: torch.nn.Module, options: LoadOptions) -> None:
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl not in (None, "eager") and options.attn_implementation == "eager":
+        # Explicit-mask checks are only faithful under eager attention (see DESIGN pitfalls).
+        try:
+            model.set_attn_implementation("eager")
+        except Exception as exc:  # pragma: no cover - depends on the family
+            raise PosdiagError(f"cannot switch the model to eager attention: {exc}") from None
+
+
+def load_subject(spec: str, options: LoadOptions | None = None) -> Subject:
+    """MODEL -> Subject. Every failure becomes a PosdiagError with one line of advice."""
+    options = options or LoadOptions()
+    if not options.device_map:
+        for given, flag in ((options.max_memory, "--max-memory"), (options.offload_folder, "--offload-folder")):
+            if given:
+                raise PosdiagError(f"{flag} only applies with --device-map (e.g. --device-map auto)")
+    elif options.max_memory:
+        parse_max_memory(options.max_memory)  # a malformed budget fails before anything is read
+    if looks_like_factory(spec):
+        return _load_factory(spec, options)
+    return _load_pretrained(spec, options)
+
+
+def looks_like_factory(spec: str) -> bool:
+    if ":" not in spec or os.path.exists(spec):
+        return False
+    module, _, attr = spec.rpartition(":")
+    return bool(module) and attr.isidentifier() and all(p.isidentifier() for p in module.split("."))
+
+
+def _load_factory(spec: str, options: LoadOptions) -> Subject:
+    if options.device_map:
+        raise PosdiagError("--device-map needs a checkpoint to place: a module:factory model is built in memory "
+                           "(dispatch it with accelerate inside the factory instead)")
+    module_name, _, attr = spec.rpartition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise PosdiagError(f"cannot import factory module '{module_name}': {one_line(exc)}") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise PosdiagError(f"'{attr}' in module '{module_name}' is not a callable factory")
+    try:
+        model = factory()
+    except Exception as exc:
+        raise PosdiagError(f"factory '{spec}' raised {type(exc).__name__}: {one_line(exc)}") from None
+    if not isinstance(model, torch.nn.Module):
+        raise PosdiagError(f"factory '{spec}' returned {type(model).__name__}, not a torch.nn.Module")
+    device = resolve_device(options.device)
+    dtype = None if options.dtype == "auto" else DTYPES[options.dtype]
+    model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
+    subject = from_module(model, name=spec, options=options)
+    subject.load_info = LoadInfo(checkpoint_keys=None, source=f"factory {spec}")
+    return subject
+
+
+def _load_pretrained(spec: str, options: LoadOptions) -> Subject:
+    from transformers import AutoConfig
+
+    local = Path(spec)
+    is_local = local.exists()
+    if is_local:
+        if not local.is_dir():
+            raise PosdiagError(f"'{spec}' is a file; MODEL is a checkpoint directory, a hub id, or module:factory")
+        if not (local / "config.json").is_file():
+            raise PosdiagError(f"'{spec}' has no config.json: not a transformers checkpoint directory")
+    elif spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+        raise PosdiagError(f"'{spec}' does not exist")
+
+    try:
+        config = AutoConfig.from_pretrained(spec, revision=options.revision, trust_remote_code=options.trust_remote_code)
+    except Exception as exc:
+        raise PosdiagError(_explain_config_error(spec, exc, options, is_local)) from None
+
+    family = family_for(config)
+    auto_cls = auto_class(config, family)
+    weights = weight_files(spec, options, is_local)
+    if weights["source"] == "pickle" and not options.allow_pickle:
+        raise PosdiagError(
+            f"'{spec}' ships only pickle weights (.bin); unpickling can run code. Convert to safetensors or pass --allow-pickle"
+        )
+
+    device = resolve_device(options.device) if not options.device_map else None
+    dtype: Any = "auto" if options.dtype == "auto" else DTYPES[options.dtype]
+    stored = DTYPES[options.dtype] if options.dtype != "auto" else checkpoint_dtype(config, weights)
+    upcast_at_load = bool(options.device_map) and options.upcast and stored in (torch.float16, torch.bfloat16)
+    if upcast_at_load:
+        # A dispatched model cannot be re-cast in place (its offloaded weights are re-read from
+        # disk in the stored dtype), so ask for float32 up front: accelerate then plans the map
+        # for the float32 size and converts each offloaded tensor as it reads it.
+        dtype = torch.float32
+    kwargs: dict[str, Any] = dict(
+        revision=options.revision,
+        trust_remote_code=options.trust_remote_code,
+        dtype=dtype,
+        attn_implementation=options.attn_implementation,
+        output_loading_info=True,
+        use_safetensors=weights["source"] != "pickle",
+    )
+    temporary: list[str] = []  # folders posdiag created for this run
+    if options.device_map:
+        kwargs.update(device_map_kwargs(spec, options, weights, temporary))
+    # Parameters missing from the checkpoint are re-initialised randomly: seed it so the same
+    # checkpoint gives the same report every time (the `load` check names what was missing).
+    torch.manual_seed(0)
+    notes: list[str] = []
+    try:
+        with warnings.catch_warnings():
+            # transformers' own maps name single tensors (BART's final_logits_bias); accelerate warns, harmlessly.
+            warnings.filterwarnings("ignore", message="The following device_map keys do not match any submodules")
+            model, loading_info = auto_cls.from_pretrained(spec, **kwargs)
+            lost = unreadable_offloaded(model) if options.device_map else []
+            if lost:
+                # transformers reads disk-offloaded weights from the checkpoint files in place, so a
+                # weight the checkpoint lacks (Marian's sinusoid table, built at init) has no values
+                # there: KeyError at the first forward. Load again with its module kept in memory.
+                kwargs["device_map"] = kept_in_memory(model.hf_device_map, model, lost)
+                del model
+                torch.manual_seed(0)
+                model, loading_info = auto_cls.from_pretrained(spec, **kwargs)
+                notes.append(f"kept in memory, not on disk: {', '.join(lost[:3])}{' …' if len(lost) > 3 else ''} "
+                             "(not in the checkpoint, so transformers has nothing to read from disk)")
+    except Exception as exc:
+        for folder in temporary:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise PosdiagError(f"cannot load weights of '{spec}': {one_line(exc)}") from None
+    if device is not None:
+        model = model.to(device)
+    model.eval()
+
+    param = next(iter(model.parameters()))  # its dtype; its device may be "meta" when offloaded
+    info = LoadInfo(
+        checkpoint_keys=weights["keys"],
+        missing_keys=tuple(loading_info.get("missing_keys", ()) or ()),
+        unexpected_keys=tuple(loading_info.get("unexpected_keys", ()) or ()),
+        mismatched_keys=tuple(str(k[0]) if isinstance(k, tuple) else str(k) for k in (loading_info.get("mismatched_keys", ()) or ())),
+        files=tuple(weights["files"]),
+        source=weights["source"],
+    )
+    subject = Subject(
+        model=model, config=model.config, family=family, spec=spec, kind=family.kind,
+        position_kind=family.position_kind if family.position_kind != "none found" else detect_position_kind(model),
+        dtype=param.dtype, load_dtype=stored if upcast_at_load else param.dtype, device=input_device(model),
+        load_info=info, options=options,
+    )
+    # Removed by Subject.close(), else when the model is collected, else at interpreter exit.
+    subject.cleanup = [weakref.finalize(model, shutil.rmtree, folder, True) for folder in temporary]
+    if options.device_map:
+        subject.notes += [placement_note(model, options)] + notes
+    if upcast_at_load:
+        name = dtype_name(stored)
+        subject.notes.append(f"loaded in float32 from {name} weights (--device-map: the map was planned for the "
+                             f"float32 size, twice {name}'s; --no-upcast keeps {name})")
+    _maybe_upcast(subject)
+    return subject
+
+
+def _maybe_upcast(subject: Subject) -> None:
+    """Equivariance is a property of the function: test it in float32 when memory allows."""
+    if not subject.options.upcast or subject.dtype not in (torch.float16, torch.bfloat16):
+        return
+    if is_dispatched(subject.model):
+        subject.notes.append("kept in half precision: a model dispatched by accelerate cannot be re-cast in place "
+                             "(--dtype float32 loads it in float32)")
+        return
+    if subject.device.type == "cuda":
+        need = sum(p.numel() for p in subject.model.parameters()) * 2  # the extra bytes of fp32
+        free, _ = torch.cuda.mem_get_info(subject.device)
+        if need > 0.8 * free:
+            subject.notes.append("kept in half precision: not enough free GPU memory to upcast")
+            return
+    subject.model.to(torch.float32)
+    subject.dtype = torch.float32
+    subject.notes.append(f"upcast from {dtype_name(subject.load_dtype)} to float32 for the checks (--no-upcast keeps it)")
+
+
+def auto_class(config: Any, family: Family):
+    import transformers
+
+    if family.kind == "seq2seq" or getattr(config, "is_encoder_decoder", False):
+        return transformers.AutoModelForSeq2SeqLM
+    if family.kind == "encoder":
+        return transformers.AutoModel
+    return transformers.AutoModelForCausalLM
+
+
+def _explain_config_error(spec: str, exc: Exception, options: LoadOptions, is_local: bool) -> str:
+    text = one_line(exc)
+    if "trust_remote_code" in text or "custom code" in text:
+        return f"'{spec}' needs its own Python code to load; rerun with --trust-remote-code if you trust it"
+    if isinstance(exc, (json.JSONDecodeError, ValueError)) and is_local and "Unrecognized model" not in text:
+        return f"'{spec}/config.json' is not a valid config: {text}"
+    if "Unrecognized model" in text or "does not recognize this architecture" in text or "model_type" in text:
+        return f"'{spec}': unknown model type for this transformers version ({text[:160]})"
+    if not is_local:
+        return f"cannot fetch '{spec}' from the hub: {text[:200]} (check the id, the network, or HF_TOKEN)"
+    return f"cannot read the config of '{spec}': {text[:200]}"

@@ -1,0 +1,378 @@
+"""The model adapter: load once, then forward with explicit tokens, attention pattern and positions.
+
+Checks talk to a `Subject` only. They describe an attention pattern by the *order* of the
+tokens (the logical index of each token in the sequence: arange normally, the permutation
+for a shuffled input) and validity (padding); the subject turns that into whatever form the
+family honours (an additive 4D mask, a dict per layer type, a window written in) using the
+quirk row in `posdiag.model.families`.
+
+Forward protocol for `module.path:factory` models (bring-up of models not in transformers):
+the factory takes no arguments and returns an `nn.Module` whose forward accepts
+`input_ids` [B, T] (long), `attention_mask` (an additive float mask [B, 1, T, T]: 0 where a
+query may see a key, a large negative number where not; or None for the default pattern)
+and `position_ids` [B, T] (long) as keyword arguments, and returns either a tensor
+[B, T, D] or an object with `hidden_states` (a tuple of [B, T, D], embeddings first) and/or
+`last_hidden_state` / `logits`. Set `model.posdiag_kind = "encoder"` for a bidirectional model
+(default "causal") and `model.posdiag_position_kind` to say what it uses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+from posdiag.errors import PosdiagError
+from posdiag.model.families import Family
+from posdiag.model.placement import stored_weight
+from posdiag.model.tensors import additive_mask, dtype_name
+from posdiag.options import LoadOptions
+from posdiag.results import ModelInfo
+
+
+@dataclass(frozen=True)
+class LoadInfo:
+    """What the checkpoint provided, for the `load` check."""
+
+    checkpoint_keys: tuple[str, ...] | None  # None: no checkpoint files (factory / in-memory)
+    missing_keys: tuple[str, ...] = ()
+    unexpected_keys: tuple[str, ...] = ()
+    mismatched_keys: tuple[str, ...] = ()
+    files: tuple[str, ...] = ()
+    source: str = ""
+
+
+@dataclass
+class Outputs:
+    """hidden: embeddings output then each block's output, each [B, T, D]; logits may be None."""
+
+    hidden: list[torch.Tensor]
+    logits: torch.Tensor | None = None
+
+    @property
+    def final(self) -> torch.Tensor:
+        return self.hidden[-1]
+
+
+@dataclass
+class Subject:
+    model: torch.nn.Module
+    config: Any
+    family: Family
+    spec: str
+    kind: str
+    position_kind: str
+    dtype: torch.dtype
+    load_dtype: torch.dtype
+    device: torch.device
+    load_info: LoadInfo
+    options: LoadOptions = field(default_factory=LoadOptions)
+    forward_count: int = 0
+    batch_limit: int | None = None  # lowered after an out-of-memory fallback
+    is_hf: bool = True
+    notes: list[str] = field(default_factory=list)
+    cleanup: list[Any] = field(default_factory=list, repr=False)  # weakref.finalize: temporary offload folders
+
+    def close(self) -> None:
+        """Release what loading created outside the model (the temporary offload folder).
+        The model may read offloaded weights from there, so call this only when done with it."""
+        for finalizer in self.cleanup:
+            finalizer()
+
+    # ---------------------------------------------------------------- description
+    @property
+    def info(self) -> ModelInfo:
+        return ModelInfo(
+            id=self.spec,
+            family=self.family.name,
+            kind=self.kind,
+            position_kind=self.position_kind,
+            dtype=dtype_name(self.load_dtype),
+            device=str(self.device),
+            check_dtype=dtype_name(self.dtype),
+            source=self.load_info.source,
+            notes=tuple(self.notes),
+        )
+
+    @property
+    def dtype_name(self) -> str:
+        return dtype_name(self.dtype)
+
+    @property
+    def stacks(self) -> tuple[str, ...]:
+        return ("encoder", "decoder") if self.kind == "seq2seq" else (("encoder",) if self.kind == "encoder" else ("decoder",))
+
+    @property
+    def vocab_size(self) -> int:
+        size = getattr(self.config, "vocab_size", None)
+        if size is None:
+            emb = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
+            size = emb.num_embeddings if emb is not None else None
+        if not size:
+            raise PosdiagError("cannot tell the vocabulary size: set config.vocab_size or expose get_input_embeddings()")
+        return int(size)
+
+    @property
+    def max_positions(self) -> int | None:
+        """The declared context in tokens, where the config states one.
+
+        RoBERTa-style tables count their offset rows in max_position_embeddings (514 rows for
+        512 tokens, ids starting at padding_idx + 1): the usable context is rows - offset
+        (measured: id 130 out of range in a 130-row table at 129 logical positions).
+        """
+        # max_seq_len: MPT builds its ALiBi bias for exactly that many keys; a longer probe crashes
+        # (measured: RuntimeError, size 320 vs 128, in the shift check's prefix rows).
+        for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "max_seq_len"):
+            value = getattr(self.config, attr, None)
+            if isinstance(value, int) and value > 0:
+                return value - self.family.explicit_position_offset
+        return None
+
+    @property
+    def sliding_window(self) -> int | None:
+        window = getattr(self.config, "sliding_window", None) or getattr(self.config, "window_size", None)
+        if window and (getattr(self.config, "use_sliding_window", True) is not False):
+            return int(window)
+        return None
+
+    def layer_types(self) -> list[str]:
+        types = getattr(self.config, "layer_types", None)
+        return list(types) if types else ["full_attention"]
+
+    # ---------------------------------------------------------------- inputs
+    def special_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for obj in (self.config, getattr(self.config, "text_config", None)):
+            if obj is None:
+                continue
+            for name in dir(obj):
+                if name.endswith("_token_id") and not name.startswith("_"):
+                    value = getattr(obj, name, None)
+                    if isinstance(value, int):
+                        ids.add(value)
+                    elif isinstance(value, (list, tuple)):
+                        ids.update(v for v in value if isinstance(v, int))
+        return ids
+
+    def sample_ids(self, batch: int, seq_len: int, seed: int) -> torch.Tensor:
+        """Random token ids [batch, seq_len], distinct within a row where the vocabulary allows.
+
+        Special and padding ids are excluded (and the first few ids, which tokenizers reserve):
+        a padding id can be masked or position-shifted by the model itself (RoBERTa, OPT).
+        """
+        vocab = self.vocab_size
+        reserved = self.special_ids() | set(range(min(4, vocab)))
+        allowed = torch.tensor([i for i in range(vocab) if i not in reserved], dtype=torch.long)
+        if allowed.numel() < 2:
+            raise PosdiagError(f"vocabulary of {vocab} ids leaves no ordinary tokens to probe with")
+        gen = torch.Generator().manual_seed(seed)
+        rows = []
+        for _ in range(batch):
+            if allowed.numel() >= seq_len:
+                pick = torch.randperm(allowed.numel(), generator=gen)[:seq_len]
+            else:
+                pick = torch.randint(0, allowed.numel(), (seq_len,), generator=gen)
+            rows.append(allowed[pick])
+        return torch.stack(rows).to(self.device)
+
+    # ---------------------------------------------------------------- attention patterns
+    @property
+    def explicit_mask_supported(self) -> tuple[bool, str]:
+        if self.family.mask_form == "none":
+            return False, self.family.mask_note or f"{self.family.name} cannot take an explicit attention mask"
+        return True, ""
+
+    def windowed_layers(self) -> str:
+        """Which layers attend through a sliding window: "none", "some" or "all"."""
+        if self.sliding_window is None:
+            return "none"
+        types = getattr(self.config, "layer_types", None) or getattr(self.config, "attention_layers", None)
+        if types:  # layer_types: full/sliding_attention; GPT-Neo attention_layers: global/local
+            windowed = [t in ("sliding_attention", "local") for t in types]
+            return "all" if all(windowed) else ("some" if any(windowed) else "none")
+        return "all"  # Mistral-style: one window for every layer
+
+    def patterns(self, order: torch.Tensor, valid: torch.Tensor | None = None, stack: str = "decoder",
+                 edit: Any = None) -> dict[str, torch.Tensor]:
+        """Bool attention patterns [B, T, T] by logical token order: {"full": ..., "sliding": ...}.
+
+        Causal stacks: key j visible to query i when order[j] <= order[i] ("sliding" adds
+        order[i] - order[j] < window, transformers' convention). Bidirectional stacks: every
+        key ("sliding": |order[i] - order[j]| <= window, ModernBERT's local attention).
+        Padding keys are never visible; a padded query keeps its own key so its softmax stays
+        finite (its output is excluded from every comparison). `edit` (bool[B,T,T] -> same)
+        is applied to every variant: the mask-fidelity probes block or open single keys with it.
+        """
+        order = order.to(self.device)
+        oi, oj = order[:, :, None], order[:, None, :]
+        causal = stack == "decoder" and self.kind != "encoder"
+        full = (oj <= oi) if causal else torch.ones_like(oi == oj)
+        out = {"full": full}
+        if self.windowed_layers() != "none":
+            w = self.sliding_window
+            out["sliding"] = full & ((oi - oj) < w) if causal else (oi - oj).abs() <= w
+        edit = edit or (lambda a: a)
+        return {k: edit(self._with_padding(v, valid)) for k, v in out.items()}
+
+    def _with_padding(self, allowed: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        if valid is None:
+            return allowed
+        valid = valid.to(self.device).bool()
+        eye = torch.eye(allowed.shape[-1], dtype=torch.bool, device=self.device)[None]
+        return (allowed & valid[:, None, :]) | (eye & ~valid[:, :, None])
+
+    def mask_argument(self, patterns: dict[str, torch.Tensor]) -> Any:
+        """The attention_mask argument for these patterns, in the family's form (None: injected per layer)."""
+        form = self.family.mask_form
+        if form == "layer_hook":
+            return None
+        if form == "layer_dict" and "sliding" in patterns:
+            return {t: additive_mask(patterns["sliding" if t == "sliding_attention" else "full"][:, None], self.dtype)
+                    for t in sorted(set(self.layer_types()) | {"full_attention", "sliding_attention"})}
+        # One mask for every layer: the window goes in only when every layer slides (Mistral);
+        # per-layer windows are the injector's business (GPT-Neo's buffers).
+        uniform_window = "sliding" in patterns and self.windowed_layers() == "all"
+        return additive_mask(patterns["sliding" if uniform_window else "full"][:, None], self.dtype)
+
+    @contextlib.contextmanager
+    def injected(self, patterns: dict[str, torch.Tensor] | None) -> Iterator[None]:
+        """Hand the patterns to families that do not read them from attention_mask (families.py
+        says which and why): per-layer hooks or per-row causal buffers, undone on exit."""
+        injector = self.family.injector
+        if patterns is None or injector is None:
+            yield
+            return
+        undo = injector(self, patterns)
+        try:
+            yield
+        finally:
+            undo()
+
+    def stored_weight(self, name: str):
+        """Parameter or buffer `name` with its values, also when accelerate offloaded it (a context manager)."""
+        return stored_weight(self.model, name)
+
+    def position_ids_for(self, logical: torch.Tensor) -> torch.Tensor:
+        """Logical positions (0-based) -> the ids the model expects (RoBERTa starts at pad+1)."""
+        return logical + self.family.explicit_position_offset
+
+    # ---------------------------------------------------------------- forward
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        mask: Any = None,
+        position_ids: torch.Tensor | None = None,
+        stack: str = "decoder",
+        encoder_ids: torch.Tensor | None = None,
+        want_logits: bool = False,
+    ) -> Outputs:
+        """One forward pass, split into chunks of at most `max_batch` rows.
+
+        stack: for encoder-decoders, "encoder" runs the encoder alone on input_ids; "decoder"
+        runs the whole model with `encoder_ids` fixed (default: the input ids themselves) and
+        input_ids as decoder inputs, `mask` going to decoder_attention_mask.
+        """
+        rows = input_ids.shape[0]
+        step = min(self.options.max_batch or rows, self.batch_limit or rows)
+        parts = []
+        start = 0
+        while start < rows:
+            sl = slice(start, start + step)
+            try:
+                parts.append(self._forward_once(
+                    input_ids[sl],
+                    mask=_slice_mask(mask, sl),
+                    position_ids=None if position_ids is None else position_ids[sl],
+                    stack=stack,
+                    encoder_ids=None if encoder_ids is None else encoder_ids[sl],
+                    want_logits=want_logits,
+                ))
+            except (torch.OutOfMemoryError, RuntimeError) as exc:
+                if step == 1 or not _is_oom(exc):
+                    raise
+                step = max(1, step // 2)  # fall back to smaller batches, and remember it for later checks
+                self.batch_limit = step
+                note = f"out of memory: forward passes fall back to batches of {step}"
+                if note not in self.notes:
+                    self.notes.append(note)
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                continue
+            start += step
+        if len(parts) == 1:
+            return parts[0]
+        hidden = [torch.cat([p.hidden[i] for p in parts]) for i in range(len(parts[0].hidden))]
+        logits = None if parts[0].logits is None else torch.cat([p.logits for p in parts])
+        return Outputs(hidden, logits)
+
+    @property
+    def _takes_logits_to_keep(self) -> bool:
+        import inspect
+
+        return "logits_to_keep" in inspect.signature(self.model.forward).parameters
+
+    def _forward_once(self, input_ids, *, mask, position_ids, stack, encoder_ids, want_logits) -> Outputs:
+        self.forward_count += 1
+        kwargs: dict[str, Any] = {}
+        if position_ids is not None:
+            kwargs["position_ids"] = position_ids.to(self.device)
+        with torch.inference_mode():
+            if not self.is_hf:
+                out = self.model(input_ids=input_ids, attention_mask=mask, **kwargs)
+                return _outputs_from_custom(out)
+            # Without logits, ask for the last position's only: the LM head's [B, T, vocab] output
+            # is often the largest activation of a batched probe (147 MB for 9 x 128 tokens of a
+            # 32k vocab). The full model still runs (a bug can live in the head class's forward).
+
+            if not want_logits and self._takes_logits_to_keep:
+                kwargs["logits_to_keep"] = 1
+            if self.kind == "seq2seq":
+                if stack == "encoder":
+                    out = self.model.get_encoder()(input_ids=input_ids, attention_mask=mask,
+                                                   output_hidden_states=True, return_dict=True)
+                    return self._gathered(out.hidden_states or (out.last_hidden_state,), None)
+                enc = input_ids if encoder_ids is None else encoder_ids
+                out = self.model(input_ids=enc, decoder_input_ids=input_ids, decoder_attention_mask=mask,
+                                 output_hidden_states=True, use_cache=False, return_dict=True,
+                                 **{k: v for k, v in kwargs.items() if k == "logits_to_keep"})
+                return self._gathered(out.decoder_hidden_states, getattr(out, "logits", None) if want_logits else None)
+            out = self.model(input_ids=input_ids, attention_mask=mask, output_hidden_states=True,
+                             use_cache=False, return_dict=True, **kwargs)
+            hidden = out.hidden_states if out.hidden_states is not None else (out.last_hidden_state,)
+            return self._gathered(hidden, getattr(out, "logits", None) if want_logits else None)
+
+    def _gathered(self, hidden: Any, logits: torch.Tensor | None) -> Outputs:
+        """Outputs on the input device: under a --device-map each block returns on its own GPU,
+        and the checks compare blocks with each other (no-op when everything is on one device)."""
+        return Outputs([h.to(self.device) for h in hidden], None if logits is None else logits.to(self.device))
+
+
+def _is_oom(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text or "not enough memory" in text
+
+
+def _slice_mask(mask: Any, sl: slice) -> Any:
+    if mask is None:
+        return None
+    if isinstance(mask, dict):
+        return {k: v[sl] for k, v in mask.items()}
+    return mask[sl]
+
+
+def _outputs_from_custom(out: Any) -> Outputs:
+    if isinstance(out, torch.Tensor):
+        return Outputs([out])
+    hidden = getattr(out, "hidden_states", None)
+    if hidden:
+        return Outputs(list(hidden), getattr(out, "logits", None))
+    for attr in ("last_hidden_state", "logits"):
+        value = getattr(out, attr, None)
+        if value is not None:
+            return Outputs([value], getattr(out, "logits", None))
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return Outputs([out[0]])
+    raise PosdiagError("the factory model returned neither a tensor nor hidden_states/last_hidden_state/logits")

@@ -1,0 +1,1 @@
+"""Test support: the tiny-model zoo and the pytest plugin."""
