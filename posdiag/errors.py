@@ -9,3 +9,9 @@ def one_line(exc: BaseException) -> str:
     """The first line of an exception's message (its type name when it has none), at most 300 characters."""
     text = str(exc).strip().splitlines()
     return (text[0] if text else type(exc).__name__)[:300]
+
+
+def describe_error(exc: BaseException) -> str:
+    """`Type: first line`, at most 200 characters: an exception named in a verdict or a skip reason."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:200]

@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from posdiag.testing import zoo
 from posdiag.api import run_checks
-from posdiag.checks.positions import FLOOR_SOURCE
+from posdiag.checks._shared import FLOOR_SOURCE
 from posdiag.model.introspect import recurrent_mixers
 from posdiag.results import Status
 from posdiag.model.loading import from_module

@@ -121,3 +121,13 @@ def test_absolute_positions_in_bfloat16_are_reported_as_used(family):
     result = run_checks(from_module(model, options=LoadOptions(upcast=False)), ["shift"]).check("shift")
     assert result.status is Status.SKIP
     assert "as expected" in result.summary and "noise floor" in result.summary
+
+
+def test_offset_families_probe_up_to_the_last_usable_position():
+    """RoBERTa counts padding_idx+1 offset rows in max_position_embeddings: Subject.max_positions already
+    subtracts them, so the ladder's last rung is max_positions - length (it used to stop 2 short)."""
+    model = zoo.tiny_model("roberta")
+    subject = from_module(model)
+    assert subject.family.explicit_position_offset == 2
+    result = run_checks(subject, ["shift"]).check("shift")
+    assert result.details["ladder"][-1] + result.details["seq_len"] == subject.max_positions, result.details

@@ -41,14 +41,19 @@ from typing import Any
 
 import torch
 
-from posdiag.checks.positions import FLOOR_SOURCE, jittered, per_token_change, restart_positions, tolerance
+from posdiag.checks._shared import (
+    FLOOR_SOURCE,
+    jittered,
+    per_token_change,
+    restart_positions,
+)
 from posdiag.model.introspect import recurrent_mixers
-from posdiag.options import RunOptions, probe_ids, probe_length
 from posdiag.model.probe import Row, run_rows
-from posdiag.results import CheckResult, Status, Table, combine_stacks
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import relative_l2
-from posdiag.verdict import judge_agreement
+from posdiag.options import RunOptions, probe_ids, probe_length
+from posdiag.results import CheckResult, Status, Table, combine_stacks
+from posdiag.verdict import agreement_tolerance, judge_agreement
 
 TITLE = "Per-row positions in a padded batch"
 
@@ -148,14 +153,14 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
                                details={"stack": stack, "row": f"{key} alone"})
 
     floor = relative_l2(out[jitter_row, :n], out[0, :n]) if has_jitter else 0.0
-    tol = tolerance(floor, dtype)
+    tol = agreement_tolerance(floor, dtype)
     errors: dict[str, float] = {}
     first_token: dict[str, int | None] = {}
     for i, (name, _ids, _mask, _pos, key, left) in enumerate(rows[:jitter_row]):
         got = out[i, valid_slice(left)]
         errors[name] = relative_l2(got, alone[key])
         floor_tok = float(per_token_change(out[jitter_row, :n], out[0, :n]).max()) if has_jitter else 0.0
-        bad = (per_token_change(got, alone[key]) > tolerance(floor_tok, dtype)).nonzero().flatten()
+        bad = (per_token_change(got, alone[key]) > agreement_tolerance(floor_tok, dtype)).nonzero().flatten()
         first_token[name] = int(bad[0]) if bad.numel() else None
     worst = max(errors, key=errors.get)
     verdict = judge_agreement(errors[worst], floor, dtype)

@@ -22,11 +22,19 @@ from typing import Any
 
 import torch
 
+from posdiag.checks._shared import (
+    cache_layer_note,
+    cache_support,
+    new_cache,
+    output_of,
+    static_support,
+)
+from posdiag.errors import describe_error
 from posdiag.model.introspect import recurrent_mixers
-from posdiag.options import RunOptions, probe_ids, probe_length
-from posdiag.results import CheckResult, Status, Table
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import relative_l2
+from posdiag.options import RunOptions, probe_ids, probe_length
+from posdiag.results import CheckResult, Status, Table
 from posdiag.verdict import FAIL_RATIO, judge_agreement, noise_floor
 
 TITLE = "KV-cache decoding vs full forward"
@@ -35,98 +43,6 @@ DECODE_STEPS = 8  # single-token steps (each is one forward); options: {"decode_
 CHUNKS = 5  # multi-token chunks after the prefill (q_len > 1 against a cache), at least 2 tokens each
 
 
-# ----------------------------------------------------------------------------- shared helpers
-def cache_support(subject: Subject) -> tuple[bool, str]:
-    """Can this subject decode with a transformers Cache at all?"""
-    if subject.kind == "encoder":
-        return False, "encoder (bidirectional): no KV cache, nothing is decoded"
-    if not subject.is_hf:
-        return False, "factory model: no transformers Cache interface to drive"
-    model = subject.model
-    supports = getattr(model, "_supports_default_dynamic_cache", None)
-    if supports is None or not supports():
-        return False, f"{type(model).__name__} does not use transformers Cache objects"
-    return True, ""
-
-
-def static_support(subject: Subject) -> tuple[bool, str]:
-    """StaticCache is what `cache_implementation="static"` builds; transformers marks the models
-    that support it (and torch.compile) with `_can_compile_fullgraph`. Measured: GPT-Neo (False)
-    gives wrong logits with a StaticCache (0.68 rel. error: its causal buffer is sliced by key
-    length), MPT (False) happens to work; neither claims support, so neither is judged."""
-    if not getattr(subject.model, "_can_compile_fullgraph", False):
-        return False, f"{type(subject.model).__name__} does not declare static-cache support (_can_compile_fullgraph=False)"
-    return True, ""
-
-
-def text_config(subject: Subject) -> Any:
-    """The config a decoder cache is sized from, with the layer count the decoder really has.
-
-    T5/mT5 configs count encoder layers in num_hidden_layers (num_layers) and keep the decoder's in
-    num_decoder_layers; a cache built from the top config (as generate() builds it) has too few
-    layers when they differ (measured: mT5 with num_layers=2, num_decoder_layers=8: IndexError in
-    cache.update). The model's own forward sizes its cache from the decoder stack's config."""
-    import copy
-
-    cfg = subject.config
-    cfg = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
-    layers = decoder_layer_count(subject)
-    if layers is not None and getattr(cfg, "num_hidden_layers", layers) != layers:
-        cfg = copy.deepcopy(cfg)
-        cfg.num_hidden_layers = layers
-    return cfg
-
-
-def decoder_layer_count(subject: Subject) -> int | None:
-    """Blocks in the decoder stack of an encoder-decoder (None: not one, or not found)."""
-    if subject.kind != "seq2seq" or not hasattr(subject.model, "get_decoder"):
-        return None
-    decoder = subject.model.get_decoder()
-    for attr in ("layers", "block", "layer", "h"):
-        blocks = getattr(decoder, attr, None)
-        if isinstance(blocks, torch.nn.ModuleList):
-            return len(blocks)
-    return None
-
-
-def cache_layer_note(subject: Subject) -> str:
-    """Why posdiag sized the cache itself, where the config's layer count is not the decoder's."""
-    cfg = subject.config
-    top = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
-    layers = decoder_layer_count(subject)
-    declared = getattr(top, "num_hidden_layers", None)
-    if layers is None or declared is None or declared == layers:
-        return ""
-    return (f"the config's num_hidden_layers={declared} is not the decoder's {layers} layers: a cache sized from it "
-            "(generate()'s default) crashes, so posdiag sizes the cache for the decoder")
-
-
-def new_cache(subject: Subject, kind: str, max_len: int, encoder_len: int = 0) -> Any:
-    """The cache generate() builds: DynamicCache(config) or StaticCache(config, max_cache_len);
-    encoder-decoders wrap it with a cross-attention cache (EncoderDecoderCache)."""
-    from transformers import DynamicCache, EncoderDecoderCache, StaticCache
-
-    cfg = text_config(subject)
-    if kind == "dynamic":
-        cache = DynamicCache(config=cfg)
-        cross = DynamicCache(config=cfg) if subject.kind == "seq2seq" else None
-    else:
-        cache = StaticCache(config=cfg, max_cache_len=max_len)
-        cross = StaticCache(config=cfg, max_cache_len=encoder_len) if subject.kind == "seq2seq" else None
-    return EncoderDecoderCache(cache, cross) if cross is not None else cache
-
-
-def output_of(out: Any) -> torch.Tensor:
-    """Logits where the model has a head, else the final hidden state: [B, T, *]."""
-    logits = getattr(out, "logits", None)
-    if logits is not None:
-        return logits
-    return out.last_hidden_state
-
-
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:200]
 
 
 # ----------------------------------------------------------------------------- the check
@@ -238,7 +154,7 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
                     raise
                 # The static path of a model that claims support crashed (measured: Falcon with
                 # ALiBi builds its bias over the query length, not the static key length).
-                static_ok, static_why = False, f"static cache not runnable: {first_line(exc)}"
+                static_ok, static_why = False, f"static cache not runnable: {describe_error(exc)}"
                 path.skipped = static_why
                 path.errors = []
 

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import torch
 
-from posdiag.checks.positions import FLOOR_SOURCE, jittered, per_token_change, tolerance
+from posdiag.checks._shared import FLOOR_SOURCE, jittered, layer_name, per_token_change
 from posdiag.model.introspect import attention_free, recurrent_mixers
-from posdiag.options import RunOptions, probe_ids, probe_length
 from posdiag.model.probe import Row, run_rows
-from posdiag.results import CheckResult, Status, Table
 from posdiag.model.subject import Subject
-from posdiag.verdict import judge_agreement
+from posdiag.options import RunOptions, probe_ids, probe_length
+from posdiag.results import CheckResult, Status, Table
+from posdiag.verdict import agreement_tolerance, judge_agreement
 
 TITLE = "Causal masking (no position sees the future)"
 
@@ -180,21 +180,21 @@ def _judge(path: str, sweep: _Sweep, length: int, dtype: str) -> dict:
     leak, floor, verdict = max(per_layer, key=lambda x: x[2].ratio)
     if verdict.status is Status.PASS:
         leak, floor, verdict = per_layer[-1]  # report the output's numbers
-    tol = tolerance(floor, dtype)
+    tol = agreement_tolerance(floor, dtype)
     metrics = {"leak": verdict.residual, "noise_floor": verdict.noise_floor, "ratio": verdict.ratio, "tolerance": tol}
-    details: dict = {"leaking_pairs": int((per_layer[-1][0] > tolerance(per_layer[-1][1], dtype)).sum())}
+    details: dict = {"leaking_pairs": int((per_layer[-1][0] > agreement_tolerance(per_layer[-1][1], dtype)).sum())}
     if verdict.status is Status.PASS:
         return {"path": path, "status": verdict.status, "summary": f"no leak ({path})", "metrics": metrics,
                 "details": details}
-    first_layer = next(l for l, (m, f, _) in enumerate(per_layer) if float(m.max()) > tolerance(f, dtype))
+    first_layer = next(l for l, (m, f, _) in enumerate(per_layer) if float(m.max()) > agreement_tolerance(f, dtype))
     m0, f0, _ = per_layer[first_layer]
-    direct = m0 > tolerance(f0, dtype)
+    direct = m0 > agreement_tolerance(f0, dtype)
     key = int(direct.any(0).nonzero().flatten()[0])
     query = int(m0[:, key].argmax())
     out_leak = per_layer[-1][0]
     big_q, big_k = divmod(int(out_leak.argmax()), length)
     distances = sorted({k - q for q, k in direct.nonzero().tolist()})
-    layer = _layer_name(first_layer, len(per_layer))
+    layer = layer_name(first_layer, len(per_layer))
     size = float(per_layer[-1][0][query, key])
     details.update({"first_leak": (query, key), "first_leak_size": size, "leak_shows_at": layer,
                     "largest_leak": (big_q, big_k), "largest_leak_size": float(out_leak[big_q, big_k]),
@@ -207,5 +207,3 @@ def _judge(path: str, sweep: _Sweep, length: int, dtype: str) -> dict:
     return {"path": path, "status": verdict.status, "summary": summary, "metrics": metrics, "details": details}
 
 
-def _layer_name(index: int, total: int) -> str:
-    return "embeddings" if index == 0 and total > 1 else f"block {index}"

@@ -25,11 +25,18 @@ from typing import Any
 
 import torch
 
-from posdiag.checks.cache import cache_layer_note, cache_support, first_line, new_cache, output_of, static_support
-from posdiag.options import RunOptions, probe_length
-from posdiag.results import CheckResult, Status, Table
+from posdiag.checks._shared import (
+    cache_layer_note,
+    cache_support,
+    new_cache,
+    output_of,
+    static_support,
+)
+from posdiag.errors import describe_error
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import relative_l2
+from posdiag.options import RunOptions, probe_length
+from posdiag.results import CheckResult, Status, Table
 from posdiag.verdict import FAIL_RATIO, judge_agreement, noise_floor
 
 TITLE = "generate() vs forward pass"
@@ -162,7 +169,7 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
             except Exception as exc:
                 if kind == "dynamic":
                     raise
-                static_ok, static_why = False, f"static cache not runnable: {first_line(exc)}"
+                static_ok, static_why = False, f"static cache not runnable: {describe_error(exc)}"
                 run_.skipped = static_why
 
     done = [r for r in runs if not r.skipped]

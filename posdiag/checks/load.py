@@ -10,9 +10,9 @@ from the config at load and are never in a checkpoint: not counted.
 
 from __future__ import annotations
 
+from posdiag.model.subject import Subject
 from posdiag.options import RunOptions
 from posdiag.results import CheckResult, Status, Table
-from posdiag.model.subject import Subject
 
 TITLE = "Position parameters loaded"
 

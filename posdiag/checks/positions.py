@@ -31,100 +31,42 @@ verdict rests on measurement 2 — tokens and pattern unchanged, only the ids mo
 position ids can respond. Such a model with no position mechanism at all (Jamba: NoPE attention + Mamba)
 has no ids to honour and is skipped.
 
-The jitter helpers here are shared with the `batch` and `causal` checks.
+The jitter noise floor it uses lives in checks/_shared.py (batch, causal, shift and shuffle use it too).
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
-
 import torch
 
+from posdiag.checks._shared import (
+    FLOOR_SOURCE,
+    jittered,
+    layer_name,
+    position_limit,
+    restart_positions,
+)
 from posdiag.model.introspect import recurrent_mixers, recurrent_reason
-from posdiag.options import RunOptions, probe_ids
-from posdiag.model.probe import Row, fidelity_rows, judge_fidelity, moving_permutations, run_rows
-from posdiag.results import CheckResult, Status, Table
+from posdiag.model.probe import (
+    Row,
+    fidelity_rows,
+    judge_fidelity,
+    moving_permutations,
+    run_rows,
+)
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import relative_l2
-from posdiag.verdict import judge_agreement, judge_position_signal, noise_floor
-from posdiag.verdict import agreement_tolerance as tolerance
+from posdiag.options import RunOptions, probe_ids
+from posdiag.results import CheckResult, Status, Table
+from posdiag.verdict import (
+    agreement_tolerance,
+    judge_agreement,
+    judge_position_signal,
+    noise_floor,
+)
 
 TITLE = "Position ids honoured"
 
-FLOOR_SOURCE = "token embeddings of one row jittered by ~1 ulp, same forward (rounding sensitivity)"
 
-
-# ------------------------------------------------------------------ shared: the jitter floor
-def embedding_module(subject: Subject, stack: str) -> torch.nn.Module | None:
-    """The token-embedding module that feeds `stack` (None when none can be found)."""
-    model = subject.model
-    with contextlib.suppress(Exception):
-        if subject.kind == "seq2seq":
-            part = model.get_encoder() if stack == "encoder" else model.get_decoder()
-            return part.get_input_embeddings()
-        if hasattr(model, "get_input_embeddings"):
-            emb = model.get_input_embeddings()
-            if emb is not None:
-                return emb
-    return next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
-
-
-@contextlib.contextmanager
-def jittered(subject: Subject, stack: str, row: int, total_rows: int, seed: int = 0) -> Iterator[bool]:
-    """Within the block, the token embeddings of batch row `row` are multiplied by (1 + ε·n).
-
-    Works across --max-batch chunks: forward() splits rows in order into chunks of
-    `max_batch`, and the hooked module is called once per chunk (twice when an encoder-decoder
-    shares one embedding between its stacks and the decoder stack is run — then both calls of
-    that row are jittered, still rounding-level noise). Yields False when no embedding module
-    was found (the caller falls back to the machine epsilon and says so).
-    """
-    emb = embedding_module(subject, stack)
-    if emb is None:
-        yield False
-        return
-    step = subject.options.max_batch or total_rows
-    target_chunk, local = divmod(row, step)
-    calls_per_chunk = 1
-    if subject.kind == "seq2seq" and stack == "decoder":
-        with contextlib.suppress(Exception):
-            if subject.model.get_encoder().get_input_embeddings() is emb:
-                calls_per_chunk = 2
-    state = {"calls": 0}
-
-    def hook(module, args, out):
-        chunk = state["calls"] // calls_per_chunk
-        state["calls"] += 1
-        if chunk != target_chunk or not isinstance(out, torch.Tensor) or not out.is_floating_point():
-            return None
-        gen = torch.Generator().manual_seed(seed + 104729)
-        noise = torch.randn(out[local].shape, generator=gen).to(out.device, out.dtype)
-        out = out.clone()
-        out[local] = out[local] * (1 + torch.finfo(out.dtype).eps * noise)
-        return out
-
-    handle = emb.register_forward_hook(hook)
-    try:
-        yield True
-    finally:
-        handle.remove()
-
-
-def per_token_change(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
-    """||a_t − e_t|| / ||e_t|| per token [T] in float64 (0 where both vanish)."""
-    a, e = actual.detach().double(), expected.detach().double()
-    num = (a - e).norm(dim=-1)
-    den = e.norm(dim=-1)
-    return torch.where(den > 0, num / den.clamp_min(1e-300), torch.where(num > 0, torch.inf, 0.0))
-
-
-def position_limit(subject: Subject) -> int | None:
-    """Largest logical position id the probes may use (the declared context, less table offsets)."""
-    declared = subject.max_positions
-    if declared is None:
-        return None
-    return declared - 1 - max(0, subject.family.position_offset - subject.family.explicit_position_offset)
 
 
 # ------------------------------------------------------------------ the check
@@ -141,12 +83,6 @@ def gapped_positions(length: int, limit: int | None, seed: int) -> torch.Tensor 
     if bool((strides == 1).all()):
         strides[length // 2 - 1] = 2
     return torch.cat([torch.zeros(1, dtype=torch.long), strides.cumsum(0)])
-
-
-def restart_positions(length: int) -> torch.Tensor:
-    """Two packed documents: 0..h-1, 0..T-h-1 (the pattern stays one causal/bidirectional block)."""
-    half = length // 2
-    return torch.cat([torch.arange(half), torch.arange(length - half)])
 
 
 def run(subject: Subject, options: RunOptions) -> CheckResult:
@@ -241,14 +177,14 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     # are read (an ignoring model gives exactly 0 for every variant); ModernBERT at default init
     # moves only 1.8e-5 under the restart (126x floor at 64 tokens), 3.6e-5 under the gaps.
     signal = judge_position_signal(max(moved[-1]), floor, dtype)
-    tol = tolerance(floor, dtype)
-    first_bad = next((l for l in range(layers) if perms and max(consistent[l]) > tolerance(floors[l] if has_jitter else 0.0, dtype)), None)
+    tol = agreement_tolerance(floor, dtype)
+    first_bad = next((l for l in range(layers) if perms and max(consistent[l]) > agreement_tolerance(floors[l] if has_jitter else 0.0, dtype)), None)
     strongest = max(range(len(variants)), key=lambda i: moved[-1][i])
     metrics.update({"residual": signal.residual, "noise_floor": agree.noise_floor, "ratio": signal.ratio,
                     "tolerance": tol})
     if perms:
         metrics.update({"consistent_error": agree.residual, "consistent_ratio": agree.ratio})
-    details["consistent_breaks_at"] = None if first_bad is None else _layer_name(first_bad, layers)
+    details["consistent_breaks_at"] = None if first_bad is None else layer_name(first_bad, layers)
     details["strongest_variant"] = variants[strongest][0]
 
     status = Status.worst([agree.status, signal.status]) if perms else signal.status
@@ -275,7 +211,7 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     summary = "; ".join(parts) + f" [noise floor {agree.noise_floor:.2g}, {length} tokens]"
 
     table_rows = tuple(
-        (_layer_name(l, layers), f"{max(consistent[l]):.3e}" if perms else "not run", *[f"{m:.3e}" for m in moved[l]],
+        (layer_name(l, layers), f"{max(consistent[l]):.3e}" if perms else "not run", *[f"{m:.3e}" for m in moved[l]],
          f"{noise_floor(floors[l] if has_jitter else 0.0, dtype):.2e}")
         for l in range(layers))
     table = Table("position ids by layer", ("layer", "consistent error", *[f"{n} residual" for n, _ in variants],
@@ -283,9 +219,3 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     return CheckResult("positions", status, summary, metrics, details, (table,))
 
 
-def _layer_name(index: int, total: int) -> str:
-    return "embeddings" if index == 0 and total > 1 else f"block {index}"
-
-
-__all__ = ["run", "TITLE", "jittered", "embedding_module", "per_token_change", "tolerance", "position_limit",
-           "FLOOR_SOURCE"]

@@ -36,13 +36,13 @@ from typing import Callable
 
 import torch
 
-from posdiag.checks.positions import FLOOR_SOURCE, jittered
+from posdiag.checks._shared import FLOOR_SOURCE, jittered, layer_name
 from posdiag.model.introspect import recurrent_mixers, recurrent_reason
-from posdiag.options import RunOptions, probe_length
 from posdiag.model.probe import Row, fidelity_rows, judge_fidelity, run_rows
-from posdiag.results import CheckResult, Status, Table, combine_stacks
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import relative_l2
+from posdiag.options import RunOptions, probe_length
+from posdiag.results import CheckResult, Status, Table, combine_stacks
 from posdiag.verdict import FAIL_RATIO, MACHINE_EPSILON, PASS_RATIO, noise_floor
 
 TITLE = "Relative invariance under a position shift"
@@ -91,9 +91,7 @@ def _ladder(k_max: int) -> list[int]:
 
 
 def _build(subject: Subject, options: RunOptions, stack: str) -> _Probe | str:
-    declared = subject.max_positions
-    if declared is not None:  # RoBERTa's table counts its padding_idx+1 offset rows
-        declared -= subject.family.explicit_position_offset
+    declared = subject.max_positions  # already less the explicit offset rows (RoBERTa's padding_idx+1)
     length = probe_length(subject, options)
     if declared is not None:
         length = min(length, max(4, declared // 2))  # leave room for the ladder
@@ -263,7 +261,7 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
         layer = next((l for l in range(layers)
                       if not errors[l][breaks] <= FAIL_RATIO * (floor + predicted[breaks])), final)
         token = _worst_token(out, final, probe, breaks)
-        details.update({"first_layer": _layer_name(layer, layers), "worst_token": token})
+        details.update({"first_layer": layer_name(layer, layers), "worst_token": token})
         if breaks > 0 and not absolute:  # one more forward: where between the last good rung and this one
             holds_up_to, k = _refine(subject, probe, stack, encoder_ids, probe.ladder[breaks - 1], k, delta1, eps, floor)
             details["refined_between"] = [probe.ladder[breaks - 1], probe.ladder[breaks]]
@@ -331,5 +329,3 @@ def _worst_token(out, layer: int, probe: _Probe, rung: int) -> int:
     return int((a - b).norm(dim=-1).argmax())
 
 
-def _layer_name(index: int, total: int) -> str:
-    return "embeddings" if index == 0 and total > 1 else f"block {index}"

@@ -21,13 +21,19 @@ from typing import Iterator
 
 import torch
 
-from posdiag.checks.positions import FLOOR_SOURCE, jittered
+from posdiag.checks._shared import FLOOR_SOURCE, jittered, layer_name
 from posdiag.model.introspect import attention_free, recurrent_mixers, recurrent_reason
-from posdiag.options import RunOptions, probe_ids
-from posdiag.model.probe import Row, fidelity_rows, judge_fidelity, moving_permutations, run_rows
-from posdiag.results import CheckResult, Status, Table, combine_stacks
+from posdiag.model.probe import (
+    Row,
+    fidelity_rows,
+    judge_fidelity,
+    moving_permutations,
+    run_rows,
+)
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import relative_l2
+from posdiag.options import RunOptions, probe_ids
+from posdiag.results import CheckResult, Status, Table, combine_stacks
 from posdiag.verdict import PASS_RATIO, judge_position_signal, noise_floor
 
 TITLE = "Permutation equivariance"
@@ -82,8 +88,8 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
 
     if not all(torch.isfinite(h).all() for h in out.hidden):
         bad = next(i for i, h in enumerate(out.hidden) if not torch.isfinite(h).all())
-        return CheckResult("shuffle", Status.FAIL, f"non-finite hidden states at {_layer_name(bad)}",
-                           details={"stack": stack, "first_non_finite_layer": _layer_name(bad)})
+        return CheckResult("shuffle", Status.FAIL, f"non-finite hidden states at {layer_name(bad)}",
+                           details={"stack": stack, "first_non_finite_layer": layer_name(bad)})
 
     layers = len(base)
     residual = [[relative_l2(out.hidden[l][first_perm + i], base[l][p]) for i, p in enumerate(perms)] for l in range(layers)]
@@ -126,8 +132,8 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
     for l in range(layers):
         r, f = min(residual[l]), noise_floor(max(floor[l]), dtype)
         if enters is None and r / f >= PASS_RATIO:
-            enters = _layer_name(l, layers)
-        table_rows.append((_layer_name(l, layers), f"{r:.3e}", f"{f:.2e}", f"{r / f:.3g}"))
+            enters = layer_name(l, layers)
+        table_rows.append((layer_name(l, layers), f"{r:.3e}", f"{f:.2e}", f"{r / f:.3g}"))
     metrics.update({"residual": verdict.residual, "noise_floor": verdict.noise_floor, "ratio": verdict.ratio})
     details["position_enters_at"] = enters
     details["reason"] = verdict.reason
@@ -148,7 +154,3 @@ def _nothing() -> Iterator[bool]:
     yield False
 
 
-def _layer_name(index: int, total: int | None = None) -> str:
-    if index == 0 and (total is None or total > 1):
-        return "embeddings"
-    return f"block {index}"

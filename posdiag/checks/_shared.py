@@ -1,0 +1,197 @@
+"""What several checks measure the same way: the jitter noise floor, per-token change, layer names,
+position helpers, and the KV-cache plumbing shared by `cache` and `generate`.
+
+Checks import from here, never from each other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+from posdiag.model.subject import Subject
+
+FLOOR_SOURCE = "token embeddings of one row jittered by ~1 ulp, same forward (rounding sensitivity)"
+
+
+# ------------------------------------------------------------------ the jitter floor
+def embedding_module(subject: Subject, stack: str) -> torch.nn.Module | None:
+    """The token-embedding module that feeds `stack` (None when none can be found)."""
+    model = subject.model
+    with contextlib.suppress(Exception):
+        if subject.kind == "seq2seq":
+            part = model.get_encoder() if stack == "encoder" else model.get_decoder()
+            return part.get_input_embeddings()
+        if hasattr(model, "get_input_embeddings"):
+            emb = model.get_input_embeddings()
+            if emb is not None:
+                return emb
+    return next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
+
+
+@contextlib.contextmanager
+def jittered(subject: Subject, stack: str, row: int, total_rows: int, seed: int = 0) -> Iterator[bool]:
+    """Within the block, the token embeddings of batch row `row` are multiplied by (1 + ε·n).
+
+    Works across --max-batch chunks: forward() splits rows in order into chunks of
+    `max_batch`, and the hooked module is called once per chunk (twice when an encoder-decoder
+    shares one embedding between its stacks and the decoder stack is run — then both calls of
+    that row are jittered, still rounding-level noise). Yields False when no embedding module
+    was found (the caller falls back to the machine epsilon and says so).
+    """
+    emb = embedding_module(subject, stack)
+    if emb is None:
+        yield False
+        return
+    step = subject.options.max_batch or total_rows
+    target_chunk, local = divmod(row, step)
+    calls_per_chunk = 1
+    if subject.kind == "seq2seq" and stack == "decoder":
+        with contextlib.suppress(Exception):
+            if subject.model.get_encoder().get_input_embeddings() is emb:
+                calls_per_chunk = 2
+    state = {"calls": 0}
+
+    def hook(module, args, out):
+        chunk = state["calls"] // calls_per_chunk
+        state["calls"] += 1
+        if chunk != target_chunk or not isinstance(out, torch.Tensor) or not out.is_floating_point():
+            return None
+        gen = torch.Generator().manual_seed(seed + 104729)
+        noise = torch.randn(out[local].shape, generator=gen).to(out.device, out.dtype)
+        out = out.clone()
+        out[local] = out[local] * (1 + torch.finfo(out.dtype).eps * noise)
+        return out
+
+    handle = emb.register_forward_hook(hook)
+    try:
+        yield True
+    finally:
+        handle.remove()
+
+
+def per_token_change(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """||a_t − e_t|| / ||e_t|| per token [T] in float64 (0 where both vanish)."""
+    a, e = actual.detach().double(), expected.detach().double()
+    num = (a - e).norm(dim=-1)
+    den = e.norm(dim=-1)
+    return torch.where(den > 0, num / den.clamp_min(1e-300), torch.where(num > 0, torch.inf, 0.0))
+
+
+# ------------------------------------------------------------------ positions and layers
+def position_limit(subject: Subject) -> int | None:
+    """Largest logical position id the probes may use (the declared context, less table offsets)."""
+    declared = subject.max_positions
+    if declared is None:
+        return None
+    return declared - 1 - max(0, subject.family.position_offset - subject.family.explicit_position_offset)
+
+
+def restart_positions(length: int) -> torch.Tensor:
+    """Two packed documents: 0..h-1, 0..T-h-1 (the pattern stays one causal/bidirectional block)."""
+    half = length // 2
+    return torch.cat([torch.arange(half), torch.arange(length - half)])
+
+
+def layer_name(index: int, total: int | None = None) -> str:
+    """Index 0 of a hidden-state list is the embeddings output (when there is more than one entry)."""
+    return "embeddings" if index == 0 and (total is None or total > 1) else f"block {index}"
+
+
+def encoder_inputs(subject: Subject, stack: str, ids: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """The encoder input that decoder probes of an encoder-decoder run with: the probe ids themselves,
+    one copy per row (None for any other stack or kind)."""
+    if not (subject.kind == "seq2seq" and stack == "decoder"):
+        return None
+    return ids[None].expand(rows, -1)
+
+
+# ------------------------------------------------------------------ KV caches (cache, generate)
+def cache_support(subject: Subject) -> tuple[bool, str]:
+    """Can this subject decode with a transformers Cache at all?"""
+    if subject.kind == "encoder":
+        return False, "encoder (bidirectional): no KV cache, nothing is decoded"
+    if not subject.is_hf:
+        return False, "factory model: no transformers Cache interface to drive"
+    model = subject.model
+    supports = getattr(model, "_supports_default_dynamic_cache", None)
+    if supports is None or not supports():
+        return False, f"{type(model).__name__} does not use transformers Cache objects"
+    return True, ""
+
+
+def static_support(subject: Subject) -> tuple[bool, str]:
+    """StaticCache is what `cache_implementation="static"` builds; transformers marks the models
+    that support it (and torch.compile) with `_can_compile_fullgraph`. Measured: GPT-Neo (False)
+    gives wrong logits with a StaticCache (0.68 rel. error: its causal buffer is sliced by key
+    length), MPT (False) happens to work; neither claims support, so neither is judged."""
+    if not getattr(subject.model, "_can_compile_fullgraph", False):
+        return False, f"{type(subject.model).__name__} does not declare static-cache support (_can_compile_fullgraph=False)"
+    return True, ""
+
+
+def text_config(subject: Subject) -> Any:
+    """The config a decoder cache is sized from, with the layer count the decoder really has.
+
+    T5/mT5 configs count encoder layers in num_hidden_layers (num_layers) and keep the decoder's in
+    num_decoder_layers; a cache built from the top config (as generate() builds it) has too few
+    layers when they differ (measured: mT5 with num_layers=2, num_decoder_layers=8: IndexError in
+    cache.update). The model's own forward sizes its cache from the decoder stack's config."""
+    import copy
+
+    cfg = subject.config
+    cfg = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+    layers = decoder_layer_count(subject)
+    if layers is not None and getattr(cfg, "num_hidden_layers", layers) != layers:
+        cfg = copy.deepcopy(cfg)
+        cfg.num_hidden_layers = layers
+    return cfg
+
+
+def decoder_layer_count(subject: Subject) -> int | None:
+    """Blocks in the decoder stack of an encoder-decoder (None: not one, or not found)."""
+    if subject.kind != "seq2seq" or not hasattr(subject.model, "get_decoder"):
+        return None
+    decoder = subject.model.get_decoder()
+    for attr in ("layers", "block", "layer", "h"):
+        blocks = getattr(decoder, attr, None)
+        if isinstance(blocks, torch.nn.ModuleList):
+            return len(blocks)
+    return None
+
+
+def cache_layer_note(subject: Subject) -> str:
+    """Why posdiag sized the cache itself, where the config's layer count is not the decoder's."""
+    cfg = subject.config
+    top = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+    layers = decoder_layer_count(subject)
+    declared = getattr(top, "num_hidden_layers", None)
+    if layers is None or declared is None or declared == layers:
+        return ""
+    return (f"the config's num_hidden_layers={declared} is not the decoder's {layers} layers: a cache sized from it "
+            "(generate()'s default) crashes, so posdiag sizes the cache for the decoder")
+
+
+def new_cache(subject: Subject, kind: str, max_len: int, encoder_len: int = 0) -> Any:
+    """The cache generate() builds: DynamicCache(config) or StaticCache(config, max_cache_len);
+    encoder-decoders wrap it with a cross-attention cache (EncoderDecoderCache)."""
+    from transformers import DynamicCache, EncoderDecoderCache, StaticCache
+
+    cfg = text_config(subject)
+    if kind == "dynamic":
+        cache = DynamicCache(config=cfg)
+        cross = DynamicCache(config=cfg) if subject.kind == "seq2seq" else None
+    else:
+        cache = StaticCache(config=cfg, max_cache_len=max_len)
+        cross = StaticCache(config=cfg, max_cache_len=encoder_len) if subject.kind == "seq2seq" else None
+    return EncoderDecoderCache(cache, cross) if cross is not None else cache
+
+
+def output_of(out: Any) -> torch.Tensor:
+    """Logits where the model has a head, else the final hidden state: [B, T, *]."""
+    logits = getattr(out, "logits", None)
+    if logits is not None:
+        return logits
+    return out.last_hidden_state

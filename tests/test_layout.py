@@ -1,0 +1,125 @@
+"""The layout a newcomer reads at a glance, enforced: no import cycles (lazy imports included), imports that run
+one way (cli -> api -> checks -> model -> results), no check importing another check, no private name imported
+from another module, no module over 400 lines."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "posdiag"
+MAX_LINES = 400
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def imports(name: str) -> list[tuple[str, list[str]]]:
+    """(imported module, names taken from it) for every import statement, at any depth (lazy imports count)."""
+    tree = ast.parse(MODULES[name].read_text())
+    package = name if MODULES[name].name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, []) for alias in node.names if alias.name.startswith("posdiag")]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            if not base.startswith("posdiag"):
+                continue
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.append((sub, []) if sub in MODULES else (base, [alias.name]))
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    return {name: {target for target, _ in imports(name) if target in MODULES and target != name} for name in MODULES}
+
+
+def test_no_import_cycles():
+    edges, cycles = graph(), []
+    state: dict[str, int] = {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == 1:
+                cycles.append(stack[stack.index(nxt):] + [nxt] if nxt in stack else [node, nxt])
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = 2
+
+    for name in sorted(edges):
+        if name not in state:
+            visit(name, [name])
+    assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
+
+
+# Lower layers never import higher ones. posdiag (the package __init__) only re-exports lazily.
+LAYERS = [("posdiag.cli",), ("posdiag.testing", "posdiag.zoo"), ("posdiag.api", "posdiag.baseline"),
+          ("posdiag.checks", "posdiag.tools", "posdiag.report"), ("posdiag.model",),
+          ("posdiag.options", "posdiag.verdict", "posdiag.config", "posdiag.results", "posdiag.errors",
+           "posdiag._version")]
+
+
+def layer_of(name: str) -> int | None:
+    for rank, prefixes in enumerate(LAYERS):
+        if any(name == p or name.startswith(p + ".") for p in prefixes):
+            return rank
+    return None
+
+
+def test_imports_run_one_way():
+    upward = []
+    for name, targets in graph().items():
+        here = layer_of(name)
+        for target in targets:
+            there = layer_of(target)
+            if here is not None and there is not None and there < here:
+                upward.append(f"{name} imports {target}")
+    assert not upward, "\n".join(upward)
+
+
+def check_of(name: str) -> str | None:
+    """The check a module belongs to: posdiag.checks.<check>[.part] (None for checks' registry and _shared)."""
+    parts = name.split(".")
+    if len(parts) < 3 or parts[:2] != ["posdiag", "checks"] or parts[2].startswith("_"):
+        return None
+    return parts[2]
+
+
+def test_no_check_imports_another_check():
+    crossing = [f"{name} imports {target}" for name, targets in graph().items() for target in targets
+                if check_of(name) and check_of(target) and check_of(name) != check_of(target)]
+    assert not crossing, "\n".join(crossing)
+
+
+def test_no_private_name_imported_from_another_module():
+    private = [f"{name} takes {n} from {target}" for name in MODULES for target, names in imports(name)
+               for n in names if n.startswith("_") and not n.startswith("__") and target != name]
+    private += [f"{name} imports private module {target}" for name in MODULES for target, _ in imports(name)
+                if target.rpartition(".")[2].startswith("_") and not target.rpartition(".")[2].startswith("__")
+                and target.rpartition(".")[0] != name.rpartition(".")[0]
+                and not name.startswith(target.rpartition(".")[0])]
+    assert not private, "\n".join(private)
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_module_size(name):
+    lines = len(MODULES[name].read_text().splitlines())
+    assert lines <= MAX_LINES, f"{MODULES[name]} has {lines} lines (at most {MAX_LINES}): split it along its sections"
+
+
+def test_the_layout_test_sees_the_package():
+    """Guard against a test that cannot fail: the walker finds the modules and their imports."""
+    assert {"posdiag.api", "posdiag.cli", "posdiag.model.subject", "posdiag.checks.shuffle"} <= set(MODULES)
+    assert "posdiag.model.subject" in graph()["posdiag.checks.shuffle"]
