@@ -184,6 +184,10 @@ def family_for(config: Any) -> Family:
         # posdiag hands encoder-decoder stacks no position_ids (Subject.forward): positions are
         # whatever the stacks derive inside, so a "consistent" permutation cannot be built.
         return replace(GENERIC, name=model_type, kind=kind, position_ids="ignored" if kind == "seq2seq" else "honoured")
+    if row.kind == "encoder" and _declared_causal(config):
+        # The checkpoint says what it is: an encoder family configured as a decoder (is_decoder=True, or a
+        # *ForCausalLM head) attends causally and decodes with a cache, so cache, generate and causal apply.
+        row = replace(row, kind="causal")
     if model_type == "falcon" and getattr(config, "alibi", False):
         # Falcon-alibi builds the bias from the 2D mask like Bloom.
         return replace(row, position_kind="alibi", mask_form="layer_hook", position_ids="ignored",
@@ -196,11 +200,19 @@ def family_for(config: Any) -> Family:
     return row
 
 
+def _declared_causal(config: Any) -> bool:
+    archs = getattr(config, "architectures", None) or []
+    return bool(getattr(config, "is_decoder", False)) or any(a.endswith(_CAUSAL_HEADS) for a in archs)
+
+
+_CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel")
+
+
 def _guess_kind(config: Any) -> str:
     if getattr(config, "is_encoder_decoder", False):
         return "seq2seq"
     archs = getattr(config, "architectures", None) or []
-    if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+    if any(a.endswith(_CAUSAL_HEADS) for a in archs):
         return "causal"
     if any(a.endswith(("ForMaskedLM", "ForSequenceClassification", "ForTokenClassification")) for a in archs):
         return "encoder"
