@@ -90,3 +90,40 @@ def judge_agreement(error: float, measured_floor: float, dtype: str, factor: flo
     if ratio <= factor:
         return FloorVerdict(Status.PASS, error, floor, ratio, "agrees within the noise floor")
     return FloorVerdict(Status.FAIL, error, floor, ratio, f"differs by {ratio:.3g}x the noise floor")
+
+
+# Float64 arbitration. Rounding error scales with the unit of the dtype: float32 -> float64 shrinks it by
+# ~1e9 (measured: a healthy hybrid's chunked cache continuation 4.4e-7 in float32, 0.0 in float64), while a bug
+# stays (the buggy ones: 4.9e-2 in both). A disagreement that shrinks by SHRINK_RATIO or more, or that passes the
+# float64 floor rule, was rounding; one that does neither is a bug. 1e4 sits in the middle of the two (log scale).
+SHRINK_RATIO = 1e4
+
+
+def degenerate_floor(measured_floor: float, dtype: str) -> bool:
+    """A floor of exactly 0 or below one unit of the run dtype is a bitwise-identical comparison, not a
+    measurement of rounding: any difference elsewhere then looks infinitely large."""
+    return not measured_floor >= MACHINE_EPSILON.get(dtype, 1.2e-7)
+
+
+def needs_arbitration(verdict: FloorVerdict, measured_floor: float, dtype: str) -> bool:
+    """Re-run both sides in float64 when the run-dtype verdict is not a clean pass, or its floor is degenerate
+    while the error is above it."""
+    if verdict.status is not Status.PASS:
+        return True
+    return degenerate_floor(measured_floor, dtype) and verdict.residual > verdict.noise_floor
+
+
+def judge_arbitrated(error: float, measured_floor: float, dtype: str, error64: float, floor64: float,
+                     finer: str = "float64") -> FloorVerdict:
+    """Decide a disagreement with the same comparison re-run in a finer dtype: rounding or a bug.
+
+    The verdict carries the run-dtype figures (residual, floor, ratio); the reason names both."""
+    floor = noise_floor(measured_floor, dtype)
+    ratio = error / floor
+    both = f"{error:.3g} in {dtype}, {error64:.3g} in {finer}"
+    if error64 != error64:
+        return FloorVerdict(Status.FAIL, error, floor, ratio, f"{both}: non-finite outputs in {finer}")
+    shrink = error / error64 if error64 > 0 else float("inf")
+    if judge_agreement(error64, floor64, finer).status is Status.PASS or shrink >= SHRINK_RATIO:
+        return FloorVerdict(Status.PASS, error, floor, ratio, f"{both}: rounding (it shrinks with precision)")
+    return FloorVerdict(Status.FAIL, error, floor, ratio, f"{both}: a bug (it does not shrink with precision)")

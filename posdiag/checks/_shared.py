@@ -7,11 +7,18 @@ Checks import from here, never from each other.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
+from posdiag.model.precision import run_finer
 from posdiag.model.subject import Subject
+from posdiag.model.tensors import dtype_name
+from posdiag.results import Status
+from posdiag.verdict import FloorVerdict, degenerate_floor, judge_arbitrated, needs_arbitration, noise_floor
+
+T = TypeVar("T")
 
 FLOOR_SOURCE = "token embeddings of one row jittered by ~1 ulp, same forward (rounding sensitivity)"
 
@@ -122,16 +129,6 @@ def cache_support(subject: Subject) -> tuple[bool, str]:
     return True, ""
 
 
-def static_support(subject: Subject) -> tuple[bool, str]:
-    """StaticCache is what `cache_implementation="static"` builds; transformers marks the models
-    that support it (and torch.compile) with `_can_compile_fullgraph`. Measured: GPT-Neo (False)
-    gives wrong logits with a StaticCache (0.68 rel. error: its causal buffer is sliced by key
-    length), MPT (False) happens to work; neither claims support, so neither is judged."""
-    if not getattr(subject.model, "_can_compile_fullgraph", False):
-        return False, f"{type(subject.model).__name__} does not declare static-cache support (_can_compile_fullgraph=False)"
-    return True, ""
-
-
 def text_config(subject: Subject) -> Any:
     """The config a decoder cache is sized from, with the layer count the decoder really has.
 
@@ -195,3 +192,51 @@ def output_of(out: Any) -> torch.Tensor:
     if logits is not None:
         return logits
     return out.last_hidden_state
+
+
+# ------------------------------------------------------------------ float64 arbitration
+@dataclass
+class Arbitration:
+    """What a float64 re-run decided: new verdicts for the comparisons it re-judged, their figures, and the
+    clause each summary carries ("1.7e-06 in float32, 3e-16 in float64: rounding")."""
+
+    verdicts: dict[str, FloorVerdict] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def clause(self, name: str) -> str:
+        verdict = self.verdicts.get(name)
+        return f" ({verdict.reason})" if verdict is not None else ""
+
+
+def arbitrate(subject: Subject, measure: Callable[[], T], measured_floor: float, verdicts: dict[str, FloorVerdict],
+              dtype: str, figures: Callable[[T], tuple[float, dict[str, float]]]) -> Arbitration:
+    """Decide, don't shrug: comparisons that are above their tolerance, or judged against a degenerate floor,
+    are measured again with `measure` re-run in float64 (the model converted module by module) and decided
+    there: rounding shrinks by ~1e9, a bug does not. `figures(measurement) -> (floor, {name: error})`.
+
+    When no float64 run is possible the run-dtype verdict stands where its floor was a measurement; against a
+    degenerate floor it becomes a WARN that names the float64 re-run that could not be made."""
+    pending = {name: v for name, v in verdicts.items() if needs_arbitration(v, measured_floor, dtype)}
+    if not pending:
+        return Arbitration()
+    finer = run_finer(subject, measure)
+    if finer.value is None:
+        details = {"arbitration": {"ran": False, "reason": finer.reason}}
+        if not degenerate_floor(measured_floor, dtype):
+            return Arbitration(details=details)
+        why = f"the float64 re-run that decides could not run: {finer.reason}"
+        return Arbitration({name: FloorVerdict(Status.WARN, v.residual, v.noise_floor, v.ratio,
+                                               f"inconclusive: {v.reason} against a degenerate floor; {why}")
+                            for name, v in pending.items()}, details=details)
+    floor64, errors64 = figures(finer.value)
+    finer_name = dtype_name(finer.dtype)
+    decided = {name: judge_arbitrated(v.residual, measured_floor, dtype, errors64[name], floor64, finer_name)
+               for name, v in pending.items() if name in errors64}
+    worst = max(decided, key=lambda n: errors64[n]) if decided else None
+    metrics = {} if worst is None else {f"error_{finer_name}": errors64[worst],
+                                        f"noise_floor_{finer_name}": noise_floor(floor64, finer_name)}
+    details = {"arbitration": {"ran": True, "dtype": finer_name, "how": finer.how, "floor": floor64,
+                               "errors": {name: errors64[name] for name in decided},
+                               "decided": {name: v.reason for name, v in decided.items()}}}
+    return Arbitration(decided, metrics, details)

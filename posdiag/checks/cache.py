@@ -7,12 +7,16 @@ full forward: f_cached(x)[t] = f(x)[t] in exact arithmetic. We run the same toke
 (q_len > 1 against a cache: FlashAttention-style bottom-right causal alignment), and
 (c) chunked prefill from an empty cache, each with the cache `generate()` would build by
 default (DynamicCache from the config: sliding layers keep only the window) and with a
-pre-allocated StaticCache (its key length is max_cache_len, not the tokens seen) where the
-model declares static-cache support. Sliding-window models run past the window.
+pre-allocated StaticCache (its key length is max_cache_len, not the tokens seen): transformers
+runs a static cache on any model that uses Cache objects, whatever the class declares, so it is
+judged on every one, and a crash there is a FAIL that names the exception. Steps pass no
+position_ids (the model's defaults, as in a manual decode loop); families that take position ids
+also run decode and chunks with explicit ids. Sliding-window models run past the window.
 Per step error = ||cached − full|| / ||full|| over the step's positions; the noise floor is
 measured in the same run: cache-free forwards of prefixes of the same tokens must equal the
 full forward at those positions (they differ only by matmul shapes), max per position.
-Verdict: posdiag.verdict.judge_agreement(max step error, floor, dtype).
+Verdict: posdiag.verdict.judge_agreement(max step error, floor, dtype); a path above its
+tolerance (or a degenerate floor) is re-run in float64 with the full forward and decided there.
 """
 
 from __future__ import annotations
@@ -22,45 +26,167 @@ from typing import Any
 
 import torch
 
-from posdiag.checks._shared import (
-    cache_layer_note,
-    cache_support,
-    new_cache,
-    output_of,
-    static_support,
-)
+from posdiag.checks._shared import arbitrate, cache_layer_note, cache_support, new_cache, output_of
 from posdiag.errors import describe_error
-from posdiag.model.introspect import recurrent_mixers
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import relative_l2
 from posdiag.options import RunOptions, probe_ids, probe_length
 from posdiag.results import CheckResult, Status, Table
-from posdiag.verdict import FAIL_RATIO, judge_agreement, noise_floor
+from posdiag.verdict import FAIL_RATIO, FloorVerdict, judge_agreement, noise_floor
 
 TITLE = "KV-cache decoding vs full forward"
 
 DECODE_STEPS = 8  # single-token steps (each is one forward); options: {"decode_steps": n}
 CHUNKS = 5  # multi-token chunks after the prefill (q_len > 1 against a cache), at least 2 tokens each
+FLOOR_SOURCE = "cache-free prefix forwards vs the full forward (max per position)"
 
 
-
-
-# ----------------------------------------------------------------------------- the check
 @dataclass
 class PathResult:
-    cache: str
-    schedule: str
+    cache: str  # dynamic | static
+    schedule: str  # decode | chunks | chunked_prefill
     steps: list[tuple[int, int]]  # (start, end) token ranges fed per forward
+    explicit_ids: bool = False  # position_ids passed with each step (else the model's defaults)
     errors: list[float] = field(default_factory=list)
-    skipped: str = ""
+    crashed: str = ""  # the exception a path transformers accepts raised
 
     @property
     def name(self) -> str:
-        return f"{self.cache}/{self.schedule}"
+        return f"{self.cache}/{self.schedule}" + ("+position_ids" if self.explicit_ids else "")
 
     @property
     def max_error(self) -> float:
         return max(self.errors) if self.errors else 0.0
+
+
+@dataclass
+class Measurement:
+    """One run of every path (in the run dtype, or re-run in float64 for arbitration)."""
+
+    floor: float  # measured, before the dtype minimum
+    paths: list[PathResult]
+    finite: bool = True
+
+
+def run(subject: Subject, options: RunOptions) -> CheckResult:
+    ok, why = cache_support(subject)
+    if not ok:
+        return CheckResult("cache", Status.SKIP, why)
+    length = _length(subject, options)
+    ids = subject.sample_ids(1, length, options.seed) if options.token_ids is None else probe_ids(subject, options)[:1]
+    schedules = _schedules(length, int(options.for_check("cache").get("decode_steps", DECODE_STEPS)))
+    explicit = subject.family.takes_position_ids and subject.kind != "seq2seq"
+    dtype = subject.dtype_name
+
+    def measure() -> Measurement:
+        return _measure(subject, ids, schedules, explicit)
+
+    first = measure()
+    if not first.finite:
+        return CheckResult("cache", Status.FAIL, "non-finite outputs in the full forward", details={"seq_len": length})
+    verdicts = {p.name: judge_agreement(p.max_error, first.floor, dtype) for p in first.paths if not p.crashed}
+    arbitration = arbitrate(subject, measure, first.floor, verdicts, dtype,
+                            lambda m: (m.floor, {p.name: p.max_error for p in m.paths if not p.crashed}))
+    verdicts.update(arbitration.verdicts)
+    return _report(subject, first, verdicts, arbitration, length, dtype)
+
+
+def _measure(subject: Subject, ids: torch.Tensor, schedules: dict[str, list[tuple[int, int]]],
+             explicit: bool) -> Measurement:
+    """The full forward, the floor from cache-free prefixes, then every cache path against the full forward."""
+    model, seq2seq, length = subject.model, subject.kind == "seq2seq", ids.shape[1]
+    encoder_outputs = None
+    if seq2seq:  # the decoder is what caches; one fixed encoder input (the same ids)
+        with torch.inference_mode():
+            encoder_outputs = model.get_encoder()(input_ids=ids, return_dict=True)
+        subject.forward_count += 1
+
+    def forward(start: int, end: int, cache: Any = None, with_ids: bool = False) -> torch.Tensor:
+        subject.forward_count += 1
+        kwargs: dict[str, Any] = {"cache": cache, "use_cache": cache is not None, "return_dict": True}
+        if with_ids:
+            positions = torch.arange(start, end, device=ids.device)[None]
+            kwargs["position_ids"] = subject.position_ids_for(positions)
+        with torch.inference_mode():
+            if seq2seq:
+                out = model(encoder_outputs=encoder_outputs, decoder_input_ids=ids[:, start:end], **kwargs)
+            else:
+                out = model(input_ids=ids[:, start:end], **kwargs)
+        return output_of(out)[0]
+
+    full = forward(0, length)
+    if not torch.isfinite(full).all():
+        return Measurement(0.0, [], finite=False)
+    prefixes = sorted({end for sched in schedules.values() for _, end in sched[:1]} - {length})
+    floor = 0.0
+    for end in prefixes:
+        part = forward(0, end)
+        floor = max(floor, max(relative_l2(part[t], full[t]) for t in range(end)))
+    paths = [PathResult(kind, name, sched) for kind in ("dynamic", "static") for name, sched in schedules.items()]
+    if explicit:
+        paths += [PathResult("dynamic", name, schedules[name], explicit_ids=True) for name in ("decode", "chunks")]
+    for path in paths:
+        cache = new_cache(subject, path.cache, max_len=length + 7, encoder_len=length if seq2seq else 0)
+        try:
+            for start, end in path.steps:
+                out = forward(start, end, cache, path.explicit_ids)
+                path.errors.append(relative_l2(out, full[start:end]))
+        except Exception as exc:  # a path transformers accepts that crashes: users hit it
+            path.crashed, path.errors = describe_error(exc), []
+    return Measurement(floor, paths)
+
+
+def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict], arbitration: Any,
+            length: int, dtype: str) -> CheckResult:
+    floor = noise_floor(m.floor, dtype)
+    tolerance = FAIL_RATIO * floor
+    judged = [p for p in m.paths if not p.crashed]
+    crashed = [p for p in m.paths if p.crashed]
+    failing = crashed + [p for p in judged if verdicts[p.name].status is Status.FAIL]
+    status = Status.worst([Status.FAIL] * bool(crashed) + [v.status for v in verdicts.values()])
+    worst = failing[0] if failing else max(judged, key=lambda p: p.max_error)
+    rows, details = [], {"seq_len": length, "sliding_window": subject.sliding_window, "floor_source": FLOOR_SOURCE,
+                         "paths": {}, **arbitration.details}
+    for p in m.paths:
+        if p.crashed:
+            rows.append((p.name, len(p.steps), "-", "-", "-", f"crashed: {p.crashed}"))
+            details["paths"][p.name] = {"crashed": p.crashed, "status": Status.FAIL}
+            continue
+        bad = _first_bad(p, tolerance)
+        where = "-" if bad is None else _step_name(p, bad)
+        rows.append((p.name, len(p.steps), f"{p.max_error:.3e}", f"{floor:.2e}", f"{p.max_error / floor:.3g}", where))
+        details["paths"][p.name] = {"step_errors": p.errors, "steps": p.steps, "first_diverging_step": where,
+                                    "status": verdicts[p.name].status, "reason": verdicts[p.name].reason}
+    table = Table("cached decoding vs full forward", ("path", "forwards", "max step error", "noise floor", "ratio",
+                                                      "first diverging step"), tuple(rows))
+    tail = ""
+    note = cache_layer_note(subject)
+    if note:
+        details["cache_note"] = note
+        tail += f"; note: {note}"
+    if worst.crashed:
+        metrics = {"paths_judged": len(judged)}
+        summary = f"{worst.name} crashed: {worst.crashed} (a cache transformers accepts for this model){tail}"
+        return CheckResult("cache", Status.FAIL, summary, metrics, details, (table,))
+    v = verdicts[worst.name]
+    metrics = {"error": v.residual, "noise_floor": v.noise_floor, "ratio": v.ratio, "tolerance": tolerance,
+               "paths_judged": len(judged), **arbitration.metrics}
+    if status is Status.FAIL:
+        bad = _first_bad(worst, tolerance)
+        step = _step_name(worst, bad) if bad is not None else "?"
+        err = worst.errors[bad] if bad is not None else worst.max_error
+        details["first_diverging"] = {"path": worst.name, "step": step, "error": err}
+        summary = (f"{worst.name}: {step} differs from the full forward by {err:.3g} = {err / floor:.3g}x the noise "
+                   f"floor {floor:.2g}{arbitration.clause(worst.name)} "
+                   f"(failing: {', '.join(p.name for p in failing)}){tail}")
+    elif status is Status.WARN:
+        summary = f"{worst.name}: {v.reason}{tail}"
+    else:
+        summary = (f"cached decoding matches the full forward: max step error {v.residual:.3g} = {v.ratio:.3g}x "
+                   f"noise floor {v.noise_floor:.2g}{arbitration.clause(worst.name)} ({len(judged)} paths, "
+                   f"{length} tokens){tail}")
+    details["reason"] = v.reason
+    return CheckResult("cache", status, summary, metrics, details, (table,))
 
 
 def _schedules(length: int, decode_steps: int) -> dict[str, list[tuple[int, int]]]:
@@ -89,138 +215,8 @@ def _length(subject: Subject, options: RunOptions) -> int:
     return length
 
 
-def run(subject: Subject, options: RunOptions) -> CheckResult:
-    ok, why = cache_support(subject)
-    if not ok:
-        return CheckResult("cache", Status.SKIP, why)
-    settings = options.for_check("cache")
-    length = _length(subject, options)
-    if options.token_ids is None:
-        ids = subject.sample_ids(1, length, options.seed)
-    else:
-        ids = probe_ids(subject, options)[:1]
-    dtype = subject.dtype_name
-    model = subject.model
-    seq2seq = subject.kind == "seq2seq"
-
-    encoder_outputs = None
-    if seq2seq:  # the decoder is what caches; one fixed encoder input (the same ids)
-        with torch.inference_mode():
-            encoder_outputs = model.get_encoder()(input_ids=ids, return_dict=True)
-        subject.forward_count += 1
-
-    def forward(chunk: torch.Tensor, cache: Any = None) -> torch.Tensor:
-        subject.forward_count += 1
-        kwargs: dict[str, Any] = {"cache": cache, "use_cache": cache is not None, "return_dict": True}
-        with torch.inference_mode():
-            if seq2seq:
-                out = model(encoder_outputs=encoder_outputs, decoder_input_ids=chunk, **kwargs)
-            else:
-                out = model(input_ids=chunk, **kwargs)
-        return output_of(out)[0].float()
-
-    schedules = _schedules(length, int(settings.get("decode_steps", DECODE_STEPS)))
-    full = forward(ids)
-
-    # Noise floor: cache-free prefixes must reproduce the full forward at their positions.
-    prefixes = sorted({end for sched in schedules.values() for _, end in sched[:1]} - {length})
-    floor_measured = 0.0
-    for end in prefixes:
-        part = forward(ids[:, :end])
-        floor_measured = max(floor_measured, max(relative_l2(part[t], full[t]) for t in range(end)))
-    if not torch.isfinite(full).all():
-        return CheckResult("cache", Status.FAIL, "non-finite outputs in the full forward",
-                           details={"seq_len": length})
-    floor = noise_floor(floor_measured, dtype)
-
-    kinds = ["dynamic", "static"]
-    static_ok, static_why = static_support(subject)
-    paths: list[PathResult] = []
-    for kind in kinds:
-        for sched_name, sched in schedules.items():
-            path = PathResult(kind, sched_name, sched)
-            paths.append(path)
-            if kind == "static" and not static_ok:
-                path.skipped = static_why
-                continue
-            cache = new_cache(subject, kind, max_len=length + 7,
-                              encoder_len=ids.shape[1] if seq2seq else 0)
-            try:
-                for start, end in sched:
-                    out = forward(ids[:, start:end], cache)
-                    path.errors.append(relative_l2(out, full[start:end]))
-            except Exception as exc:
-                if kind == "dynamic":
-                    raise
-                # The static path of a model that claims support crashed (measured: Falcon with
-                # ALiBi builds its bias over the query length, not the static key length).
-                static_ok, static_why = False, f"static cache not runnable: {describe_error(exc)}"
-                path.skipped = static_why
-                path.errors = []
-
-    judged = [p for p in paths if not p.skipped]
-    if not judged:
-        return CheckResult("cache", Status.SKIP, "no cache path could be run",
-                           details={"skipped": {p.name: p.skipped for p in paths}})
-    verdicts = {p.name: judge_agreement(p.max_error, floor_measured, dtype) for p in judged}
-    failing = [p for p in judged if verdicts[p.name].status is Status.FAIL]
-    worst = failing[0] if failing else max(judged, key=lambda p: p.max_error)  # first failing path, in run order
-    status = Status.worst([v.status for v in verdicts.values()])
-    tolerance = FAIL_RATIO * floor
-
-    def first_bad(p: PathResult) -> tuple[int, tuple[int, int]] | None:
-        for i, err in enumerate(p.errors):
-            if not (err <= tolerance):
-                return i, p.steps[i]
-        return None
-
-    rows = []
-    details: dict[str, Any] = {"seq_len": length, "sliding_window": subject.sliding_window,
-                               "floor_source": "cache-free prefix forwards vs the full forward (max per position)",
-                               "prefix_lengths": prefixes, "paths": {}}
-    for p in paths:
-        if p.skipped:
-            rows.append((p.name, len(p.steps), "-", "-", "-", f"skipped: {p.skipped}"))
-            details["paths"][p.name] = {"skipped": p.skipped}
-            continue
-        bad = first_bad(p)
-        where = "-" if bad is None else _step_name(p, bad[0])
-        rows.append((p.name, len(p.steps), f"{p.max_error:.3e}", f"{floor:.2e}", f"{p.max_error / floor:.3g}", where))
-        details["paths"][p.name] = {"step_errors": p.errors, "steps": p.steps, "first_diverging_step": where,
-                                    "status": verdicts[p.name].status}
-    table = Table("cached decoding vs full forward", ("path", "forwards", "max step error", "noise floor", "ratio",
-                                                      "first diverging step"), tuple(rows))
-    v = verdicts[worst.name]
-    metrics = {"error": v.residual, "noise_floor": v.noise_floor, "ratio": v.ratio, "tolerance": tolerance,
-               "paths_judged": len(judged)}
-    skipped = sorted({p.skipped for p in paths if p.skipped})
-    tail = f"; skipped: {'; '.join(skipped)}" if skipped else ""
-    note = cache_layer_note(subject)
-    if note:
-        details["cache_note"] = note
-        tail += f"; note: {note}"
-    recurrent = recurrent_mixers(subject.model)
-    if status is Status.FAIL and recurrent:
-        # A recurrent mixer's cached step and its full-sequence scan are different algorithms (a
-        # recurrence vs a chunked parallel scan) whose rounding the floor, measured on cache-free
-        # prefixes, does not bound: healthy Bamba differs 2.4e3x, Jamba's chunked path 117x.
-        status = Status.WARN
-        details["recurrent_mixers"] = recurrent
-    if status in (Status.FAIL, Status.WARN) and failing:
-        bad = first_bad(worst)
-        step = _step_name(worst, bad[0]) if bad else "?"
-        err = worst.errors[bad[0]] if bad else worst.max_error
-        details["first_diverging"] = {"path": worst.name, "step": step, "error": err}
-        summary = (f"{worst.name}: {step} differs from the full forward by {err:.3g} = {err / floor:.3g}x the noise "
-                   f"floor {floor:.2g} (failing: {', '.join(p.name for p in failing)}){tail}")
-        if status is Status.WARN:
-            summary = (f"inconclusive: {summary}; the model has recurrent mixers ({', '.join(recurrent)}) whose cached "
-                       f"step and full-sequence scan are different algorithms, not bounded by this floor")
-    else:
-        summary = (f"cached decoding matches the full forward: max step error {v.residual:.3g} = {v.ratio:.3g}x "
-                   f"noise floor {v.noise_floor:.2g} ({len(judged)} paths, {length} tokens){tail}")
-    details["reason"] = v.reason
-    return CheckResult("cache", status, summary, metrics, details, (table,))
+def _first_bad(p: PathResult, tolerance: float) -> int | None:
+    return next((i for i, err in enumerate(p.errors) if not (err <= tolerance)), None)
 
 
 def _step_name(p: PathResult, index: int) -> str:
