@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from posdiag.model.checkpoint import in_checkpoint
 from posdiag.options import RunOptions
 from posdiag.model.probe import Row, run_rows
 from posdiag.results import CheckResult, Status, Table
@@ -685,12 +686,10 @@ def _duplicate_rows(rows: torch.Tensor, eps: float) -> list[tuple[int, int]]:
 
 
 def _missing_from_checkpoint(subject: Subject, name: str) -> bool:
-    from posdiag.checks.load import _in_checkpoint
-
     info = subject.load_info
     if info.checkpoint_keys is None or name not in subject.model.state_dict():
         return False
-    return name in info.missing_keys or not _in_checkpoint(name, set(info.checkpoint_keys))
+    return name in info.missing_keys or not in_checkpoint(name, set(info.checkpoint_keys))
 
 
 def _adjacent_cosine(rows: torch.Tensor, gap: int = 1) -> tuple[float, float]:
