@@ -158,8 +158,8 @@ def test_attention_factor_in_bf16_is_inconclusive_not_pass():
 
 def test_attention_factor_never_observed_is_not_a_pass(monkeypatch):
     """An inline port with no plain q_proj/k_proj to read: a factor != 1 left unmeasured WARNs; factor 1 is a note."""
-    from posdiag.checks import rope as rope_check
-    monkeypatch.setattr(rope_check, "_plain_projections", lambda attention: {})
+    from posdiag.checks.rope import capture
+    monkeypatch.setattr(capture, "plain_projections", lambda attention: {})
     result = rope(P.yarn_port("llama", 0, False))
     assert result.status is Status.WARN and "checked on the rotary tables only" in result.summary, result.summary
     assert result.metrics["attention_factor_probed"] is False
@@ -169,11 +169,11 @@ def test_attention_factor_never_observed_is_not_a_pass(monkeypatch):
 
 def test_unrotated_capture_must_line_up_at_position_zero():
     """The un-rotated capture is used only when it is the rotated vector's multiple at position 0 (identity rotation)."""
-    from posdiag.checks.rope import _same_vectors
+    from posdiag.checks.rope.factor import same_vectors
     rng = np.random.default_rng(0)
     u = rng.standard_normal((4, 3, 16))
-    assert _same_vectors(1.1386 * u, u, 16, 1.2e-7)
-    assert not _same_vectors(1.1386 * u, rng.standard_normal((4, 3, 16)), 16, 1.2e-7)  # another layer's q
+    assert same_vectors(1.1386 * u, u, 16, 1.2e-7)
+    assert not same_vectors(1.1386 * u, rng.standard_normal((4, 3, 16)), 16, 1.2e-7)  # another layer's q
 
 
 def _hunyuan():

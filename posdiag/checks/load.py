@@ -10,6 +10,7 @@ from the config at load and are never in a checkpoint: not counted.
 
 from __future__ import annotations
 
+from posdiag.model.checkpoint import in_checkpoint
 from posdiag.model.subject import Subject
 from posdiag.options import RunOptions
 from posdiag.results import CheckResult, Status, Table
@@ -26,17 +27,6 @@ def is_position_key(name: str) -> bool:
     return any(p in lowered for p in POSITION_PATTERNS) and "token_type" not in lowered
 
 
-def _in_checkpoint(name: str, keys: set[str]) -> bool:
-    """Checkpoints name tensors with or without the base-model prefix: match on suffixes."""
-    if name in keys:
-        return True
-    parts = name.split(".")
-    for i in range(1, len(parts)):
-        if ".".join(parts[i:]) in keys:
-            return True
-    return any(k.endswith("." + name) for k in keys)
-
-
 def run(subject: Subject, options: RunOptions) -> CheckResult:
     info = subject.load_info
     if info.checkpoint_keys is None:
@@ -47,7 +37,7 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     keys = set(info.checkpoint_keys)
     model_position = [n for n, _ in subject.model.state_dict().items() if is_position_key(n)]
     # A tied or shared table appears under several names; one provided copy covers the others.
-    absent = [n for n in model_position if not _in_checkpoint(n, keys)]
+    absent = [n for n in model_position if not in_checkpoint(n, keys)]
     missing_reported = [k for k in info.missing_keys if is_position_key(k)]
     absent = sorted(set(absent) | set(missing_reported))
     provided = sorted(n for n in model_position if n not in absent)

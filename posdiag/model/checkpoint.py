@@ -76,3 +76,14 @@ def checkpoint_dtype(config: Any, weights: dict[str, Any]) -> torch.dtype | None
     if isinstance(declared, str):
         declared = DTYPES.get(declared)
     return declared if isinstance(declared, torch.dtype) else None
+
+
+def in_checkpoint(name: str, keys: set[str]) -> bool:
+    """Checkpoints name tensors with or without the base-model prefix: match on suffixes."""
+    if name in keys:
+        return True
+    parts = name.split(".")
+    for i in range(1, len(parts)):
+        if ".".join(parts[i:]) in keys:
+            return True
+    return any(k.endswith("." + name) for k in keys)

@@ -1,0 +1,168 @@
+"""Probe 2, the applied rotation: every position holds the same token, so q(p) = R_p q(0) pair by pair
+(R_p rotates pair (a_i, b_i) by p·θ_i), the dims past the rotary ones unchanged."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from posdiag.checks.rope.capture import Capture, capturing, heads
+from posdiag.checks.rope.factor import factor_finding
+from posdiag.checks.rope.findings import Finding
+from posdiag.model.introspect import recurrent_reason
+from posdiag.model.probe import Row, run_rows
+from posdiag.model.subject import Subject
+from posdiag.tools import rope_math
+from posdiag.verdict import FAIL_RATIO, MACHINE_EPSILON
+
+LAYOUTS = ("half", "interleaved")
+
+
+def probe_applied(subject: Subject, layer_spec, refs, positions: np.ndarray, token: int):
+    """-> (findings, [(position, worst ratio)], observed, why not, attention-factor rows)."""
+    records, out, why = _capture_qk(subject, positions, token)
+    if why:
+        return [], [], False, why, []
+    # The same token at every position gives the same pre-rotation q/k only when nothing before the
+    # attention layer reads order; a recurrent mixer does (healthy Qwen3-Next, LFM2, Bamba FAILed here
+    # at 1e2-7e5x). The attention factor (rotated / un-rotated length) needs no such premise.
+    recurrent = recurrent_reason(subject)
+    eps = MACHINE_EPSILON.get(subject.dtype_name, 1.2e-7)
+    findings: list[Finding] = []
+    factors: list[Finding] = []
+    by_pos = np.zeros(len(positions))
+    for layer, (_module, q, k, plain) in enumerate(records):
+        q, k, judged_at = _judged_qk(q, k, plain)
+        spec = layer_spec[min(layer, len(layer_spec) - 1)]
+        freqs, scaling = refs[id(spec)]
+        spread = _input_spread(out, layer)
+        arrays = {name: heads(t, len(positions)) for name, t in (("q", q), ("k", k))}
+        for name, t in (("q", q), ("k", k)):
+            if arrays[name] is None:
+                return [], [], False, f"captured {name} has shape {tuple(t.shape)}, not [batch, heads, positions, dim]", []
+        fits = {}
+        for name, arr in arrays.items():
+            if not np.isfinite(arr).all():
+                findings.append(_non_finite(arr, positions, layer, name))
+                fits[name] = None
+                continue
+            fits[name] = None if recurrent else {
+                lay: _judge_applied(arr, freqs, spec, positions, lay, eps, max(spread, eps), layer, name) for lay in LAYOUTS}
+            factor = factor_finding(arr, plain, name, freqs, scaling, eps, positions, layer)
+            if factor is not None:
+                factors.append(factor)
+        if fits["q"] is None or fits["k"] is None:
+            continue
+        layer_findings, layer_by_pos = _best_fits(fits, layer, spread, judged_at)
+        findings += layer_findings
+        by_pos = np.maximum(by_pos, layer_by_pos)
+    if recurrent:
+        return findings + factors, [], False, f"{recurrent} (the same token gives a different q/k at each position)", factors
+    rows = [(int(p), float(r)) for p, r in zip(positions, by_pos)]
+    return findings + factors, rows, True, "", factors
+
+
+def _capture_qk(subject: Subject, positions: np.ndarray, token: int) -> tuple[list, object, str]:
+    """One forward of the same token at `positions`, q/k captured per attention call. -> (records, output, why not)."""
+    eager = getattr(rope_math.text_config(subject.config), "_attn_implementation", "eager") in ("eager", None)
+    capture = Capture(eager)
+    ids = torch.full((len(positions),), token, dtype=torch.long, device=subject.device)
+    with capturing(subject, capture) as hooked:
+        if not hooked:
+            return [], None, "no eager attention function or apply_rotary_pos_emb to observe"
+        out = run_rows(subject, [Row(ids, positions=torch.as_tensor(positions))])
+    if not capture.records:
+        return [], out, "the attention function was never called with q/k"
+    return capture.records, out, ""
+
+
+def _judged_qk(q: torch.Tensor, k: torch.Tensor, plain: list[tuple]) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """The q/k to judge: what attention received, unless something changed them after the rotation."""
+    for _q0, _k0, _source, q1, k1 in plain:
+        # Something changed q/k between the rotation and attention (HunYuan's q/k norm after RoPE):
+        # what attention receives is no pure rotation, so judge the rotation where it is applied.
+        if q1 is not None and q1.shape == q.shape and k1.shape == k.shape and not (torch.equal(q1, q) and torch.equal(k1, k)):
+            return q1, k1, "apply_rotary_pos_emb output (q/k change between rotation and attention)"
+    return q, k, "attention input"
+
+
+def _input_spread(out, layer: int) -> float:
+    """How far the layer's input moves across positions (relative to position 0): the same-token premise's floor."""
+    hidden = out.hidden[min(layer, len(out.hidden) - 1)][0].double()
+    return float(((hidden - hidden[:1]).norm(dim=-1) / hidden[:1].norm(dim=-1).clamp_min(1e-30)).max())
+
+
+def _non_finite(arr: np.ndarray, positions: np.ndarray, layer: int, name: str) -> Finding:
+    bad = np.argwhere(~np.isfinite(arr))[0]
+    return Finding("non-finite", float("nan"), layer=layer, tensor=name, head=int(bad[0]),
+                   position=int(positions[bad[1]]), dim=int(bad[2]),
+                   message=f"non-finite rotated {name} at layer {layer}, position {int(positions[bad[1]])}, dim {int(bad[2])}")
+
+
+def _best_fits(fits: dict, layer: int, spread: float, judged_at: str) -> tuple[list[Finding], np.ndarray]:
+    """The best layout for q and for k (and a finding when they differ). -> (findings, worst ratio by position)."""
+    best = {n: min(f.values(), key=lambda x: x[0].ratio) for n, f in fits.items()}
+    lay_q = min(fits["q"], key=lambda lay: fits["q"][lay][0].ratio)
+    lay_k = min(fits["k"], key=lambda lay: fits["k"][lay][0].ratio)
+    findings = [best["q"][0], best["k"][0]]
+    if not best["q"][0].failed and not best["k"][0].failed and lay_q != lay_k:
+        findings.append(Finding("layout", float("inf"), layer=layer, message=(
+            f"q and k are paired differently at layer {layer}: q {lay_q}, k {lay_k} "
+            f"(<R_m q, R_n k> is no longer a function of n - m)")))
+    elif best["q"][0].failed and not best["k"][0].failed:
+        alt = fits["q"][lay_k][0]
+        if alt.ratio > FAIL_RATIO:
+            alt.message = ""
+    for f in (best["q"][0], best["k"][0]):
+        f.extra["layout"] = lay_q if f.tensor == "q" else lay_k
+        f.extra["input_spread"] = spread
+        f.extra["judged_at"] = judged_at
+    return findings, np.maximum(best["q"][1], best["k"][1])
+
+
+def _pairs(layout: str, rotary_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    half = rotary_dim // 2
+    if layout == "half":
+        return np.arange(half), np.arange(half) + half
+    return np.arange(0, rotary_dim, 2), np.arange(1, rotary_dim, 2)
+
+
+def _judge_applied(arr: np.ndarray, freqs: np.ndarray, spec, positions: np.ndarray, layout: str, eps: float,
+                   floor: float, layer: int, name: str) -> tuple[Finding, np.ndarray]:
+    """arr [H, T, D]: observed rotated vectors; q(p) must be R_p q(0) on the rotary dims, q(0) elsewhere."""
+    heads, _, dim = arr.shape
+    rot = min(2 * freqs.shape[0], dim)
+    freqs = freqs[: rot // 2]
+    a_idx, b_idx = _pairs(layout, rot)
+    x0 = arr[:, :1]
+    ang = rope_math.reference_angles(freqs, positions)[None]  # [1, T, pairs]
+    c, s = np.cos(ang), np.sin(ang)
+    xa, xb = x0[..., a_idx], x0[..., b_idx]
+    ea, eb = xa * c - xb * s, xb * c + xa * s
+    err_pair = np.sqrt((arr[..., a_idx] - ea) ** 2 + (arr[..., b_idx] - eb) ** 2)  # [H, T, pairs]
+    norm_pair = np.sqrt(xa ** 2 + xb ** 2)
+    norm_head = np.linalg.norm(x0, axis=-1, keepdims=True)
+    angle_tol = rope_math.angle_tolerance(freqs, positions, 0.0)[None]
+    tol_pair = norm_pair * angle_tol + norm_head * (4 * eps + 2 * floor) + 1e-30
+    ratio = err_pair / tol_pair
+    i = np.unravel_index(int(np.argmax(ratio)), ratio.shape)
+    which_a = abs(arr[i[0], i[1], a_idx[i[2]]] - ea[i]) >= abs(arr[i[0], i[1], b_idx[i[2]]] - eb[i])
+    d = int(a_idx[i[2]] if which_a else b_idx[i[2]])
+    worst = Finding("applied rotation", float(ratio[i]), error=float(err_pair[i]), tolerance=float(tol_pair[i]), layer=layer,
+                    tensor=name, head=int(i[0]), position=int(positions[i[1]]), dim=d,
+                    expected=float(ea[i] if which_a else eb[i]), actual=float(arr[i[0], i[1], d]),
+                    extra={"pair": int(i[2]), "pair_angle": float(ang[0, i[1], i[2]])})
+    by_pos = ratio.max(axis=(0, 2))
+    if rot < dim:
+        rest = arr[..., rot:]
+        err = np.abs(rest - x0[..., rot:])
+        tol = norm_head * (4 * eps + 2 * floor) + 1e-30
+        r = err / tol
+        j = np.unravel_index(int(np.argmax(r)), r.shape)
+        by_pos = np.maximum(by_pos, r.max(axis=(0, 2)))
+        if r[j] > worst.ratio:
+            worst = Finding("pass-through dims", float(r[j]), error=float(err[j]), tolerance=float(tol[j[0], 0, 0]), layer=layer,
+                            tensor=name, head=int(j[0]), position=int(positions[j[1]]), dim=int(rot + j[2]),
+                            expected=float(x0[j[0], 0, j[2] + rot]), actual=float(rest[j]),
+                            extra={"rotary_dim": rot, "head_dim": dim})
+    return worst, by_pos

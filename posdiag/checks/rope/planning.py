@@ -1,0 +1,103 @@
+"""Which positions to probe (one plan, or one on each side of a dynamic/longrope switch point), which
+spec each layer follows, and putting stateful rotary modules back after probing them long."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from posdiag.model.subject import Subject
+from posdiag.tools import rope_math
+
+
+@dataclass
+class Plan:
+    target: int                              # the length the static analysis is about
+    declared: int | None                     # the context the config declares
+    static: list[rope_math.SpecReport]       # frequencies vs training length, per spec
+    layer_spec: list[rope_math.RopeSpec]     # the spec each layer follows
+    probes: list[tuple[str, np.ndarray]]     # (label, positions) of each forward
+    notes: list[str]
+
+
+def make_plan(subject: Subject, settings: dict, specs: list[rope_math.RopeSpec]) -> Plan:
+    """Positions spread over [0, max(target, declared context)], capped by a precomputed rotary table."""
+    declared = subject.max_positions
+    target = int(settings.get("target_length") or declared or max(s.training_length or 0 for s in specs) or 4096)
+    static = [rope_math.report_spec(subject.config, s, target) for s in specs]
+    layer_spec = _layer_specs(subject, specs)
+    cap = _table_cap(subject.model)
+    top = max(target, declared or 0, 2)
+    notes: list[str] = []
+    if cap is not None and top > cap:
+        notes.append(f"positions capped at {cap - 1}: the rotary table has {cap} rows")
+        top = cap
+    return Plan(target, declared, static, layer_spec, _plans(specs, top, cap), notes)
+
+
+def _layer_specs(subject: Subject, specs: list[rope_math.RopeSpec]) -> list[rope_math.RopeSpec]:
+    config = rope_math.text_config(subject.config)
+    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None) or 1
+    if len(specs) == 1 or specs[0].layer_type is None:
+        return [specs[0]] * int(layers)
+    by_type = {s.layer_type: s for s in specs}
+    types = list(getattr(config, "layer_types", None) or [])
+    return [by_type.get(t, specs[0]) for t in types] if types else [specs[0]] * int(layers)
+
+
+def _table_cap(model: torch.nn.Module) -> int | None:
+    """Rotary modules with a precomputed position table (GPT-J) cannot be indexed past it."""
+    for module in model.modules():
+        table = getattr(module, "embed_positions", None)
+        if "Rotary" in type(module).__name__ and isinstance(table, torch.Tensor):
+            return int(table.shape[0])
+    return None
+
+
+def _plans(specs: list[rope_math.RopeSpec], top: int, cap: int | None) -> list[tuple[str, np.ndarray]]:
+    switches = sorted({s.switch_length for s in specs if s.stateful and s.switch_length})
+    marks = tuple(x for s in specs for L in (s.training_length,) if L for x in (L - 1, L, L + 1))
+    if not switches:
+        return [("all", _positions(top, marks))]
+    switch = switches[0]
+    long_top = max(top, 2 * switch)
+    if cap is not None:
+        long_top = min(long_top, cap)
+    return [(f"below switch {switch}", _positions(switch, marks)),
+            (f"beyond switch {switch}", _positions(long_top, marks + (switch - 1, switch, switch + 1)))]
+
+
+def _positions(top: int, extra: tuple[int, ...] = ()) -> np.ndarray:
+    """0..7, then ~40 geometric steps to top-1, plus the points in `extra` (all below top)."""
+    last = max(top - 1, 1)
+    pts = set(range(min(8, last + 1)))
+    if last > 8:
+        pts |= {int(round(x)) for x in np.geomspace(8, last, 40)}
+    pts |= {e for e in extra if 0 <= e <= last}
+    pts.add(last)
+    return np.array(sorted(pts), dtype=np.int64)
+
+
+@contextlib.contextmanager
+def restored_rotary_state(model: torch.nn.Module):
+    """Stateful rotary modules rewrite their buffers and attributes when probed long: put them back."""
+    saved = []
+    for module in model.modules():
+        if any(n.endswith("inv_freq") for n in module._buffers) or hasattr(module, "rope_type"):
+            attrs = {k: v for k, v in module.__dict__.items() if not k.startswith("_")}
+            buffers = {k: (None if v is None else v.detach().clone()) for k, v in module._buffers.items()}
+            saved.append((module, attrs, buffers, set(module._non_persistent_buffers_set)))
+    try:
+        yield
+    finally:
+        for module, attrs, buffers, non_persistent in saved:
+            for k in [k for k in module.__dict__ if not k.startswith("_") and k not in attrs]:
+                delattr(module, k)
+            module.__dict__.update(attrs)
+            module._buffers.clear()
+            module._buffers.update(buffers)
+            module._non_persistent_buffers_set.clear()
+            module._non_persistent_buffers_set.update(non_persistent)

@@ -1,0 +1,65 @@
+"""Per stack: offsets first (which row each probe reads, whether ids are honoured), then capacity
+over the declared context, then one position past it."""
+
+from __future__ import annotations
+
+from posdiag.checks.table.beyond import beyond
+from posdiag.checks.table.capacity import capacity
+from posdiag.checks.table.discovery import PositionTable
+from posdiag.checks.table.helpers import Part
+from posdiag.checks.table.offsets import offset_parts
+from posdiag.model.subject import Subject
+from posdiag.options import RunOptions
+from posdiag.results import Status, Table
+
+
+def stack_parts(subject: Subject, options: RunOptions, settings: dict, stack: str,
+                tables: list[PositionTable], declared: int | None, out_tables: list[Table],
+                own_offsets: dict[str, int]) -> list[Part]:
+    where = f"{stack}_" if len(subject.stacks) > 1 else ""
+    label = f"{stack}: " if len(subject.stacks) > 1 else ""
+    parts: list[Part] = []
+    token = int(subject.sample_ids(1, 1, options.seed)[0, 0])
+    sizes = {f"table_rows_{t.name}": t.rows for t in tables}
+
+    # 3. offsets first: they also tell whether position ids are really honoured and, for a family
+    # posdiag has no row for, which row each probe reads.
+    found_parts, honoured, found = offset_parts(subject, options, stack, tables, label, where)
+    parts += found_parts
+    own_offsets.update(found["own"])
+    offset = found["probe"]  # the row the capacity/beyond probes read for logical position 0
+
+    rows_cap = min((t.rows - offset for t in tables), default=None)
+    if (found["discovered"] and rows_cap is not None and declared is not None and rows_cap < declared
+            and min(t.rows for t in tables) >= declared):
+        # RoBERTa's convention: max_position_embeddings counts the offset rows. Whatever the offset,
+        # the table holds every row the model's own numbering can read; only rows_cap positions exist.
+        parts.append(Part("offsets", Status.PASS, f"{label}the declared {declared} positions count the "
+                          f"{offset} offset row(s), as RoBERTa's config does: {rows_cap} usable positions",
+                          {"usable_positions": rows_cap}, {"where": where}))
+        declared = rows_cap
+    n = declared if declared is not None else rows_cap
+    if n is None:
+        return parts + [Part("capacity", Status.SKIP, f"{label}no declared context and no table rows to size the probe",
+                             details={"where": where})]
+    static_short = rows_cap is not None and declared is not None and rows_cap < declared
+    if static_short:
+        t = min(tables, key=lambda x: x.rows)
+        parts.append(Part("capacity", Status.FAIL,
+                          f"{label}table {t.name} has {t.rows} rows (first position at row {offset}): positions "
+                          f"{rows_cap}..{declared - 1} of the declared {declared} have no row",
+                          {"table_rows": t.rows, "declared_positions": declared},
+                          {"where": where, "first_bad_position": rows_cap}))
+        n = rows_cap
+
+    # 1. capacity
+    cap, outputs = capacity(subject, settings, stack, n, token, honoured, label, where)
+    cap.metrics.update({"declared_positions": declared, "position_offset": offset, **sizes})
+    parts.append(cap)
+    if cap.details.get("table"):
+        out_tables.append(cap.details.pop("table"))
+
+    # 2. past the declared context
+    if declared is not None and not static_short:
+        parts.append(beyond(subject, stack, declared, token, honoured, tables, outputs, label, where, offset))
+    return parts
