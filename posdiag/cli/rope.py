@@ -334,14 +334,14 @@ def _spec_json(r) -> dict:
 
 
 def _json_text(model: str, static: list, report) -> str:
-    from posdiag.results import _jsonable
+    from posdiag.results import jsonable
 
     if report is not None:
         data = report.to_dict()
     else:
         data = {"schema": 1, "model": {"id": model}, "checks": [], "exit_code": 0}
     data["rope"] = [_spec_json(r) for r in static]
-    return _json.dumps(_jsonable(data), indent=2) + "\n"
+    return _json.dumps(jsonable(data), indent=2) + "\n"
 
 
 def _write_png(path: str, static: list, report) -> None:
