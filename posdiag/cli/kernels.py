@@ -14,7 +14,6 @@ Heavy imports happen inside the command.
 
 from __future__ import annotations
 
-import json as _json
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -113,7 +112,6 @@ def _model(args: dict) -> None:
 
 def _synthetic(args: dict) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     debug = args["debug"]
     if args["alignment"] not in ("top_left", "bottom_right"):
@@ -127,6 +125,8 @@ def _synthetic(args: dict) -> None:
 
     from posdiag.tools.attention import Shape, judge_synthetic, sweep_lengths, synthetic
     from posdiag.model.loading import resolve_device
+    from posdiag.report.json_report import format_synthetic_json
+    from posdiag.report.synthetic_console import RULE, render_growth, render_synthetic
 
     device = _guarded(lambda: resolve_device(args["device"].value), debug)
     if device.type == "cpu" and dtype == "float16":
@@ -150,55 +150,15 @@ def _synthetic(args: dict) -> None:
         any_fail |= any(v.startswith("FAIL") for v in verdicts.values())
         records.append({"shape": {k: getattr(shape, k) for k in shape.__dataclass_fields__},
                         "results": [dict(r.to_dict(), verdict=verdicts.get(r.name, "")) for r in results]})
-        if args["quiet"]:
-            for r in results:
-                out.print(f"T={tq}/{tk} {r.name}: {r.status} err {r.error:.2e} {verdicts.get(r.name, '')}")
-            continue
-        title = (f"{device.type} {dtype}  B={shape.batch} H={shape.heads}/{kv} q={tq} k={tk} d={shape.head_dim}"
-                 f"{' causal ' + shape.alignment if shape.causal else ''}"
-                 f"{f' pad={shape.padding}' if shape.padding else ''}{f' window={shape.window}' if shape.window else ''}")
-        table = Table(title=title, title_justify="left")
-        for col in ("implementation", "error vs fp64", "max |Δ|", "time ms", "peak MiB", "empty rows", "verdict", "note"):
-            table.add_column(col, justify="left" if col in ("implementation", "note", "verdict", "empty rows") else "right")
-        for r in results:
-            ok = r.status == "ok"
-            table.add_row(r.name, f"{r.error:.2e}" if ok else "-", f"{r.max_abs:.1e}" if ok else "-",
-                          f"{r.seconds * 1e3:.2f}" if ok else "-",
-                          f"{r.peak_bytes / 2**20:.2f}" if ok and r.peak_bytes is not None else "-",
-                          r.empty_rows or "-", verdicts.get(r.name, ""), r.note[:60])
-        out.print(table)
+        render_synthetic(out, shape, results, verdicts, quiet=args["quiet"])
     if args["sweep"] and args["memory"] and not args["quiet"]:
-        _print_growth(out, records)
-    out.print("rule: error <= 2 x posdiag naive's error in the same dtype + eps (FlashAttention's test rule)")
+        render_growth(out, records)
+    out.print(RULE)
     if args["json"]:
-        text = _json.dumps({"schema": 1, "synthetic": records}, indent=2, default=str)
+        text = format_synthetic_json(records)
         if args["json"] == "-":
-            sys.stdout.write(text + "\n")
+            sys.stdout.write(text)
         else:
             _guarded(lambda: Path(args["json"]).write_text(text), debug)
     raise typer.Exit(1 if any_fail else 0)
 
-
-def _print_growth(out, records: list[dict]) -> None:
-    """Peak memory per implementation by length, and the growth exponent between the ends."""
-    import math
-
-    from rich.table import Table
-
-    names = [r["name"] for r in records[0]["results"]]
-    table = Table(title="peak memory (MiB) by sequence length; exponent p in memory ~ T^p", title_justify="left")
-    table.add_column("implementation")
-    for rec in records:
-        table.add_column(str(rec["shape"]["q_len"]), justify="right")
-    table.add_column("p", justify="right")
-    for name in names:
-        peaks = []
-        for rec in records:
-            r = next((x for x in rec["results"] if x["name"] == name), None)
-            peaks.append(r["peak_bytes"] if r and r["status"] == "ok" else None)
-        known = [(rec["shape"]["q_len"], p) for rec, p in zip(records, peaks) if p]
-        slope = "-"
-        if len(known) >= 2 and known[0][1] > 0:
-            slope = f"{math.log(known[-1][1] / known[0][1]) / math.log(known[-1][0] / known[0][0]):.2f}"
-        table.add_row(name, *[f"{p / 2**20:.2f}" if p else "-" for p in peaks], slope)
-    out.print(table)
