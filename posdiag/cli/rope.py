@@ -1,52 +1,46 @@
-"""The `posdiag rope` command (registered on the app defined in posdiag.cli).
-
-Static analysis from the config alone (a config.json, a checkpoint directory or a hub id; with
---config-only no weights are read), then, unless --config-only, the `rope` check's module probe
-on the loaded model, and optionally the copy probe. Heavy imports happen inside the command.
+"""`posdiag rope MODEL`: RoPE analysis from the config alone (a config.json, a checkpoint directory
+or a hub id; with --config-only no weights are read), then, unless --config-only, the `rope` check's
+module probe on the loaded model, and optionally the copy probe. Heavy imports happen inside the command.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
-from posdiag.cli import (
+from posdiag.cli._flow import load, quiet_transformers
+from posdiag.cli._io import console_for, fail, guarded, write_output
+from posdiag.cli.options import (
     AttnOpt,
     DebugOpt,
+    Device,
     DeviceMapOpt,
     DeviceOpt,
-    MaxMemoryOpt,
-    OffloadOpt,
-    Device,
     DType,
     DtypeOpt,
     JsonOpt,
+    MaxMemoryOpt,
     ModelArg,
+    OffloadOpt,
     PickleOpt,
     QuietOpt,
     RevisionOpt,
     SeedOpt,
+    Settings,
     TrustOpt,
     UpcastOpt,
-    _fail,
-    _guarded,
-    _load,
-    _quiet_transformers,
-    app,
 )
 
-TargetOpt = Annotated[Optional[int], typer.Option("--target-length", min=1, help="Length you intend to run at (default: the declared context).")]
+TargetOpt = Annotated[int | None, typer.Option("--target-length", min=1, help="Length you intend to run at (default: the declared context).")]
 ConfigOnlyOpt = Annotated[bool, typer.Option("--config-only", help="Analyse the config alone; never read weights.")]
-PlotOpt = Annotated[Optional[str], typer.Option("--plot", help="Write a PNG (wavelength vs dim, probe error vs position) to PATH; needs matplotlib (posdiag[plot]).")]
-ProbeOpt = Annotated[Optional[str], typer.Option("--probe", help="Extra behavioural probe to run: copy (copy accuracy by position).")]
+PlotOpt = Annotated[str | None, typer.Option("--plot", help="Write a PNG (wavelength vs dim, probe error vs position) to PATH; needs matplotlib (posdiag[plot]).")]
+ProbeOpt = Annotated[str | None, typer.Option("--probe", help="Extra behavioural probe to run: copy (copy accuracy by position).")]
 
 PROBES = ("copy",)
 
 
-@app.command()
 def rope(
     model: ModelArg,
     target_length: TargetOpt = None, config_only: ConfigOnlyOpt = False, plot: PlotOpt = None, probe: ProbeOpt = None,
@@ -57,62 +51,60 @@ def rope(
     quiet: QuietOpt = False, debug: DebugOpt = False,
 ) -> None:
     """RoPE analysis: frequencies vs training/target length from the config, then the module probe."""
-    from rich.console import Console
-
-    args = dict(locals())
-    args["max_batch"] = None
-    if probe is not None and probe not in PROBES:
-        _fail(f"--probe {probe}: unknown probe (known: {', '.join(PROBES)})")
+    settings = Settings(
+        model=model, revision=revision, trust_remote_code=trust_remote_code, dtype=dtype.value, device=device.value,
+        device_map=device_map, max_memory=max_memory, offload_folder=offload_folder,
+        attn_implementation=attn_implementation, upcast=upcast, allow_pickle=allow_pickle, seed=seed, json=json,
+        quiet=quiet, debug=debug,
+    )
     static_only = config_only or Path(model).is_file()
-    if probe and static_only:
-        _fail("--probe needs the model's weights; drop --config-only and pass a checkpoint or hub id")
-    if plot:
-        _require_matplotlib()
-    copy_probe = _import_copy_probe() if probe == "copy" else None
-
-    from posdiag.tools import rope_math
+    copy_probe = _check_extras(probe, plot, static_only)
 
     from posdiag.model.loading import looks_like_factory
     from posdiag.report.json_report import format_rope_json
     from posdiag.report.plots import write_rope_png
     from posdiag.report.rope_console import quiet_line, render_rope_static
+    from posdiag.tools import rope_math
 
-    _quiet_transformers()
-    out = Console(stderr=True) if json == "-" else Console()
+    quiet_transformers()
+    out = console_for(json)
     factory = looks_like_factory(model)
     if factory and config_only:
-        _fail("--config-only needs a config.json, a checkpoint directory or a hub id, not a module:factory")
-    subject = _guarded(lambda: _load(args), debug) if factory else None
-    config = subject.config if factory else _guarded(lambda: _read_config(model, revision, trust_remote_code), debug)
+        fail("--config-only needs a config.json, a checkpoint directory or a hub id, not a module:factory")
+    subject = guarded(lambda: load(settings), debug) if factory else None
+    config = subject.config if factory else guarded(lambda: _read_config(model, revision, trust_remote_code), debug)
     specs = rope_math.rope_specs(config) if getattr(config, "model_type", "custom") != "custom" else []
     if not specs and static_only:
-        _fail(f"'{model}' describes no rotary position embedding (model type {getattr(config, 'model_type', '?')})")
-    static = _guarded(lambda: rope_math.analyze_config(config, target_length), debug) if specs else []
+        fail(f"'{model}' describes no rotary position embedding (model type {getattr(config, 'model_type', '?')})")
+    static = guarded(lambda: rope_math.analyze_config(config, target_length), debug) if specs else []
 
     if not quiet:
         render_rope_static(out, model, config, static)
-
-    report = None
-    if not static_only:
-        report = _run_probe(args, subject, target_length, copy_probe, out)
-
+    report = None if static_only else _run_probe(settings, subject, target_length, copy_probe, out)
     if plot:
-        _guarded(lambda: write_rope_png(plot, static, report), debug)
+        guarded(lambda: write_rope_png(plot, static, report), debug)
         out.print(f"wrote {plot}")
     if json:
-        text = format_rope_json(model, static, report)
-        if json == "-":
-            sys.stdout.write(text)
-        else:
-            _guarded(lambda: Path(json).write_text(text), debug)
+        write_output(json, format_rope_json(model, static, report), debug)
     if report is None and quiet:
         for r in static:
             out.print(quiet_line(r))
     raise typer.Exit(report.exit_code if report is not None else 0)
 
 
+def _check_extras(probe: str | None, plot: str | None, static_only: bool):
+    """Refuse --probe/--plot requests that cannot run, before any loading; -> the copy probe module or None."""
+    if probe is not None and probe not in PROBES:
+        fail(f"--probe {probe}: unknown probe (known: {', '.join(PROBES)})")
+    if probe and static_only:
+        fail("--probe needs the model's weights; drop --config-only and pass a checkpoint or hub id")
+    if plot:
+        _require_matplotlib()
+    return _import_copy_probe() if probe == "copy" else None
+
+
 # --------------------------------------------------------------------------- inputs
-def _read_config(model: str, revision: Optional[str], trust: bool):
+def _read_config(model: str, revision: str | None, trust: bool):
     from transformers import AutoConfig
 
     from posdiag.errors import PosdiagError
@@ -137,7 +129,7 @@ def _require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        _fail("--plot needs matplotlib, which is not installed: pip install 'posdiag[plot]' (the terminal plots need nothing)")
+        fail("--plot needs matplotlib, which is not installed: pip install 'posdiag[plot]' (the terminal plots need nothing)")
 
 
 def _import_copy_probe():
@@ -146,9 +138,9 @@ def _import_copy_probe():
     try:
         copy_probe = importlib.import_module("posdiag.tools.copy_probe")
     except ImportError as exc:
-        _fail(f"--probe copy is not available in this installation ({exc})")
+        fail(f"--probe copy is not available in this installation ({exc})")
     if not callable(getattr(copy_probe, "run", None)):
-        _fail("--probe copy: posdiag.tools.copy_probe has no run(subject, lengths, seed)")
+        fail("--probe copy: posdiag.tools.copy_probe has no run(subject, lengths, seed)")
     return copy_probe
 
 
@@ -159,36 +151,35 @@ def copy_lengths(training_length: int) -> list[int]:
 
 
 # --------------------------------------------------------------------------- the probe
-def _run_probe(args: dict, subject: Any, target_length: Optional[int], copy_probe, out):
+def _run_probe(settings: Settings, subject: Any, target_length: int | None, copy_probe, out):
     from dataclasses import replace
 
     from rich.console import Console
 
-    from posdiag.tools import rope_math
     from posdiag.api import run_checks
     from posdiag.options import RunOptions
     from posdiag.report.console import render
     from posdiag.report.rope_console import error_plot
+    from posdiag.tools import rope_math
 
-    debug = args["debug"]
+    debug = settings.debug
     err = Console(stderr=True)
     if subject is None:
-        with err.status(f"loading {args['model']}…"):
-            subject = _guarded(lambda: _load(args), debug)
-    options = RunOptions(seed=args["seed"], check_options={"rope": {"target_length": target_length}} if target_length else {})
+        with err.status(f"loading {settings.model}…"):
+            subject = guarded(lambda: load(settings), debug)
+    options = RunOptions(seed=settings.seed, check_options={"rope": {"target_length": target_length}} if target_length else {})
     with err.status("probing the rotation…"):
-        report = _guarded(lambda: run_checks(subject, ["rope"], options), debug)
+        report = guarded(lambda: run_checks(subject, ["rope"], options), debug)
     if copy_probe is not None:
         specs = rope_math.rope_specs(subject.config)
         train = min((s.training_length for s in specs if s.training_length), default=subject.max_positions or 64)
         lengths = copy_lengths(train)
         with err.status(f"copy probe at lengths {lengths}…"):
-            result = _guarded(lambda: copy_probe.run(subject, lengths, args["seed"]), debug)
+            result = guarded(lambda: copy_probe.run(subject, lengths, settings.seed), debug)
         report = replace(report, checks=report.checks + (result,))
-    render(report, out, quiet=args["quiet"])
-    if not args["quiet"]:
-        rope_result = report.check("rope")
-        rows = rope_result.details.get("error_by_position") or []
+    render(report, out, quiet=settings.quiet)
+    if not settings.quiet:
+        rows = report.check("rope").details.get("error_by_position") or []
         if rows:
             out.print(error_plot(rows))
     return report
