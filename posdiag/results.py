@@ -77,8 +77,8 @@ class CheckResult:
             "name": self.name,
             "status": self.status.value,
             "summary": self.summary,
-            "metrics": _jsonable(self.metrics),
-            "details": _jsonable(details),
+            "metrics": jsonable(self.metrics),
+            "details": jsonable(details),
             "seconds": round(self.seconds, 4),
             "forward_passes": self.forward_passes,
         }
@@ -177,12 +177,12 @@ class Report:
         }
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
     """Plain JSON types only: floats stay floats (NaN/Inf as strings), tuples become lists."""
     if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     if isinstance(value, Status):
         return value.value
     if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
@@ -190,6 +190,6 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, float):
         return value if math.isfinite(value) else str(value)
     try:  # numpy / torch scalars
-        return _jsonable(value.item())
+        return jsonable(value.item())
     except Exception:
         return str(value)

@@ -1,0 +1,86 @@
+"""The steps the model commands share: load MODEL, build the run options, tokenize --text, and emit
+the report where the settings say (its exit code is the command's). Heavy imports stay inside."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, NoReturn
+
+import typer
+
+from posdiag.cli._io import console_for, fail, write_output
+from posdiag.cli.options import Settings, load_options
+
+
+def quiet_transformers() -> None:
+    """transformers' own progress bars and missing-key warnings, accelerate's offload warning:
+    posdiag reports those itself (the `load` check, the device-map note)."""
+    import logging
+
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    logging.getLogger("accelerate.big_modeling").setLevel(logging.ERROR)
+
+
+def load(settings: Settings):
+    """Load settings.model as a Subject (raises PosdiagError; callers guard)."""
+    from posdiag.model.loading import load_subject
+
+    quiet_transformers()
+    return load_subject(settings.model, load_options(settings))
+
+
+def run_options(settings: Settings, subject: Any):
+    """RunOptions for the checks, validated against the loaded model (probe length, --text ids)."""
+    from posdiag.errors import PosdiagError
+    from posdiag.options import RunOptions, probe_length
+
+    token_ids = None
+    if settings.text:
+        token_ids = tokenize(settings.model, settings.text, settings.revision, bool(settings.trust_remote_code))
+    options = RunOptions(seq_len=settings.seq_len, seed=settings.seed, permutations=settings.permutations,
+                         token_ids=token_ids, check_options=dict(settings.check_options))
+    probe_length(subject, options)  # validate the length against the declared context now, before any check
+    if token_ids is not None and any(t >= subject.vocab_size for t in token_ids):
+        raise PosdiagError("the tokenizer produced ids outside the model's vocabulary")
+    return options
+
+
+def tokenize(model: str, text: str, revision: str | None, trust_remote_code: bool) -> tuple[int, ...]:
+    """--text through MODEL's tokenizer (no special tokens); at least 4 ids."""
+    from posdiag.errors import PosdiagError
+
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model, revision=revision, trust_remote_code=trust_remote_code)
+    except Exception:
+        raise PosdiagError(f"--text needs a tokenizer, and none loads for '{model}' (drop --text to probe with random ids)") from None
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) < 4:
+        raise PosdiagError(f"--text gives {len(ids)} tokens; the probes need at least 4")
+    return tuple(int(i) for i in ids)
+
+
+def emit(report, settings: Settings) -> NoReturn:
+    """Render the report where the settings say; the exit code is the report's."""
+    from posdiag.report.console import render
+    from posdiag.report.github import format_github
+    from posdiag.report.json_report import format_json
+    from posdiag.report.junit import format_junit
+
+    fmt = settings.format or ("github" if os.environ.get("GITHUB_ACTIONS") == "true" else "console")
+    if fmt not in ("console", "github"):
+        fail(f"--format {fmt}: use console or github")
+    render(report, console_for(settings.json), quiet=settings.quiet)
+    if fmt == "github":
+        (sys.stderr if settings.json == "-" else sys.stdout).write(format_github(report))
+    writes = {settings.json: format_json(report), settings.junit: format_junit(report),
+              settings.save_baseline: format_json(report)}
+    for path, text in writes.items():
+        if path:
+            write_output(path, text, settings.debug)
+    raise typer.Exit(report.exit_code)

@@ -1,0 +1,57 @@
+"""How the command line ends and where its text goes: a PosdiagError (or any crash) is one line on
+stderr and exit 2, an interrupt is exit 130, and `-` as a path means stdout."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn, TypeVar
+
+import typer
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+T = TypeVar("T")
+
+
+def fail(message: str) -> NoReturn:
+    """A usage or load error: one line on stderr, exit 2."""
+    typer.echo(f"posdiag: error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def guarded(fn: Callable[[], T], debug: bool) -> T:
+    """Run fn; a PosdiagError (or any load-time crash) becomes one line on stderr and exit 2."""
+    from posdiag.errors import PosdiagError
+
+    try:
+        return fn()
+    except PosdiagError as exc:
+        if debug:
+            raise
+        fail(str(exc))
+    except KeyboardInterrupt:
+        typer.echo("posdiag: interrupted", err=True)
+        raise typer.Exit(130)
+    except Exception as exc:
+        if debug:
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        fail(f"{type(exc).__name__}: {first[:300]} (rerun with --debug for the traceback)")
+
+
+def write_output(path: str, text: str, debug: bool) -> None:
+    """Write text to stdout when path is `-`, else to the file (a file that cannot be written is exit 2)."""
+    if path == "-":
+        sys.stdout.write(text)
+    else:
+        guarded(lambda: Path(path).write_text(text), debug)
+
+
+def console_for(json_path: str | None) -> Console:
+    """The console for the human-readable output: stderr when the JSON report goes to stdout."""
+    from rich.console import Console
+
+    return Console(stderr=True) if json_path == "-" else Console()

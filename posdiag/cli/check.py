@@ -1,0 +1,157 @@
+"""`posdiag shuffle` and `posdiag check`: resolve the settings (command line > config file >
+defaults), load MODEL, run the checks, compare with a baseline, emit the report."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Annotated, NoReturn
+
+import typer
+
+from posdiag.cli._flow import emit, load, run_options
+from posdiag.cli._io import fail, guarded
+from posdiag.cli.options import (
+    AttnOpt,
+    ConfigOpt,
+    DebugOpt,
+    Device,
+    DeviceMapOpt,
+    DeviceOpt,
+    DType,
+    DtypeOpt,
+    FormatOpt,
+    JsonOpt,
+    JunitOpt,
+    MaxBatchOpt,
+    MaxMemoryOpt,
+    OffloadOpt,
+    OptionalModelArg,
+    PermsOpt,
+    PickleOpt,
+    QuietOpt,
+    RevisionOpt,
+    SeedOpt,
+    SeqLenOpt,
+    Settings,
+    ShowConfigOpt,
+    TextOpt,
+    TrustOpt,
+    UpcastOpt,
+    resolve,
+)
+
+OnlyOpt = Annotated[str | None, typer.Option("--only", help="Comma-separated checks to run.")]
+SkipOpt = Annotated[str | None, typer.Option("--skip", help="Comma-separated checks to leave out.")]
+SaveBaselineOpt = Annotated[str | None, typer.Option("--save-baseline", help="Also write the JSON report to PATH as a baseline.")]
+BaselineOpt = Annotated[str | None, typer.Option("--baseline", help="Fail when a metric regresses against this stored report.")]
+MarginOpt = Annotated[float, typer.Option("--baseline-margin", min=1.0, help="Regression factor allowed against --baseline.")]
+
+
+def shuffle(
+    ctx: typer.Context,
+    model: OptionalModelArg = None,
+    revision: RevisionOpt = None, trust_remote_code: TrustOpt = False, dtype: DtypeOpt = DType.auto,
+    device: DeviceOpt = Device.auto, device_map: DeviceMapOpt = None, max_memory: MaxMemoryOpt = None,
+    offload_folder: OffloadOpt = None, attn_implementation: AttnOpt = "eager",
+    upcast: UpcastOpt = True, allow_pickle: PickleOpt = False, seq_len: SeqLenOpt = None, seed: SeedOpt = 0,
+    permutations: PermsOpt = 3, text: TextOpt = None, max_batch: MaxBatchOpt = None, json: JsonOpt = None,
+    junit: JunitOpt = None, format: FormatOpt = None, config: ConfigOpt = None, show_config: ShowConfigOpt = False,
+    quiet: QuietOpt = False, debug: DebugOpt = False,
+) -> None:
+    """Permutation test (the headline): do outputs merely permute when the tokens do?"""
+    given = Settings(
+        model=model, revision=revision, trust_remote_code=trust_remote_code, dtype=dtype.value, device=device.value,
+        device_map=device_map, max_memory=max_memory, offload_folder=offload_folder,
+        attn_implementation=attn_implementation, upcast=upcast, allow_pickle=allow_pickle, seq_len=seq_len, seed=seed,
+        permutations=permutations, text=text, max_batch=max_batch, json=json, junit=junit, format=format,
+        config=config, show_config=show_config, quiet=quiet, debug=debug,
+    )
+    run(ctx, given, fixed_checks=["shuffle"])
+
+
+def check(
+    ctx: typer.Context,
+    model: OptionalModelArg = None,
+    only: OnlyOpt = None, skip: SkipOpt = None,
+    revision: RevisionOpt = None, trust_remote_code: TrustOpt = False, dtype: DtypeOpt = DType.auto,
+    device: DeviceOpt = Device.auto, device_map: DeviceMapOpt = None, max_memory: MaxMemoryOpt = None,
+    offload_folder: OffloadOpt = None, attn_implementation: AttnOpt = "eager",
+    upcast: UpcastOpt = True, allow_pickle: PickleOpt = False, seq_len: SeqLenOpt = None, seed: SeedOpt = 0,
+    permutations: PermsOpt = 3, text: TextOpt = None, max_batch: MaxBatchOpt = None, json: JsonOpt = None,
+    junit: JunitOpt = None, format: FormatOpt = None, config: ConfigOpt = None, show_config: ShowConfigOpt = False,
+    save_baseline: SaveBaselineOpt = None, baseline: BaselineOpt = None, baseline_margin: MarginOpt = 10.0,
+    quiet: QuietOpt = False, debug: DebugOpt = False,
+) -> None:
+    """Every applicable check: the CI gate."""
+    given = Settings(
+        model=model, only=only, skip=skip, revision=revision, trust_remote_code=trust_remote_code,
+        dtype=dtype.value, device=device.value, device_map=device_map, max_memory=max_memory,
+        offload_folder=offload_folder, attn_implementation=attn_implementation, upcast=upcast,
+        allow_pickle=allow_pickle, seq_len=seq_len, seed=seed, permutations=permutations, text=text,
+        max_batch=max_batch, json=json, junit=junit, format=format, config=config, show_config=show_config,
+        save_baseline=save_baseline, baseline=baseline, baseline_margin=baseline_margin, quiet=quiet, debug=debug,
+    )
+    run(ctx, given)
+
+
+def run(ctx: typer.Context, given: Settings, fixed_checks: list[str] | None = None) -> NoReturn:
+    """Resolve the settings, then show them, or load MODEL, run the checks and emit the report."""
+    from rich.console import Console
+
+    debug = given.debug
+    settings = guarded(lambda: resolve(ctx, given), debug)
+    if settings.show_config:
+        _show_config(settings)
+        raise typer.Exit(0)
+    if not settings.model:
+        fail("no MODEL given (pass one, or set `model` in [tool.posdiag] / posdiag.toml)")
+
+    from posdiag.api import run_checks, select_checks
+
+    names = fixed_checks or guarded(lambda: select_checks(_split(settings.only), _split(settings.skip)), debug)
+    err = Console(stderr=True)
+    with err.status(f"loading {settings.model}…"):
+        subject = guarded(lambda: load(settings), debug)
+    try:
+        options = guarded(lambda: run_options(settings, subject), debug)
+        with err.status("running checks…") as status:
+            def progress(name: str) -> None:
+                status.update(f"running {name}…")
+            report = guarded(lambda: run_checks(subject, names, options, on_progress=progress), debug)
+    finally:
+        subject.close()  # the temporary offload folder of a --device-map run
+    if settings.baseline:
+        report = guarded(lambda: _with_baseline(report, settings.baseline, settings.baseline_margin), debug)
+    emit(report, settings)
+
+
+def _split(value) -> list[str] | None:
+    if value is None or isinstance(value, list):
+        return value
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def _with_baseline(report, path: str, margin: float):
+    from posdiag.baseline import compare, read_baseline
+
+    return replace(report, checks=report.checks + (compare(report, read_baseline(path), margin),))
+
+
+def _show_config(settings: Settings) -> None:
+    """The effective settings of this command, where each came from, and the per-check tables."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"effective configuration (file: {settings.config_file or 'none'})", title_justify="left")
+    table.add_column("setting")
+    table.add_column("value")
+    table.add_column("from")
+    hidden = {"debug", "quiet", "show_config", "config"}
+    for key, source in settings.sources.items():
+        if key not in hidden:
+            table.add_row(key.replace("_", "-"), repr(getattr(settings, key)), source)
+    for name, opts in settings.check_options.items():
+        for key, value in opts.items():
+            table.add_row(f"checks.{name}.{key}", repr(value), "config file")
+    Console().print(table)
+

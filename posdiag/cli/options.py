@@ -1,0 +1,143 @@
+"""What the command line accepts: the choices, the option types every command shares, and `Settings`,
+the one typed object a run reads (command line > config file > defaults), with the one builder of
+`LoadOptions` from it. No heavy imports here: `posdiag --help` reads this module."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+if TYPE_CHECKING:
+    from posdiag.options import LoadOptions
+
+
+class DType(str, enum.Enum):
+    auto = "auto"
+    float32 = "float32"
+    float64 = "float64"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class Device(str, enum.Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+    mps = "mps"
+
+
+ModelArg = Annotated[str, typer.Argument(help="Hub id, local checkpoint directory, or module.path:factory.", show_default=False)]
+OptionalModelArg = Annotated[str | None, typer.Argument(
+    help="Hub id, local checkpoint directory, or module.path:factory (default: `model` in the config file).",
+    show_default=False)]
+RevisionOpt = Annotated[str | None, typer.Option("--revision", help="Hub revision (branch, tag or commit).")]
+TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow the checkpoint's own Python code to run.")]
+DtypeOpt = Annotated[DType, typer.Option("--dtype", help="Load dtype (auto = the checkpoint's).")]
+DeviceOpt = Annotated[Device, typer.Option("--device", help="Where to run.")]
+DeviceMapOpt = Annotated[str | None, typer.Option("--device-map", help="accelerate device map (e.g. auto) for models larger than one device.")]
+MaxMemoryOpt = Annotated[str | None, typer.Option(
+    "--max-memory", help="With --device-map: memory per device, e.g. 0=70GiB,1=70GiB,cpu=200GiB; the rest goes to disk.")]
+OffloadOpt = Annotated[str | None, typer.Option(
+    "--offload-folder", help="With --device-map: where disk-offloaded weights go (default: a temporary folder, removed "
+                             "after the run); never inside the checkpoint.")]
+AttnOpt = Annotated[str, typer.Option("--attn-implementation", help="Attention implementation for the checks (eager honours custom masks).")]
+UpcastOpt = Annotated[bool, typer.Option("--upcast/--no-upcast", help="Run equivariance checks in float32 when the model is half precision.")]
+PickleOpt = Annotated[bool, typer.Option("--allow-pickle", help="Allow loading pickle (.bin) weights, which can execute code.")]
+SeqLenOpt = Annotated[int | None, typer.Option("--seq-len", min=1, help="Probe length in tokens (default min(64, declared context)).")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Seed for probe tokens and permutations.")]
+PermsOpt = Annotated[int, typer.Option("--permutations", min=1, max=64, help="Random permutations per equivariance test.")]
+TextOpt = Annotated[str | None, typer.Option("--text", help="Probe with this text through the model's tokenizer instead of random ids.")]
+MaxBatchOpt = Annotated[int | None, typer.Option("--max-batch", min=1, help="At most this many sequences per forward pass.")]
+JsonOpt = Annotated[str | None, typer.Option("--json", help="Write the JSON report to PATH ('-' for stdout).")]
+JunitOpt = Annotated[str | None, typer.Option("--junit", help="Write a JUnit XML report to PATH.")]
+FormatOpt = Annotated[str | None, typer.Option("--format", help="console or github (::error annotations; default in GitHub Actions).")]
+ConfigOpt = Annotated[Path | None, typer.Option("--config", help="Config file (default: posdiag.toml or [tool.posdiag] in pyproject.toml).")]
+ShowConfigOpt = Annotated[bool, typer.Option("--show-config", help="Print the effective configuration and exit.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="One line per check.")]
+DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What one run was asked to do. Commands build it from their arguments; `resolve` lays a config
+    file under the command line. Defaults are the command line's defaults."""
+
+    model: str | None = None  # hub id, checkpoint directory or module.path:factory
+    only: str | list[str] | None = None  # checks to run: comma-separated when typed, a list from a config file
+    skip: str | list[str] | None = None  # checks to leave out, likewise
+    # loading (load_options turns these into posdiag.options.LoadOptions, one to one)
+    revision: str | None = None
+    trust_remote_code: bool = False  # never execute checkpoint code unless asked
+    dtype: str = "auto"  # a DType value; auto = the checkpoint's
+    device: str = "auto"  # a Device value
+    device_map: str | None = None
+    max_memory: str | None = None
+    offload_folder: str | None = None
+    attn_implementation: str = "eager"  # custom masks need eager
+    upcast: bool = True
+    allow_pickle: bool = False
+    max_batch: int | None = None
+    # probing (run_options turns these into posdiag.options.RunOptions)
+    seq_len: int | None = None
+    seed: int = 0
+    permutations: int = 3
+    text: str | None = None
+    check_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # per check: the config file's [checks.NAME]
+    # output
+    json: str | None = None  # JSON report path, '-' for stdout
+    junit: str | None = None
+    format: str | None = None  # console | github; None = github inside GitHub Actions
+    save_baseline: str | None = None
+    baseline: str | None = None
+    baseline_margin: float = 10.0
+    quiet: bool = False
+    debug: bool = False
+    # the configuration itself
+    config: Path | None = None  # --config as typed
+    show_config: bool = False
+    config_file: str | None = None  # the file read (typed or found), None when there is none
+    sources: dict[str, str] = field(default_factory=dict)  # the command's settings, in its order -> where each came from
+
+
+_NAMES = frozenset(f.name for f in fields(Settings))
+
+
+def resolve(ctx: typer.Context, given: Settings) -> Settings:
+    """Command line > config file > defaults, for the settings the command takes (and --only/--skip,
+    which a config file may set for any command). Raises PosdiagError for a bad config file."""
+    from posdiag.config import find_config, merge, read_config
+    from posdiag.errors import PosdiagError
+
+    def typed_by_user(name: str) -> bool:  # compare by name: typer may ship its own click
+        return getattr(ctx.get_parameter_source(name), "name", "") in ("COMMANDLINE", "ENVIRONMENT")
+
+    names = [p.name for p in ctx.command.params if p.name in _NAMES]
+    names += [n for n in ("only", "skip") if n not in names]
+    values = {name: getattr(given, name) for name in names}
+    typed = {name: value for name, value in values.items() if typed_by_user(name)}
+    path = given.config or find_config()
+    file_values, check_options = read_config(Path(path)) if path else ({}, {})
+    if given.config and not Path(given.config).is_file():
+        raise FileNotFoundError(given.config)
+    effective, source = merge(values, {k: v for k, v in file_values.items() if k in values}, typed)
+    for key, choices in (("dtype", DType), ("device", Device)):
+        allowed = [m.value for m in choices]
+        if effective[key] not in allowed:
+            raise PosdiagError(f"{key} '{effective[key]}' from the config file is not one of {', '.join(allowed)}")
+    return replace(given, **effective, check_options=check_options, config_file=str(path) if path else None, sources=source)
+
+
+def load_options(settings: Settings) -> LoadOptions:
+    """The one place the CLI turns settings into posdiag.options.LoadOptions."""
+    from posdiag.options import LoadOptions
+
+    return LoadOptions(
+        revision=settings.revision, trust_remote_code=bool(settings.trust_remote_code), dtype=settings.dtype,
+        device=settings.device, device_map=settings.device_map, max_memory=settings.max_memory,
+        offload_folder=settings.offload_folder, attn_implementation=settings.attn_implementation,
+        upcast=settings.upcast, allow_pickle=bool(settings.allow_pickle), max_batch=settings.max_batch,
+    )
