@@ -6,7 +6,7 @@ Each side runs in its own fresh process, so wall time includes Python + torch + 
 imports for both, and peak memory is each process's max RSS (plus CUDA peak when on GPU); per
 check, RSS is sampled every 2 ms while it runs (the model's own memory included) and the CUDA
 peak statistics are reset before it.
-Prints a markdown table (paste it into the README's performance section) and --json writes
+Prints a markdown table (paste it into docs/performance.md) and --json writes
 the raw numbers. Not a test: timings depend on the machine.
 """
 

@@ -1,7 +1,7 @@
-"""Generate the README's support matrix: every check on every family's tiny model.
+"""Generate the support matrix of docs/support.md: every check on every family's tiny model.
 
     python benchmarks/support_matrix.py            # print the table
-    python benchmarks/support_matrix.py --write    # also replace it in README.md
+    python benchmarks/support_matrix.py --write    # also replace it in docs/support.md
 
 Rows are the families of posdiag.testing.zoo at transformers' default init; each cell is the check's
 status on the healthy model. The last column is the shuffle verdict once positions are removed
@@ -47,11 +47,11 @@ def main() -> None:
         print(lines[-1], flush=True)
     table = "\n".join(lines)
     if args.write:
-        readme = Path(__file__).resolve().parent.parent / "README.md"
-        text = readme.read_text()
+        page = Path(__file__).resolve().parent.parent / "docs" / "support.md"
+        text = page.read_text()
         text = re.sub(r"<!-- matrix:start -->.*?<!-- matrix:end -->",
                       f"<!-- matrix:start -->\n{table}\n<!-- matrix:end -->", text, flags=re.S)
-        readme.write_text(text)
+        page.write_text(text)
 
 
 if __name__ == "__main__":

@@ -172,7 +172,7 @@ def bf16_positions(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def demo_bf16_positions() -> torch.nn.Module:
-    """For the README: `posdiag check tests.plants_shift:demo_bf16_positions --only shift`."""
+    """For docs/checks.md (shift): `posdiag check tests.plants_shift:demo_bf16_positions --only shift`."""
     from posdiag.testing import zoo
 
     return bf16_positions(zoo.tiny_model("llama", max_position_embeddings=4096))

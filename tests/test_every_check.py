@@ -1,6 +1,6 @@
 """Every check at default settings on the families with the most quirks: a crash is a bug.
 
-The support matrix in the README comes from the same runs on every family
+The support matrix in docs/support.md comes from the same runs on every family
 (benchmarks/support_matrix.py); these are the rows most likely to break.
 """
 
@@ -24,5 +24,5 @@ def test_no_check_errors_at_default_settings(family):
             assert c.summary, f"{c.name} skipped without a reason"
     failing = {c.name for c in report.checks if c.status is Status.FAIL}
     # The one expected FAIL on a healthy tiny model is a real transformers 5.24 bug: Falcon-alibi's
-    # eager path adds ALiBi twice, so eager and SDPA disagree (see README, kernels).
+    # eager path adds ALiBi twice, so eager and SDPA disagree (see docs/support.md, findings).
     assert failing == ({"kernels"} if family == "falcon_alibi" else set()), failing

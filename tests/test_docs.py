@@ -1,0 +1,265 @@
+"""The docs stay real: every `posdiag` command shown in README.md and docs/*.md runs, with the exit code the
+page shows.
+
+What counts as a command: in a fenced block tagged bash, sh, shell or console (or untagged), a line
+`posdiag ...` or `$ posdiag ...`, also after `pip install ... &&`. In a console block, the lines after a
+`$ posdiag` line up to the next `$` line are its shown output; the expected exit code is the one the output
+prints ("exit code N"), else 1 when it shows a FAIL verdict, else 0. Every verdict the page shows
+(`FAIL load:` or `load   FAIL ...`) must be in the real output too. Each block runs in a fresh temporary
+directory holding `fixtures/` and `tests/` (links to the repository's), and, when the page shows a
+`[tool.posdiag]` toml example, that example as `pyproject.toml`: a page's config example is the config of
+its commands. Files a command names with --json/--junit/--save-baseline must exist afterwards.
+
+A block right after `<!-- not run: needs the hub -->` names hub models that cannot be fetched offline: each of
+its commands runs with HF_HUB_OFFLINE=1 and must get as far as fetching the model (exit 2 with the hub
+error), which proves that the command, its options and their values are accepted.
+
+Blocks that run every check on a model (a `posdiag check` without --only) are marked `slow`; they still run
+by default (`-m "not slow"` leaves them out for a quick pass). docs/DEVELOPING.md is for developers and is not
+scanned.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from posdiag.cli import app
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md"] + sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "DEVELOPING.md")
+SHELL = {"", "bash", "sh", "shell", "console"}
+NOT_RUN = "<!-- not run: needs the hub -->"
+STATUSES = "PASS|FAIL|WARN|SKIP|ERROR"
+QUIET_LINE = re.compile(rf"^({STATUSES}) ([a-z_]+):")
+TABLE_LINE = re.compile(rf"^([a-z_]+)\s+({STATUSES})\s")
+WRITES = ("--json", "--junit", "--save-baseline")
+
+
+@dataclass
+class Command:
+    line: str
+    argv: list[str]
+    output: list[str] = field(default_factory=list)
+
+    @property
+    def expected(self) -> int:
+        shown = re.findall(r"exit code (\d+)", "\n".join(self.output))
+        if shown:
+            return int(shown[-1])
+        return 1 if any(status == "FAIL" for _, status in verdicts(self.output)) else 0
+
+
+@dataclass
+class Block:
+    page: Path
+    line: int
+    lang: str
+    hub: bool
+    commands: list[Command]
+
+    @property
+    def id(self) -> str:
+        return f"{self.page.relative_to(ROOT)}:{self.line}"
+
+
+def verdicts(lines) -> set[tuple[str, str]]:
+    """(check, status) pairs in report lines, -q form or table form."""
+    found = set()
+    for line in lines:
+        if m := QUIET_LINE.match(line):
+            found.add((m.group(2), m.group(1)))
+        elif m := TABLE_LINE.match(line):
+            found.add((m.group(1), m.group(2)))
+    return found
+
+
+def fences(page: Path):
+    """(line number, language, body lines, text just before the fence) for every fenced block."""
+    lines = page.read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        m = re.match(r"^(\s*)```(\S*)\s*$", lines[i])
+        if not m:
+            i += 1
+            continue
+        indent, lang, start = m.group(1), m.group(2).lower(), i
+        before = next((l.strip() for l in reversed(lines[:i]) if l.strip()), "")
+        i += 1
+        body = []
+        while i < len(lines) and lines[i].strip() != "```":
+            body.append(lines[i][len(indent):] if lines[i].startswith(indent) else lines[i])
+            i += 1
+        yield start + 1, lang, body, before
+        i += 1
+
+
+def posdiag_parts(text: str) -> list[str]:
+    """The posdiag commands of one shell line (`pip install -e . && posdiag ...` gives the posdiag part)."""
+    return [part.strip() for part in text.split("&&") if part.strip().startswith("posdiag ")
+            or part.strip() == "posdiag"]
+
+
+def blocks(page: Path) -> list[Block]:
+    found = []
+    for line, lang, body, before in fences(page):
+        if lang not in SHELL:
+            continue
+        if lang == "" and any(l.strip().startswith("$ ") for l in body):
+            lang = "console"
+        commands: list[Command] = []
+        current = None
+        for text in body:
+            stripped = text.strip()
+            prompt = stripped.startswith("$ ")
+            if prompt or lang != "console":
+                shell = stripped[2:] if prompt else stripped
+                current = None
+                for part in posdiag_parts(shell):
+                    current = Command(part, shlex.split(part, comments=True))
+                    commands.append(current)
+            elif current is not None:
+                current.output.append(text.rstrip())
+        if commands:
+            found.append(Block(page, line, lang, before == NOT_RUN, commands))
+    return found
+
+
+def config_example(page: Path) -> str | None:
+    """The page's `[tool.posdiag]` toml example, if it shows one."""
+    for _, lang, body, _ in fences(page):
+        if lang == "toml" and any(l.strip() == "[tool.posdiag]" for l in body):
+            return "\n".join(body) + "\n"
+    return None
+
+
+BLOCKS = [b for page in PAGES for b in blocks(page)]
+runner = CliRunner()
+
+
+def workdir(tmp_path: Path, monkeypatch, config: str | None) -> Path:
+    for name in ("fixtures", "tests"):
+        (tmp_path / name).symlink_to(ROOT / name, target_is_directory=True)
+    if config:
+        (tmp_path / "pyproject.toml").write_text(config)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@dataclass
+class Result:
+    exit_code: int
+    output: str
+
+
+_SEEN: dict[tuple, Result] = {}
+
+
+def run(command: Command, config: str | None = None) -> Result:
+    """Run through the CLI in this process. A command shown on several pages, which neither reads nor
+    writes files of the working directory, runs once per process."""
+    assert command.argv[0] == "posdiag", command.line
+    key = (tuple(command.argv), config)
+    if key in _SEEN:
+        return _SEEN[key]
+    result = runner.invoke(app, command.argv[1:])
+    outcome = Result(result.exit_code, result.output)
+    if not any(a in command.argv for a in WRITES + ("--baseline",)):
+        _SEEN[key] = outcome
+    return outcome
+
+
+def written_files(argv: list[str]) -> list[str]:
+    return [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in WRITES and argv[i + 1] != "-"]
+
+
+def runs_every_check(block: Block) -> bool:
+    return any(c.argv[1] == "check" and "--only" not in c.argv for c in block.commands)
+
+
+@pytest.mark.parametrize("block", [pytest.param(b, id=b.id, marks=[pytest.mark.slow] if runs_every_check(b) else [])
+                                   for b in BLOCKS if not b.hub])
+def test_doc_commands_run(block, tmp_path, monkeypatch):
+    config = config_example(block.page)
+    where = workdir(tmp_path, monkeypatch, config)
+    for command in block.commands:
+        result = run(command, config)
+        assert result.exit_code == command.expected, (
+            f"{block.id}: `{command.line}` exited {result.exit_code}, the doc shows {command.expected}\n"
+            f"{result.output}")
+        missing = verdicts(command.output) - verdicts(result.output.splitlines())
+        assert not missing, f"{block.id}: `{command.line}` no longer gives {sorted(missing)}\n{result.output}"
+        for name in written_files(command.argv):
+            assert (where / name).is_file(), f"{block.id}: `{command.line}` did not write {name}"
+
+
+@pytest.mark.parametrize("block", [b for b in BLOCKS if b.hub], ids=lambda b: b.id)
+def test_hub_examples_parse(block, tmp_path, monkeypatch):
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    workdir(tmp_path, monkeypatch, None)
+    for command in block.commands:
+        model = next(a for a in command.argv[2:] if not a.startswith("-"))
+        assert "/" in model and not Path(model).exists(), f"{block.id}: {model} is not a hub id"
+        if isinstance(huggingface_hub.try_to_load_from_cache(model, "config.json"), str):
+            pytest.skip(f"{model} is in the local hub cache: the example would really load it")
+        result = run(command)
+        assert result.exit_code == 2 and model in result.output and "hub" in result.output, (
+            f"{block.id}: `{command.line}` should stop at fetching {model}, got exit {result.exit_code}\n"
+            f"{result.output}")
+
+
+def test_every_page_is_scanned():
+    counted = {b.page.name for b in BLOCKS}
+    assert {"README.md", "checks.md", "ci.md", "devices.md"} <= counted
+    assert sum(len(b.commands) for b in BLOCKS if not b.hub) >= 15
+
+
+def test_quick_start_is_the_two_commands():
+    readme = (ROOT / "README.md").read_text()
+    assert "```bash\npip install -e . && posdiag shuffle fixtures/llama-tiny\n```" in readme
+    assert '```bash\npip install -e ".[dev]" && python -m pytest -n 2 -q\n```' in readme
+    assert "python -m pytest -n 2 -q" in (ROOT / ".ci" / "run").read_text()
+
+
+def slug(heading: str) -> str:
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_relative_links_resolve(page):
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"^[a-z]+:", target):
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        assert dest.exists(), f"{page.name}: link to missing {target}"
+        if anchor and dest.suffix == ".md":
+            headings = re.findall(r"^#+ (.+)$", dest.read_text(), flags=re.M)
+            assert anchor in {slug(h) for h in headings}, f"{page.name}: no heading for #{anchor} in {dest.name}"
+
+
+def test_ci_examples_run(tmp_path, monkeypatch):
+    """examples/github-workflow.yml and .pre-commit-hooks.yaml, with MODEL from [tool.posdiag] as they say."""
+    workdir(tmp_path, monkeypatch, '[tool.posdiag]\nmodel = "fixtures/llama-tiny"\nonly = ["shuffle"]\n')
+    workflow = (ROOT / "examples" / "github-workflow.yml").read_text()
+    lines = re.findall(r"^\s*run: (posdiag .*)$", workflow, flags=re.M)
+    hooks = re.findall(r"^\s*entry: (posdiag .*)$", (ROOT / ".pre-commit-hooks.yaml").read_text(), flags=re.M)
+    assert lines and hooks
+    # the baseline the workflow reads is saved once and committed, as docs/ci.md says
+    assert "--save-baseline" in (ROOT / "docs" / "ci.md").read_text()
+    assert run(Command("", ["posdiag", "check", "--save-baseline", "posdiag-baseline.json"])).exit_code == 0
+    for line in lines + hooks:
+        argv = shlex.split(line)
+        result = run(Command(line, argv))
+        assert result.exit_code == 0, f"`{line}` exited {result.exit_code}\n{result.output}"
+        for name in written_files(argv):
+            assert (tmp_path / name).is_file()
+    uploaded = re.search(r"path: (\S+)", workflow).group(1)
+    assert (tmp_path / uploaded).is_file(), f"the workflow uploads {uploaded}, which the gate did not write"
