@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import torch
 
@@ -231,12 +231,27 @@ def arbitrate(subject: Subject, measure: Callable[[], T], measured_floor: float,
                             for name, v in pending.items()}, details=details)
     floor64, errors64 = figures(finer.value)
     finer_name = dtype_name(finer.dtype)
+    # A finer run that is non-finite where the run dtype was finite did not compute the same thing (fully masked
+    # rows in float64): it cannot decide, and the run-dtype verdict stands.
+    unfaithful = sorted(n for n, v in pending.items() if errors64.get(n, 0.0) != errors64.get(n, 0.0)
+                        and v.residual == v.residual)
     decided = {name: judge_arbitrated(v.residual, measured_floor, dtype, errors64[name], floor64, finer_name)
-               for name, v in pending.items() if name in errors64}
+               for name, v in pending.items() if name in errors64 and name not in unfaithful}
     worst = max(decided, key=lambda n: errors64[n]) if decided else None
     metrics = {} if worst is None else {f"error_{finer_name}": errors64[worst],
                                         f"noise_floor_{finer_name}": noise_floor(floor64, finer_name)}
     details = {"arbitration": {"ran": True, "dtype": finer_name, "how": finer.how, "floor": floor64,
                                "errors": {name: errors64[name] for name in decided},
-                               "decided": {name: v.reason for name, v in decided.items()}}}
+                               "decided": {name: v.reason for name, v in decided.items()},
+                               **({"non_finite_in_finer_run": unfaithful} if unfaithful else {})}}
     return Arbitration(decided, metrics, details)
+
+
+def worst_error(errors: Iterable[float]) -> float:
+    """The largest error, NaN if any is NaN (max() would skip it depending on order), 0.0 for none."""
+    worst = 0.0
+    for e in errors:
+        if e != e:
+            return float("nan")
+        worst = max(worst, e)
+    return worst

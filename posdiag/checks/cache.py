@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from posdiag.checks._shared import arbitrate, cache_layer_note, cache_support, new_cache, output_of
+from posdiag.checks._shared import arbitrate, cache_layer_note, cache_support, new_cache, output_of, worst_error
 from posdiag.errors import describe_error
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import relative_l2
@@ -56,7 +56,7 @@ class PathResult:
 
     @property
     def max_error(self) -> float:
-        return max(self.errors) if self.errors else 0.0
+        return worst_error(self.errors)
 
 
 @dataclass

@@ -8,14 +8,16 @@ sequence s = prompt ‖ g, step k's logits must equal f(s)[len(prompt) − 1 + k
 last logit of model(prompt)). We generate greedily (a) the full prompt alone and (b) a
 padded batch of prompts of different lengths (left-padded for decoder-only models, the
 encoder input right-padded for encoder-decoders, each one's convention), with the default
-cache and with a static cache where the model declares support, and compare each row
+cache and with a static cache (transformers runs one on any model that uses Cache objects, whatever
+the class declares: judged on every one, a crash being a FAIL that names it), and compare each row
 against the forward of that row *alone* (no padding). Error per step = ||gen − fwd|| / ||fwd||;
 noise floor from the same run: cache-free forwards of short prompt prefixes (decoder-only) or
 of the padded encoder batch (encoder-decoders) against the teacher-forced forward at the
 same positions, max per position. A token
 mismatch is a failure only when the forward's top-2 candidates are not within noise (tiny
 random models have near-ties); after the first mismatch a row is no longer compared.
-Verdict: posdiag.verdict.judge_agreement(max step error, floor, dtype).
+Verdict: posdiag.verdict.judge_agreement(max step error, floor, dtype); a run above its tolerance
+is generated again in float64 with its reference and decided there (checks/_shared.arbitrate).
 """
 
 from __future__ import annotations
@@ -25,19 +27,13 @@ from typing import Any
 
 import torch
 
-from posdiag.checks._shared import (
-    cache_layer_note,
-    cache_support,
-    new_cache,
-    output_of,
-    static_support,
-)
+from posdiag.checks._shared import arbitrate, cache_layer_note, cache_support, new_cache, output_of, worst_error
 from posdiag.errors import describe_error
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import relative_l2
 from posdiag.options import RunOptions, probe_length
 from posdiag.results import CheckResult, Status, Table
-from posdiag.verdict import FAIL_RATIO, judge_agreement, noise_floor
+from posdiag.verdict import FAIL_RATIO, FloorVerdict, judge_agreement, noise_floor
 
 TITLE = "generate() vs forward pass"
 
@@ -57,7 +53,7 @@ class Run:
     errors: dict[int, list[float]] = field(default_factory=dict)  # row -> per-step errors (compared steps)
     notes: list[str] = field(default_factory=list)
     token_failure: tuple[int, int, float, float] | None = None  # (row, step, gap, tie tolerance)
-    skipped: str = ""
+    crashed: str = ""  # the exception a generate() call transformers accepts raised
 
     @property
     def name(self) -> str:
@@ -65,7 +61,8 @@ class Run:
 
     @property
     def max_error(self) -> float:
-        return max((max(e) for e in self.errors.values() if e), default=0.0)
+        """The largest step error; NaN when any step was non-finite (a NaN never hides behind max())."""
+        return worst_error(e for errs in self.errors.values() for e in errs)
 
 
 def _support(subject: Subject) -> tuple[bool, str]:
@@ -106,149 +103,181 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     ok, why = _support(subject)
     if not ok:
         return CheckResult("generate", Status.SKIP, why)
-    settings = options.for_check("generate")
-    new_tokens = int(settings.get("new_tokens", NEW_TOKENS))
+    new_tokens = int(options.for_check("generate").get("new_tokens", NEW_TOKENS))
     length = probe_length(subject, options)
-    window = subject.sliding_window
-    declared = subject.max_positions
+    window, declared = subject.sliding_window, subject.max_positions
     if window and length + new_tokens <= window + 2:  # run past the window
         length = window + 4
     if declared is not None and length + new_tokens > declared:
         length = max(4, declared - new_tokens)
-    model = subject.model
-    seq2seq = subject.kind == "seq2seq"
-    dtype = subject.dtype_name
-    pad, pad_note = _pad_id(subject)
-    cache_note = cache_layer_note(subject)
-
     lens = [length, max(2, length - max(1, length // 4)), max(2, length - max(2, length // 2))][:ROWS]
     prompts = subject.sample_ids(len(lens), length, options.seed)
     if options.token_ids is not None:
         prompts = torch.tensor(options.token_ids, device=subject.device)[None].expand(len(lens), -1).clone()
     prompts = [prompts[r, :n] for r, n in enumerate(lens)]
-    batch = torch.full((len(lens), length), pad, dtype=torch.long, device=subject.device)
+    dtype = subject.dtype_name
+
+    def measure() -> Measurement:
+        return _measure(subject, prompts, new_tokens)
+
+    first = measure()
+    verdicts = {r.name: (FloorVerdict(Status.FAIL, r.max_error, noise_floor(first.floor, dtype), float("inf"),
+                                      "a token differs beyond a near-tie") if r.token_failure else
+                         judge_agreement(r.max_error, first.floor, dtype)) for r in first.done}
+    arbitration = arbitrate(subject, measure, first.floor, verdicts, dtype,
+                            lambda m: (m.floor, {r.name: r.max_error for r in m.done}))
+    verdicts.update(arbitration.verdicts)
+    return _report(subject, first, verdicts, arbitration, lens, new_tokens)
+
+
+@dataclass
+class Measurement:
+    """Every generate() run judged against the teacher-forced forward (run dtype, or float64 to arbitrate)."""
+
+    runs: list[Run]
+    floor: float
+    first_step_error: float
+    pad_note: str
+    cache_note: str
+
+    @property
+    def done(self) -> list[Run]:
+        return [r for r in self.runs if not r.crashed]
+
+
+def _measure(subject: Subject, prompts: list[torch.Tensor], new_tokens: int) -> Measurement:
+    model, seq2seq, length = subject.model, subject.kind == "seq2seq", len(prompts[0])
+    pad, pad_note = _pad_id(subject)
+    cache_note = cache_layer_note(subject)
+    batch = torch.full((len(prompts), length), pad, dtype=torch.long, device=subject.device)
     mask = torch.zeros_like(batch)
     for r, p in enumerate(prompts):
         if seq2seq:  # encoder inputs are right-padded by convention
             batch[r, :len(p)], mask[r, :len(p)] = p, 1
         else:  # decoder-only generation needs left padding
             batch[r, length - len(p):], mask[r, length - len(p):] = p, 1
-
     gen_kwargs = dict(do_sample=False, num_beams=1, max_new_tokens=new_tokens, output_logits=True,
                       return_dict_in_generate=True, pad_token_id=pad, eos_token_id=None, forced_eos_token_id=None,
                       forced_bos_token_id=None)
-
     decoder_start: list[int] = []  # what generate() put before the first decoder step (seq2seq)
 
     def generate(ids: torch.Tensor, attn: torch.Tensor, impl: str | None) -> tuple[torch.Tensor, torch.Tensor]:
         extra: dict[str, Any] = {"cache_implementation": impl}
         if cache_note:  # generate() would size its cache from the wrong layer count: hand it ours
-            kind = impl or "dynamic"
-            extra = {"cache": new_cache(subject, kind, max_len=ids.shape[1] + new_tokens + 1, encoder_len=ids.shape[1])}
+            extra = {"cache": new_cache(subject, impl or "dynamic", max_len=ids.shape[1] + new_tokens + 1,
+                                        encoder_len=ids.shape[1])}
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=attn, **extra, **gen_kwargs)
         subject.forward_count += len(out.logits)
-        logits = torch.stack(out.logits, 1).float()
+        logits = torch.stack(out.logits, 1)
         if seq2seq:
             decoder_start.append(int(out.sequences[0, 0]))
         return logits, out.sequences[:, -logits.shape[1]:]
 
-    static_ok, static_why = static_support(subject)
     runs: list[Run] = []
-    for kind in ("dynamic", "static"):
-        impl = None if kind == "dynamic" else "static"
+    for kind in ("dynamic", "static"):  # transformers runs a static cache on any model that uses Cache objects
         for variant, ids, attn, rows in (("single", prompts[0][None], torch.ones_like(prompts[0])[None], [0]),
-                                         ("batch", batch, mask, list(range(len(lens))))):
+                                         ("batch", batch, mask, list(range(len(prompts))))):
             run_ = Run(kind, variant, rows)
             runs.append(run_)
-            if kind == "static" and not static_ok:
-                run_.skipped = static_why
-                continue
             try:
-                run_.logits, run_.tokens = generate(ids, attn, impl)
-            except Exception as exc:
-                if kind == "dynamic":
-                    raise
-                static_ok, static_why = False, f"static cache not runnable: {describe_error(exc)}"
-                run_.skipped = static_why
-
-    done = [r for r in runs if not r.skipped]
+                run_.logits, run_.tokens = generate(ids, attn, None if kind == "dynamic" else "static")
+            except Exception as exc:  # a path transformers accepts that crashes: users hit it
+                run_.crashed = describe_error(exc)
+    done = [r for r in runs if not r.crashed]
+    if not done:
+        return Measurement(runs, 0.0, 0.0, pad_note, cache_note)
     # Teacher-forced forward of every generated row *alone* (unpadded prompt + its tokens), with the
     # decoder start generate() used (the config may not say: T5Gemma keeps it in generation_config).
     start_id = decoder_start[0] if decoder_start else None
     refs, prompt_logits, floor_measured = _reference(subject, prompts, done, pad, seq2seq, start_id)
-    floor = noise_floor(floor_measured, dtype)
-    tolerance = FAIL_RATIO * floor
-
+    tolerance = FAIL_RATIO * noise_floor(floor_measured, subject.dtype_name)
     first_step_error = 0.0
     for run_ in done:
         for i, row in enumerate(run_.rows):
-            ref = refs[(run_.name, i)]
             start = 0 if seq2seq else len(prompts[row]) - 1
-            errs: list[float] = []
             first_step_error = max(first_step_error, relative_l2(run_.logits[i, 0], prompt_logits[row][start]))
-            for k in range(run_.logits.shape[1]):
-                want, got = ref[start + k], run_.logits[i, k]
-                errs.append(relative_l2(got, want))
-                token = int(run_.tokens[i, k])
-                if token != int(got.argmax()):
-                    run_.notes.append(f"row {row} step {k}: a logits processor chose the token; stopped comparing")
-                    break
-                if token != int(want.argmax()):
-                    top2 = want.topk(2).values
-                    gap = float(top2[0] - top2[1])
-                    tie = 2 * tolerance * float(want.double().norm())
-                    if gap > tie and run_.token_failure is None:
-                        run_.token_failure = (row, k, gap, tie)
-                    else:
-                        run_.notes.append(f"row {row} step {k}: near-tie token mismatch (gap {gap:.2e} <= {tie:.2e}); "
-                                          "stopped comparing the row")
-                    break
-            run_.errors[row] = errs
+            run_.errors[row] = _compare_row(run_, i, row, refs[(run_.name, i)], start, tolerance)
+    return Measurement(runs, floor_measured, first_step_error, pad_note, cache_note)
 
-    if not done:
-        return CheckResult("generate", Status.SKIP, "no generation could be run")
-    verdicts = {r.name: judge_agreement(r.max_error, floor_measured, dtype) for r in done}
-    status_of = {r.name: (Status.FAIL if r.token_failure else verdicts[r.name].status) for r in done}
-    failing = [r for r in done if status_of[r.name] is Status.FAIL]
+
+def _compare_row(run_: Run, i: int, row: int, ref: torch.Tensor, start: int, tolerance: float) -> list[float]:
+    """Per-step errors of one generated row against its teacher-forced logits, up to the first token that differs
+    (later steps see other prefixes); a mismatch beyond a near-tie of the forward's top two is a token failure."""
+    errs: list[float] = []
+    for k in range(run_.logits.shape[1]):
+        want, got = ref[start + k], run_.logits[i, k]
+        errs.append(relative_l2(got, want))
+        token = int(run_.tokens[i, k])
+        if token != int(got.argmax()):
+            run_.notes.append(f"row {row} step {k}: a logits processor chose the token; stopped comparing")
+            break
+        if token != int(want.argmax()):
+            top2 = want.topk(2).values
+            gap = float(top2[0] - top2[1])
+            tie = 2 * tolerance * float(want.double().norm())
+            if gap <= tie:
+                run_.notes.append(f"row {row} step {k}: near-tie token mismatch (gap {gap:.2e} <= {tie:.2e}); "
+                                  "stopped comparing the row")
+            elif run_.token_failure is None:
+                run_.token_failure = (row, k, gap, tie)
+            else:
+                run_.notes.append(f"row {row} step {k}: token differs too (gap {gap:.2e} > {tie:.2e})")
+            break
+    return errs
+
+
+def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict], arbitration: Any,
+            lens: list[int], new_tokens: int) -> CheckResult:
+    seq2seq, dtype = subject.kind == "seq2seq", subject.dtype_name
+    floor = noise_floor(m.floor, dtype)
+    tolerance = FAIL_RATIO * floor
+    done, crashed = m.done, [r for r in m.runs if r.crashed]
+    status_of = {r.name: verdicts[r.name].status for r in done} | {r.name: Status.FAIL for r in crashed}
+    failing = [r for r in m.runs if status_of[r.name] is Status.FAIL]
     status = Status.worst(list(status_of.values()))
-    worst = failing[0] if failing else max(done, key=lambda r: r.max_error)
-    v = verdicts[worst.name]
-
     rows = []
     details: dict[str, Any] = {"prompt_lengths": lens, "new_tokens": new_tokens,
                                "padding": "right (encoder input)" if seq2seq else "left",
                                "floor_source": ("padded encoder batch vs each encoder alone" if seq2seq else
-                                                "short prompt prefixes vs the teacher-forced forward") + " (max per position)",
-                               "runs": {}}
-    for r in runs:
-        if r.skipped:
-            rows.append((r.name, "-", "-", "-", "-", f"skipped: {r.skipped}"))
-            details["runs"][r.name] = {"skipped": r.skipped}
+                                                "short prompt prefixes vs the teacher-forced forward")
+                               + " (max per position)", "runs": {}, **arbitration.details}
+    for r in m.runs:
+        if r.crashed:
+            rows.append((r.name, "-", "-", "-", "-", f"crashed: {r.crashed}"))
+            details["runs"][r.name] = {"crashed": r.crashed, "status": Status.FAIL}
             continue
-        where = _first_bad(r, tolerance)
-        rows.append((r.name, len(r.rows), f"{r.max_error:.3e}", f"{floor:.2e}", f"{r.max_error / floor:.3g}", where or "-"))
+        where = _first_bad(r, tolerance) if status_of[r.name] is Status.FAIL else None
+        rows.append((r.name, len(r.rows), f"{r.max_error:.3e}", f"{floor:.2e}", f"{r.max_error / floor:.3g}",
+                     where or "-"))
         details["runs"][r.name] = {"status": status_of[r.name], "step_errors": {str(k): e for k, e in r.errors.items()},
-                                   "first_difference": where, "notes": r.notes}
+                                   "first_difference": where, "notes": r.notes, "reason": verdicts[r.name].reason}
     table = Table("generate() vs teacher-forced forward", ("run", "rows", "max step error", "noise floor", "ratio",
                                                            "first row/step that differs"), tuple(rows))
-    metrics = {"error": v.residual, "noise_floor": v.noise_floor, "ratio": v.ratio, "tolerance": tolerance,
-               "first_step_error": first_step_error, "runs_judged": len(done)}
-    skipped = sorted({r.skipped for r in runs if r.skipped})
-    tail = f"; skipped: {'; '.join(skipped)}" if skipped else ""
-    for key, note in (("pad_note", pad_note), ("cache_note", cache_note)):
+    tail = ""
+    for key, note in (("pad_note", m.pad_note), ("cache_note", m.cache_note)):
         if note:
             details[key] = note
             tail += f"; note: {note}"
+    if failing and failing[0].crashed:
+        worst = failing[0]
+        summary = f"{worst.name} crashed: {worst.crashed} (a generate() call transformers accepts for this model){tail}"
+        return CheckResult("generate", Status.FAIL, summary, {"runs_judged": len(done)}, details, (table,))
+    worst = failing[0] if failing else max(done, key=lambda r: r.max_error)
+    v = verdicts[worst.name]
+    metrics = {"error": v.residual, "noise_floor": v.noise_floor, "ratio": v.residual / floor, "tolerance": tolerance,
+               "first_step_error": m.first_step_error, "runs_judged": len(done), **arbitration.metrics}
     if status is Status.FAIL:
         where = _first_bad(worst, tolerance) or "?"
         details["first_difference"] = {"run": worst.name, "where": where}
-        summary = (f"{worst.name}: {where} (noise floor {floor:.2g}; failing: "
+        summary = (f"{worst.name}: {where}{arbitration.clause(worst.name)} (noise floor {floor:.2g}; failing: "
                    f"{', '.join(r.name for r in failing)}){tail}")
+    elif status is Status.WARN:
+        summary = f"{worst.name}: {v.reason}{tail}"
     else:
-        summary = (f"generate() matches the forward pass: max step error {v.residual:.3g} = {v.ratio:.3g}x noise floor "
-                   f"{v.noise_floor:.2g} ({len(done)} runs, prompts {'/'.join(map(str, lens))} tokens, "
-                   f"{new_tokens} new){tail}")
+        summary = (f"generate() matches the forward pass: max step error {v.residual:.3g} = {v.residual / floor:.3g}x "
+                   f"noise floor {floor:.2g}{arbitration.clause(worst.name)} ({len(done)} runs, prompts "
+                   f"{'/'.join(map(str, lens))} tokens, {new_tokens} new){tail}")
     details["reason"] = v.reason
     return CheckResult("generate", status, summary, metrics, details, (table,))
 
@@ -288,16 +317,16 @@ def _reference(subject: Subject, prompts: list[torch.Tensor], done: list[Run], p
             stacked, _ = _right_padded([torch.cat([prompts[row], toks[:-1]]) for _, _, row, toks in items], pad,
                                        subject.device)
             subject.forward_count += 1
-            out = output_of(model(input_ids=stacked, use_cache=False, return_dict=True)).float()
+            out = output_of(model(input_ids=stacked, use_cache=False, return_dict=True))
             for j, (name, i, _, _) in enumerate(items):
                 refs[(name, i)] = out[j]
             pstack, _ = _right_padded(prompts, pad, subject.device)
             subject.forward_count += 2
-            pout = output_of(model(input_ids=pstack, use_cache=False, return_dict=True)).float()
+            pout = output_of(model(input_ids=pstack, use_cache=False, return_dict=True))
             # Short prefixes: decode steps run at a small width, and so does this pass (measured on
             # CPU: widths >= 16 reproduce a longer forward bit for bit, widths 1-8 do not).
             short = max(1, min(len(p) for p in prompts) // 2)
-            sout = output_of(model(input_ids=pstack[:, :short], use_cache=False, return_dict=True)).float()
+            sout = output_of(model(input_ids=pstack[:, :short], use_cache=False, return_dict=True))
             floor = max(relative_l2(sout[j, t], refs[(name, i)][t])
                         for j in range(len(prompts)) for name, i, row, _ in items if row == j for t in range(short))
             return refs, [pout[j] for j in range(len(prompts))], floor
@@ -309,14 +338,14 @@ def _reference(subject: Subject, prompts: list[torch.Tensor], done: list[Run], p
             dec = torch.stack([torch.cat([start, toks[:-1]]) for _, _, toks in mine])
             subject.forward_count += 1
             out = output_of(model(input_ids=prompt[None].expand(len(mine), -1), decoder_input_ids=dec,
-                                  use_cache=False, return_dict=True)).float()
+                                  use_cache=False, return_dict=True))
             for j, (name, i, _) in enumerate(mine):
                 refs[(name, i)] = out[j]
         enc, enc_mask = _right_padded(prompts, pad, subject.device)
         start = torch.full((len(prompts), 1), start_id, dtype=torch.long, device=subject.device)
         subject.forward_count += 1
         pout = output_of(model(input_ids=enc, attention_mask=enc_mask, decoder_input_ids=start,
-                               use_cache=False, return_dict=True)).float()
+                               use_cache=False, return_dict=True))
         floor = max(relative_l2(pout[j, 0], refs[(name, i)][0]) for name, i, row, _ in items for j in (row,))
         return refs, [pout[j] for j in range(len(prompts))], floor
 
