@@ -25,29 +25,52 @@ def batch(model, options=OPTIONS, **load):
     return _run_one(from_module(model, options=LoadOptions(**load)), "batch", options)
 
 
+# Upstream behaviour of stock transformers 5.24 on a path users take (nnsight #672, transformers #3021/#18478):
+# called without position_ids, GPT-2 and GPT-Neo number a left-padded row from its first padding column, so the
+# row differs from itself alone (0.98-1.0 relative, the same in float64); with explicit ids every row is right.
+DEFAULT_PATH_BUGS = ("gpt2", "gpt_neo")
+LEFT_DEFAULTS = "a left-padded, no position_ids (the model's defaults)"
+
+
+def assert_healthy(result, family):
+    """PASS, or for the families above a FAIL of the left-padded defaults row alone, saying how to call them."""
+    if family not in DEFAULT_PATH_BUGS:
+        assert result.status is Status.PASS, result.summary
+        return
+    assert result.status is Status.FAIL and result.summary.startswith(f"row '{LEFT_DEFAULTS}'"), result.summary
+    assert "attention_mask.cumsum(-1) - 1" in result.summary
+    tolerance = result.metrics["tolerance"]
+    assert {r for r, e in result.details["error_per_row"].items() if e > tolerance} == {LEFT_DEFAULTS}
+
+
 @pytest.mark.parametrize("family", zoo.FAMILIES)
 def test_every_family_passes(family):
     result = batch(zoo.tiny_model(family))
-    assert result.status is Status.PASS, result.summary
+    assert_healthy(result, family)
     stacks = result.details["stacks"].values() if "stacks" in result.details else [result.details]
+    defaults = zoo.model_kind(family) == "causal" and zoo.position_kind(family) != "alibi"
     for d in stacks:
         prefix = f"{d['stack']}_" if zoo.model_kind(family) == "seq2seq" else ""
         assert d["error_per_row"]
-        assert max(d["error_per_row"].values()) <= result.metrics[prefix + "tolerance"]
+        if family not in DEFAULT_PATH_BUGS:
+            assert max(d["error_per_row"].values()) <= result.metrics[prefix + "tolerance"]
         if zoo.model_kind(family) != "seq2seq" and zoo.position_kind(family) != "alibi":
-            assert len(d["error_per_row"]) == 4  # both padding sides, both position patterns
+            # both padding sides, both position patterns; causal decoders also without position_ids
+            assert len(d["error_per_row"]) == 4 + 2 * defaults
         else:
             assert d["notes"]  # what could not be tested, said
-    expected = {"causal": 3, "encoder": 3, "seq2seq": 4}[zoo.model_kind(family)]
+    expected = {"causal": 3, "encoder": 3, "seq2seq": 4}[zoo.model_kind(family)] + 2 * defaults
     if zoo.position_kind(family) == "alibi":
         expected = 2
+    if family in DEFAULT_PATH_BUGS:  # the float64 re-run that decides the failing row repeats every pass
+        expected *= 2
     assert result.forward_passes == expected
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2"])
 def test_row0_positions_for_every_row_fails(family):
     model = zoo.tiny_model(family)
-    assert batch(model).status is Status.PASS
+    assert_healthy(batch(model), family)
     handles = plants_order.row0_positions(model, family)
     result = batch(model)
     assert result.status is Status.FAIL, result.summary
@@ -60,7 +83,7 @@ def test_row0_positions_for_every_row_fails(family):
         assert errors["a left-padded"] > 1000 * floor
     for h in handles:
         h.remove()
-    assert batch(model).status is Status.PASS
+    assert_healthy(batch(model), family)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "bert"])
@@ -76,7 +99,7 @@ def test_dropped_padding_mask_fails(family):
         assert errors["a right-padded"] <= result.metrics["tolerance"]
     for h in handles:
         h.remove()
-    assert batch(model).status is Status.PASS
+    assert_healthy(batch(model), family)
 
 
 def test_nan_in_a_valid_row_names_the_row():
@@ -99,7 +122,7 @@ def test_through_the_api_with_max_batch():
     subject = from_module(zoo.tiny_model("gpt_neox"), options=LoadOptions(max_batch=2))
     result = run_checks(subject, ["batch"], OPTIONS).check("batch")
     assert result.status is Status.PASS, result.summary
-    assert result.forward_passes == 5  # 5 rows in chunks of 2 (3 calls) + 2 rows alone
+    assert result.forward_passes == 7  # 5 rows in chunks of 2 (3 calls) + 2 rows alone + defaults (1 + 1)
     assert result.metrics["noise_floor"] > 1.2e-7  # the jitter reached row 4 (chunk 2, local row 0)
 
 

@@ -37,12 +37,14 @@ after every valid token, and a causal recurrence cannot see it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from posdiag.checks._shared import (
     FLOOR_SOURCE,
+    arbitrate,
     jittered,
     per_token_change,
     restart_positions,
@@ -119,76 +121,131 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
                          positions(pb, left), "b", left))
     else:
         notes.append("rows with non-affine positions not tested: the family takes no position_ids")
-    jitter_row = len(rows)
     rows.append(("a right-padded, jittered (noise floor)",) + rows[0][1:])
-
-    refs = {"a": (a, pa)}
-    if takes:
-        refs["b"] = (b, pb)
-    batch_ids = torch.stack([r[1] for r in rows])
-    batch_mask = torch.stack([r[2] for r in rows])
-    batch_pos = torch.stack([r[3] for r in rows]) if takes else None
+    refs = {"a": (a, pa)} | ({"b": (b, pb)} if takes else {})
     enc = probe_ids(subject, options, seed_offset=17)[0] if subject.kind == "seq2seq" and stack == "decoder" else None
+    default_path = takes and subject.is_hf and subject.kind == "causal"
 
-    with jittered(subject, stack, jitter_row, len(rows), options.seed) as has_jitter:
-        out = _forward(subject, batch_ids, batch_mask, batch_pos, stack, enc)
+    def measure() -> Measured:
+        return _measure(subject, stack, rows, refs, enc, options.seed, pads, pad, default_path)
+
+    m = measure()
+    if m.non_finite:
+        return CheckResult("batch", Status.FAIL, m.non_finite, details={"stack": stack, "row": m.non_finite_row})
+    verdicts = {name: judge_agreement(err, m.floor, dtype) for name, err in m.errors.items()}
+    arbitration = arbitrate(subject, measure, m.floor, verdicts, dtype, lambda f: (f.floor, f.errors))
+    verdicts.update(arbitration.verdicts)
+    details: dict = {
+        "stack": stack, "seq_len": length, "padding": pads, "valid_tokens": n,
+        "floor_source": FLOOR_SOURCE if m.has_jitter else f"{dtype} machine epsilon (no token embedding found to jitter)",
+        "path": "2D padding mask + position_ids (model builds its mask)" if subject.is_hf else "explicit 4D mask",
+        "error_per_row": m.errors, "first_diverging_token": m.first_token, "notes": notes,
+        **({"recurrent_mixers": recurrent} if recurrent else {}),
+        "positions": {"a": pa.tolist(), "b": pb.tolist()} if takes else "derived inside the model",
+        **arbitration.details,
+    }
+    return _report(stack, subject.kind, m, verdicts, arbitration, notes, details, dtype)
+
+
+@dataclass
+class Measured:
+    errors: dict[str, float]  # row name -> ||in batch - alone|| / ||alone|| over its valid tokens
+    first_token: dict[str, int | None]  # first valid token past the per-token tolerance
+    floor: float
+    has_jitter: bool
+    non_finite: str = ""
+    non_finite_row: str = ""
+
+
+def _measure(subject: Subject, stack: str, rows: list, refs: dict, enc: torch.Tensor | None, seed: int, pads: int,
+             pad: int, default_path: bool) -> Measured:
+    """One forward of the padded batch (the last row jittered: the floor), one per reference row alone, and the
+    model's defaults path; every row against itself alone."""
+    dtype, dev, jitter_row = subject.dtype_name, subject.device, len(rows) - 1
+    n = next(iter(refs.values()))[0].numel()
+    takes = rows[0][3] is not None
+    batch_pos = torch.stack([r[3] for r in rows]) if takes else None
+    with jittered(subject, stack, jitter_row, len(rows), seed) as has_jitter:
+        out = _forward(subject, torch.stack([r[1] for r in rows]), torch.stack([r[2] for r in rows]), batch_pos,
+                       stack, enc)
     alone = {key: _forward(subject, ids[None], torch.ones(1, n, dtype=torch.long, device=dev),
                            pos[None] if takes else None, stack, enc)[0]
              for key, (ids, pos) in refs.items()}
-
-    def valid_slice(left: bool) -> slice:
-        return slice(pads, length) if left else slice(0, n)
-
-    for i, (name, *_rest) in enumerate(rows):
-        left = rows[i][5]
-        got = out[i, valid_slice(left)]
+    compared = [(name, out[i, slice(pads, pads + n) if left else slice(0, n)], alone[key])
+                for i, (name, _i, _m, _p, key, left) in enumerate(rows)]
+    for i, (name, got, _) in enumerate(compared):
         if not bool(torch.isfinite(got).all()):
             tok = int((~torch.isfinite(got)).flatten(1).any(1).nonzero()[0])
-            return CheckResult("batch", Status.FAIL,
-                               f"non-finite outputs in row '{name}' (batch row {i}) at valid token {tok}",
-                               details={"stack": stack, "row": name, "batch_row": i, "token": tok})
+            return Measured({}, {}, 0.0, has_jitter,
+                            f"non-finite outputs in row '{name}' (batch row {i}) at valid token {tok}", name)
     for key, ref in alone.items():
         if not bool(torch.isfinite(ref).all()):
-            return CheckResult("batch", Status.FAIL, f"non-finite outputs for row {key} run alone",
-                               details={"stack": stack, "row": f"{key} alone"})
-
+            return Measured({}, {}, 0.0, has_jitter, f"non-finite outputs for row {key} run alone", f"{key} alone")
     floor = relative_l2(out[jitter_row, :n], out[0, :n]) if has_jitter else 0.0
-    tol = agreement_tolerance(floor, dtype)
+    floor_tok = float(per_token_change(out[jitter_row, :n], out[0, :n]).max()) if has_jitter else 0.0
+    compared = compared[:jitter_row]
+    if default_path:
+        compared += _default_path(subject, refs["a"][0], pads, pad, stack)
     errors: dict[str, float] = {}
     first_token: dict[str, int | None] = {}
-    for i, (name, _ids, _mask, _pos, key, left) in enumerate(rows[:jitter_row]):
-        got = out[i, valid_slice(left)]
-        errors[name] = relative_l2(got, alone[key])
-        floor_tok = float(per_token_change(out[jitter_row, :n], out[0, :n]).max()) if has_jitter else 0.0
-        bad = (per_token_change(got, alone[key]) > agreement_tolerance(floor_tok, dtype)).nonzero().flatten()
+    for name, got, want in compared:
+        errors[name] = relative_l2(got, want)
+        bad = (per_token_change(got, want) > agreement_tolerance(floor_tok, dtype)).nonzero().flatten()
         first_token[name] = int(bad[0]) if bad.numel() else None
-    worst = max(errors, key=errors.get)
-    verdict = judge_agreement(errors[worst], floor, dtype)
-    metrics = {"error": verdict.residual, "noise_floor": verdict.noise_floor, "ratio": verdict.ratio, "tolerance": tol}
-    details: dict = {
-        "stack": stack, "seq_len": length, "padding": pads, "valid_tokens": n,
-        "floor_source": FLOOR_SOURCE if has_jitter else f"{dtype} machine epsilon (no token embedding found to jitter)",
-        "path": "2D padding mask + position_ids (model builds its mask)" if subject.is_hf else "explicit 4D mask",
-        "error_per_row": errors, "first_diverging_token": first_token, "notes": notes,
-        **({"recurrent_mixers": recurrent} if recurrent else {}),
-        "positions": {"a": pa.tolist(), "b": pb.tolist()} if takes else "derived inside the model",
-    }
+    return Measured(errors, first_token, floor, has_jitter)
+
+
+def _report(stack: str, kind: str, m: Measured, verdicts: dict, arbitration: Any, notes: list[str], details: dict,
+            dtype: str) -> CheckResult:
+    errors, first_token = m.errors, m.first_token
+    failing = [r for r in errors if verdicts[r].status is Status.FAIL]
+    worst = failing[0] if failing else max(errors, key=errors.get)
+    verdict = verdicts[worst]
+    status = Status.worst([v.status for v in verdicts.values()])
+    tol = agreement_tolerance(m.floor, dtype)
+    metrics = {"error": verdict.residual, "noise_floor": verdict.noise_floor, "ratio": verdict.ratio, "tolerance": tol,
+               **arbitration.metrics}
     tested = f"{len(errors)} rows: {', '.join(errors)}"
-    if verdict.status is Status.PASS:
-        summary = f"every row equals itself run alone (max error {verdict.residual:.2g} <= {tol:.2g}; {tested})"
+    if status is Status.PASS:
+        summary = (f"every row equals itself run alone (max error {verdict.residual:.2g} <= {tol:.2g}"
+                   f"{arbitration.clause(worst)}; {tested})")
         if notes:
             summary += f"; {notes[0].split(':')[0]}"
+    elif status is Status.WARN:
+        summary = f"row '{worst}': {verdict.reason}"
     else:
-        bad = [r for r in errors if judge_agreement(errors[r], floor, dtype).status is Status.FAIL]
         tok = first_token[worst]
         summary = (f"row '{worst}' differs from the same row alone: error {verdict.residual:.3g} = {verdict.ratio:.3g}x "
                    f"floor {verdict.noise_floor:.2g}" + (f", from valid token {tok}" if tok is not None else "")
-                   + f"; failing rows: {', '.join(bad)}")
-    table = Table(f"row alone vs in a padded batch ({stack})" if subject.kind == "seq2seq" else "row alone vs in a padded batch",
-                  ("row", "error", "ratio to floor", "first diverging token"),
-                  tuple((r, f"{e:.3e}", f"{e / verdict.noise_floor:.3g}", "-" if first_token[r] is None else str(first_token[r]))
-                        for r, e in errors.items()))
-    return CheckResult("batch", verdict.status, summary, metrics, details, (table,))
+                   + f"{arbitration.clause(worst)}; failing rows: {', '.join(failing)}")
+        if all(DEFAULTS in r for r in failing):
+            details["default_path"] = DEFAULTS_HINT
+            summary += f"; {DEFAULTS_HINT}"
+    title = f"row alone vs in a padded batch ({stack})" if kind == "seq2seq" else "row alone vs in a padded batch"
+    table = Table(title, ("row", "error", "ratio to floor", "first diverging token"),
+                  tuple((r, f"{e:.3e}", f"{e / verdict.noise_floor:.3g}",
+                         "-" if first_token[r] is None else str(first_token[r])) for r, e in errors.items()))
+    return CheckResult("batch", status, summary, metrics, details, (table,))
+
+
+DEFAULTS = "no position_ids (the model's defaults)"
+DEFAULTS_HINT = ("with explicit position_ids every row is right, so the model numbers a left-padded row from its first "
+                 "padding column when called without them: pass position_ids = attention_mask.cumsum(-1) - 1, as "
+                 "generate() does")
+
+
+def _default_path(subject: Subject, a: torch.Tensor, pads: int, pad: int,
+                  stack: str) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """Row a padded on either side with a 2D mask and no position_ids (left-padded scoring, nnsight #672,
+    transformers #3021), against row a alone without position_ids: the path users take without ids."""
+    dev, n = subject.device, a.numel()
+    fill = torch.full((pads,), pad, dtype=a.dtype, device=dev)
+    ones, zeros = torch.ones(n, dtype=torch.long, device=dev), torch.zeros(pads, dtype=torch.long, device=dev)
+    ids = torch.stack([torch.cat([a, fill]), torch.cat([fill, a])])
+    mask = torch.stack([torch.cat([ones, zeros]), torch.cat([zeros, ones])])
+    out = _forward(subject, ids, mask, None, stack, None)
+    alone = _forward(subject, a[None], ones[None], None, stack, None)[0]
+    return [(f"a right-padded, {DEFAULTS}", out[0, :n], alone), (f"a left-padded, {DEFAULTS}", out[1, pads:], alone)]
 
 
 def _forward(subject: Subject, ids: torch.Tensor, mask2d: torch.Tensor, positions: torch.Tensor | None,
