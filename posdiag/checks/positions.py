@@ -40,6 +40,7 @@ import torch
 
 from posdiag.checks._shared import (
     FLOOR_SOURCE,
+    arbitrate,
     jittered,
     layer_name,
     position_limit,
@@ -135,8 +136,17 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     rows += [Row(ids[p], order=p, positions=p) for p in perms]
     first_variant = len(rows)
     rows += [Row(ids, positions=pos) for _, pos in variants]
-    with jittered(subject, stack, jitter_row, len(rows), options.seed) as has_jitter:
-        out = run_rows(subject, rows, stack=stack)
+    def measure():
+        with jittered(subject, stack, jitter_row, len(rows), options.seed) as jitter_found:
+            return run_rows(subject, rows, stack=stack), jitter_found
+
+    def consistent_figures(measured) -> tuple[float, dict[str, float]]:
+        """(floor, {"consistent": error}) at the last layer, for the float64 arbitration."""
+        hidden = measured[0].final
+        error = max(relative_l2(hidden[first_perm + i], hidden[0][p]) for i, p in enumerate(perms))
+        return (relative_l2(hidden[jitter_row], hidden[0]) if measured[1] else 0.0), {"consistent": error}
+
+    out, has_jitter = measure()
 
     for i, h in enumerate(out.hidden):
         if not torch.isfinite(h).all():
@@ -173,6 +183,9 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
 
     # Recurrent mixers: no consistent permutation was run; its error is reported as 0 nowhere (not judged).
     agree = judge_agreement(max(consistent[-1]) if perms else 0.0, floor, dtype)
+    arbitration = arbitrate(subject, measure, floor, {"consistent": agree}, dtype, consistent_figures)
+    agree = arbitration.verdicts.get("consistent", agree)
+    details.update(arbitration.details)
     # Judged on the strongest variant: any non-affine change that moves the outputs proves the ids
     # are read (an ignoring model gives exactly 0 for every variant); ModernBERT at default init
     # moves only 1.8e-5 under the restart (126x floor at 64 tokens), 3.6e-5 under the gaps.
@@ -181,7 +194,7 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     first_bad = next((l for l in range(layers) if perms and max(consistent[l]) > agreement_tolerance(floors[l] if has_jitter else 0.0, dtype)), None)
     strongest = max(range(len(variants)), key=lambda i: moved[-1][i])
     metrics.update({"residual": signal.residual, "noise_floor": agree.noise_floor, "ratio": signal.ratio,
-                    "tolerance": tol})
+                    "tolerance": tol, **arbitration.metrics})
     if perms:
         metrics.update({"consistent_error": agree.residual, "consistent_ratio": agree.ratio})
     details["consistent_breaks_at"] = None if first_bad is None else layer_name(first_bad, layers)
@@ -193,11 +206,12 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
         parts.append(f"consistent permutation not run ({subject.family.name} has recurrent sequence mixers: "
                      f"{', '.join(recurrent)}; order enters through the recurrence)")
     elif agree.status is Status.PASS:
-        parts.append(f"consistent permutation reproduces P f(x) (error {agree.residual:.2g} <= {tol:.2g})")
+        parts.append(f"consistent permutation reproduces P f(x) (error {agree.residual:.2g} <= {tol:.2g}"
+                     f"{arbitration.clause('consistent')})")
     else:
         at = f", from {details['consistent_breaks_at']}" if first_bad is not None else ""
         parts.append(f"consistent permutation breaks P f(x): error {agree.residual:.3g} = {agree.ratio:.3g}x "
-                     f"floor{at} (positions not read from each row's position_ids)")
+                     f"floor{at}{arbitration.clause('consistent')} (positions not read from each row's position_ids)")
     name = variants[strongest][0] if signal.status is not Status.FAIL else " and ".join(n for n, _ in variants)
     if signal.status is Status.PASS:
         parts.append(f"non-contiguous ids move outputs ({name}: {signal.residual:.3g} = {signal.ratio:.3g}x floor)")
