@@ -234,6 +234,7 @@ def _load_pretrained(spec: str, options: LoadOptions) -> Subject:
         mismatched_keys=tuple(str(k[0]) if isinstance(k, tuple) else str(k) for k in (loading_info.get("mismatched_keys", ()) or ())),
         files=tuple(weights["files"]),
         source=weights["source"],
+        **shipped_code(config, model, options.trust_remote_code),
     )
     subject = Subject(
         model=model, config=model.config, family=family, spec=spec, kind=family.kind,
@@ -270,6 +271,27 @@ def _maybe_upcast(subject: Subject) -> None:
     subject.model.to(torch.float32)
     subject.dtype = torch.float32
     subject.notes.append(f"upcast from {dtype_name(subject.load_dtype)} to float32 for the checks (--no-upcast keeps it)")
+
+
+def shipped_code(config: Any, model: torch.nn.Module, trusted: bool) -> dict[str, Any]:
+    """The checkpoint's own modeling code (config.json's auto_map) and, when the loaded class is not that
+    code, why (LoadInfo fields).
+
+    Without --trust-remote-code transformers ignores auto_map when it knows the model_type and builds its
+    own class for it, so the checks test that class, not the code the checkpoint ships. Code loaded from the
+    checkpoint lives in transformers' dynamic `transformers_modules` package, never in `transformers.`."""
+    auto_map = getattr(config, "auto_map", None) or {}
+    if not isinstance(auto_map, dict) or not auto_map:
+        return {}
+    auto_map = {str(k): str(v[0] if isinstance(v, (list, tuple)) else v) for k, v in auto_map.items()}
+    if not type(model).__module__.startswith("transformers."):
+        return {"shipped_code": auto_map}
+    where = ", ".join(f"{k}: {v}" for k, v in auto_map.items())
+    why = ("its auto_map names none of it for the auto class posdiag loads, so" if trusted
+           else "without --trust-remote-code")
+    return {"shipped_code": auto_map,
+            "untested_code": f"the checkpoint ships its own modeling code (auto_map: {where}); {why} posdiag tested "
+                             f"transformers' built-in {type(model).__name__}, not that code"}
 
 
 def auto_class(config: Any, family: Family):
