@@ -82,9 +82,11 @@ def test_panel_says_ok_only_when_every_check_passed():
                          ("table", Status.SKIP)))
     assert "OK" not in mixed and "no position bug found" not in mixed
     assert "2 pass · 1 skip · 1 warn — not a full bill of health" in mixed
-    assert "not judged: rope (warn), table (skip)" in mixed and "exit code 0" in mixed
+    assert "not passed: rope (warn), table (skip)" in mixed and "exit code 0" in mixed
     blind = panel(report(("cache", Status.SKIP), ("table", Status.SKIP)))
     assert "OK" not in blind and "2 skip — nothing was judged" in blind
+    warned = panel(report(("rope", Status.WARN), ("copy", Status.WARN)))
+    assert "OK" not in warned and "2 warn — not a full bill of health" in warned
 
 
 def test_panel_names_findings_refusals_and_internal_errors_apart():

@@ -308,9 +308,10 @@ def _explain_config_error(spec: str, exc: Exception, options: LoadOptions, is_lo
     text = one_line(exc)
     if "trust_remote_code" in text or "custom code" in text:
         return f"'{spec}' needs its own Python code to load; rerun with --trust-remote-code if you trust it"
-    if isinstance(exc, (json.JSONDecodeError, ValueError)) and is_local and "Unrecognized model" not in text:
+    unknown = "Unrecognized model" in text or "does not recognize this architecture" in text
+    if isinstance(exc, (json.JSONDecodeError, ValueError)) and is_local and not unknown:
         return f"'{spec}/config.json' is not a valid config: {text}"
-    if "Unrecognized model" in text or "does not recognize this architecture" in text or "model_type" in text:
+    if unknown or "model_type" in text:
         return f"'{spec}': unknown model type for this transformers version ({text[:160]})"
     if not is_local:
         return f"cannot fetch '{spec}' from the hub: {text[:200]} (check the id, the network, or HF_TOKEN)"

@@ -26,8 +26,12 @@ def render(report: Report, console: Console, *, quiet: bool = False, verbose_tab
     if quiet:
         for check in report.checks:
             console.print(Text.assemble(status_text(check.status), f" {check.name}: {check.summary}"))
-        for line in _gate_lines(report, findings=False):  # what fails the gate beyond the FAIL lines above
+        extra = _gate_lines(report, findings=False)  # what fails the gate beyond the FAIL lines above
+        for line in extra:
             console.print(line)
+        if extra:
+            tail = [part for part in (report.policy.describe(), f"exit code {report.exit_code}") if part]
+            console.print(Text(" · ".join(tail), style="dim"))
         return
     m = report.model
     header = Text.assemble(
@@ -81,12 +85,12 @@ def _verdict_panel(report: Report) -> Panel:
         lines = [Text("OK — no position bug found", style="bold green")]
         footer.insert(0, counts)
     else:
-        judged = any(c.status is Status.PASS for c in report.checks)
-        verdict = "not a full bill of health" if judged else "nothing was judged"
+        blind = all(c.status is Status.SKIP for c in report.checks)  # no check ran on this model
+        verdict = "nothing was judged" if blind else "not a full bill of health"
         lines = [Text(f"{counts} — {verdict}", style="bold yellow")]
-        not_judged = [f"{c.name} ({c.status.value})" for c in report.checks if c.status is not Status.PASS]
-        if not_judged:
-            footer.insert(0, f"not judged: {', '.join(not_judged)}")
+        short = [f"{c.name} ({c.status.value})" for c in report.checks if c.status is not Status.PASS]
+        if short:
+            footer.insert(0, f"not passed: {', '.join(short)}")
     return Panel(Group(*lines, Text(" · ".join(footer), style="dim")), expand=False)
 
 
