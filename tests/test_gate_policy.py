@@ -24,9 +24,9 @@ def invoke(*args, **kw):
     return runner.invoke(app, [str(a) for a in args], env={"COLUMNS": "250"}, **kw)  # panel lines unwrapped
 
 
-def report(*statuses, policy=GatePolicy(), **kw):
+def report(*statuses, policy=None, **kw):
     checks = tuple(CheckResult(name, s, f"{name} said {s.value}") for name, s in statuses)
-    return Report(model=MODEL, checks=checks, policy=policy, **kw)
+    return Report(model=MODEL, checks=checks, policy=policy or GatePolicy(), **kw)
 
 
 def panel(rep: Report) -> str:
