@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import gc
 import time
+import traceback
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from posdiag import checks
-from posdiag.errors import PosdiagError
+from posdiag.errors import PosdiagError, describe_error
 from posdiag.options import RunOptions
-from posdiag.results import CheckResult, Report, Status
+from posdiag.results import GATEABLE, CheckResult, GatePolicy, Report, Status
 
 
 def select_checks(only: Iterable[str] | None = None, skip: Iterable[str] | None = None) -> list[str]:
@@ -23,12 +25,39 @@ def select_checks(only: Iterable[str] | None = None, skip: Iterable[str] | None 
     return [n for n in chosen if n not in skip_set]
 
 
+def gate_policy(fail_on: str | Iterable[str] | None = None, require: str | Iterable[str] | None = None) -> GatePolicy:
+    """The gate policy from names, as typed (`"warn,skip"`) or listed; unknown names are usage errors.
+
+    fail_on: `warn` and/or `skip` (a check that could not decide / did not run also fails the gate);
+    require: checks that must PASS (one that does not, or does not run, fails the gate)."""
+    statuses = []
+    for value in _names(fail_on):
+        if value not in {s.value for s in GATEABLE}:
+            raise PosdiagError(f"--fail-on {value}: use warn and/or skip (a FAIL always fails the gate; an internal "
+                               "error always exits 3)")
+        statuses.append(Status(value))
+    required = _names(require)
+    for name in required:
+        if name not in (*checks.ORDER, "baseline"):
+            raise PosdiagError(f"--require {name}: unknown check; known checks: {', '.join(checks.available())}")
+    return GatePolicy(fail_on=frozenset(statuses), require=tuple(dict.fromkeys(required)))
+
+
+def _names(value: str | Iterable[str] | None) -> list[str]:
+    if value is None:
+        return []
+    items = value.split(",") if isinstance(value, str) else list(value)
+    return [str(v).strip().lower() for v in items if str(v).strip()]
+
+
 def run_checks(subject: Any, names: Iterable[str] | None = None, options: RunOptions | None = None,
-               on_progress: Callable[[str], None] | None = None) -> Report:
-    """Run the named checks (default: all) on one loaded subject; the model is reused across them."""
+               on_progress: Callable[[str], None] | None = None, policy: GatePolicy | None = None) -> Report:
+    """Run the named checks (default: all) on one loaded subject; the model is reused across them.
+    The report is judged by `policy` (default: only a FAIL fails the gate)."""
     import torch
 
     options = options or RunOptions()
+    policy = policy or GatePolicy()
     names = list(names) if names is not None else checks.available()
     results: list[CheckResult] = []
     # Collecting between checks frees a big model's activations before the next check; on a
@@ -45,8 +74,8 @@ def run_checks(subject: Any, names: Iterable[str] | None = None, options: RunOpt
                 torch.cuda.empty_cache()  # release one check's activations before the next
     except KeyboardInterrupt:
         # Ctrl-C: hand back what finished, marked incomplete (exit 2), never a report that looks whole.
-        return Report(model=subject.info, checks=tuple(results), versions=versions(), incomplete=True)
-    return Report(model=subject.info, checks=tuple(results), versions=versions())
+        return Report(model=subject.info, checks=tuple(results), versions=versions(), incomplete=True, policy=policy)
+    return Report(model=subject.info, checks=tuple(results), versions=versions(), policy=policy)
 
 
 def _run_one(subject: Any, name: str, options: RunOptions) -> CheckResult:
@@ -58,9 +87,13 @@ def _run_one(subject: Any, name: str, options: RunOptions) -> CheckResult:
         result = module.run(subject, options)
     except PosdiagError:
         raise
-    except Exception as exc:  # a crash is reported as an error, never as a pass
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        result = CheckResult(name, Status.ERROR, f"check crashed: {type(exc).__name__}: {first}"[:300])
+    except Exception as exc:  # a crash is posdiag's bug: an ERROR (exit 3), never a pass, never a finding
+        error = describe_error(exc)
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        result = CheckResult(name, Status.ERROR, f"posdiag could not run this check: {error} (an internal "
+                             "error, not a finding about the model; please report)",
+                             details={"error": error, "exception": type(exc).__name__,
+                                      "where": f"{Path(where.filename).name}:{where.lineno} in {where.name}"})
     return _timed(result, time.perf_counter() - start, subject.forward_count - passes)
 
 
@@ -80,19 +113,22 @@ def versions() -> dict[str, str]:
 
 
 def check_model(model: Any, checks: Iterable[str] | None = None, *, skip: Iterable[str] | None = None,
+                fail_on: str | Iterable[str] | None = None, require: str | Iterable[str] | None = None,
                 options: RunOptions | None = None, name: str | None = None, **load_options: Any) -> Report:
     """Run posdiag on an in-memory `nn.Module`, a checkpoint directory or a hub id.
 
     checks: names to run (default: every applicable check); skip: names to leave out.
+    fail_on, require: the gate policy, as `--fail-on` / `--require` take it (`report.exit_code` follows it).
     load_options: fields of `posdiag.model.subject.LoadOptions` (dtype, device, upcast, max_batch...).
     Nothing is printed; the returned Report is data (`report.exit_code`, `report.check(name)`).
     """
     from posdiag.options import LoadOptions
     from posdiag.model.loading import from_module, load_subject
 
+    policy = gate_policy(fail_on, require)  # a bad name fails before anything is loaded
     load = LoadOptions(**load_options)
     if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
         subject = load_subject(str(model), load)
     else:
         subject = from_module(model, name=name or type(model).__name__, options=load)
-    return run_checks(subject, select_checks(checks, skip), options)
+    return run_checks(subject, select_checks(checks, skip), options, policy=policy)

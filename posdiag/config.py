@@ -10,6 +10,8 @@ user typed (it knows which ones were typed); this module only reads and merges.
     seed = 0
     dtype = "float32"
     baseline-margin = 10.0
+    fail-on = ["warn", "skip"]         # also fail the gate on these statuses (a FAIL always does)
+    require = ["shuffle", "cache"]     # checks that must PASS
 
     [tool.posdiag.checks.rope]         # per-check settings, handed to that check
     target_length = 32768
@@ -30,6 +32,7 @@ KEYS = {
     "max-memory": "max_memory", "offload-folder": "offload_folder",
     "attn-implementation": "attn_implementation", "upcast": "upcast", "max-batch": "max_batch",
     "trust-remote-code": "trust_remote_code", "revision": "revision", "baseline-margin": "baseline_margin",
+    "fail-on": "fail_on", "require": "require",
 }
 
 
@@ -73,7 +76,7 @@ def read_config(path: Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
         name = KEYS.get(key) or KEYS.get(key.replace("_", "-"))
         if name is None:
             raise PosdiagError(f"{path}: unknown setting '{key}' (known: {', '.join(sorted(KEYS))}, checks)")
-        if name in ("only", "skip") and isinstance(value, str):
+        if name in ("only", "skip", "fail_on", "require") and isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
         settings[name] = value
     return settings, check_options

@@ -115,6 +115,9 @@ class ModelInfo:
     check_dtype: str = ""  # the dtype equivariance checks ran in (after upcasting)
     source: str = ""  # what files were read (safetensors / pickle / factory / in-memory)
     notes: tuple[str, ...] = ()
+    model_class: str = ""  # the Python class the checks ran on
+    shipped_code: dict[str, str] = field(default_factory=dict)  # the checkpoint's own code (config auto_map)
+    untested_code: str = ""  # why the checks did not run that code ('' when they did, or there is none)
 
     @property
     def causal(self) -> bool:
@@ -132,30 +135,121 @@ class ModelInfo:
             "device": self.device,
             "source": self.source,
             "notes": list(self.notes),
+            "class": self.model_class,
+            "shipped_code": ({"auto_map": dict(self.shipped_code), "tested": not self.untested_code,
+                              "not_tested_because": self.untested_code or None} if self.shipped_code else None),
         }
 
 
 @dataclass(frozen=True)
+class GatePolicy:
+    """What fails the gate besides a FAIL (`--fail-on`, `--require`).
+
+    fail_on: statuses that also fail the gate: WARN (a check that could not decide) and/or SKIP (a check
+             that did not run on this model). ERROR never needs listing: it always ends non-zero (exit 3).
+    require: checks that must PASS: one that warns, skips, fails or did not run at all fails the gate.
+    """
+
+    fail_on: frozenset[Status] = frozenset()
+    require: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        extra = set(self.fail_on) - GATEABLE
+        if extra:
+            raise ValueError(f"fail_on takes {' and '.join(s.value for s in sorted(GATEABLE, key=lambda s: s.rank))} "
+                             f"only, not {', '.join(sorted(s.value for s in extra))}")
+
+    @property
+    def strict(self) -> bool:
+        """True when the policy asks more than 'no FAIL'."""
+        return bool(self.fail_on or self.require)
+
+    def describe(self) -> str:
+        """`fail-on warn,skip · require cache`, as typed on the command line ('' for the default policy)."""
+        parts = []
+        if self.fail_on:
+            parts.append("fail-on " + ",".join(s.value for s in sorted(self.fail_on, key=lambda s: s.rank)))
+        if self.require:
+            parts.append("require " + ",".join(self.require))
+        return " · ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"fail_on": sorted(s.value for s in self.fail_on), "require": list(self.require)}
+
+
+GATEABLE = frozenset({Status.WARN, Status.SKIP})
+
+
+@dataclass(frozen=True)
+class GateReason:
+    """One reason the gate did not pass.
+
+    check:   the check's name.
+    status:  its Status value, or "missing" for a required check that did not run.
+    kind:    finding (a FAIL: a position bug) | policy (refused by --fail-on / --require) |
+             internal (an ERROR: posdiag could not run the check; a posdiag bug, not a finding).
+    why:     a few words: "fail", "required, but skip", "warn, and the gate fails on warn"...
+    summary: the check's own one line (for an internal error: the exception, one line).
+    """
+
+    check: str
+    status: str
+    kind: str
+    why: str
+    summary: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"check": self.check, "status": self.status, "kind": self.kind, "why": self.why,
+                "summary": self.summary}
+
+
+@dataclass(frozen=True)
 class Report:
-    """A finished run: the model and every check's result."""
+    """A finished run: the model, every check's result, and the gate policy it is judged by."""
 
     model: ModelInfo
     checks: tuple[CheckResult, ...]
     versions: dict[str, str] = field(default_factory=dict)
     incomplete: bool = False
+    policy: GatePolicy = field(default_factory=GatePolicy)
 
     @property
     def status(self) -> Status:
         return Status.worst([c.status for c in self.checks])
 
     @property
+    def gate(self) -> tuple[GateReason, ...]:
+        """Every reason the gate fails, in check order: FAILs (findings), statuses the policy refuses,
+        required checks that did not pass or did not run, and ERRORs (posdiag could not run the check)."""
+        reasons = []
+        for c in self.checks:
+            required = c.name in self.policy.require
+            if c.status is Status.FAIL:
+                reasons.append(GateReason(c.name, c.status.value, "finding", "fail", c.summary))
+            elif c.status is Status.ERROR:
+                reasons.append(GateReason(c.name, c.status.value, "internal", "internal error",
+                                          str(c.details.get("error") or c.summary)))
+            elif c.status in self.policy.fail_on or (required and c.status is not Status.PASS):
+                why = (f"required, but {c.status.value}" if required
+                       else f"{c.status.value}, and the gate fails on {c.status.value}")
+                reasons.append(GateReason(c.name, c.status.value, "policy", why, c.summary))
+        ran = {c.name for c in self.checks}
+        reasons += [GateReason(name, "missing", "policy", "required, but it did not run", "")
+                    for name in self.policy.require if name not in ran]
+        return tuple(reasons)
+
+    @property
     def exit_code(self) -> int:
-        """0: nothing failed (warnings and skips allowed); 1: a check failed; 2: the run was cut short."""
+        """0: the gate passed (no FAIL; warnings and skips allowed unless the policy refuses them);
+        1: a check failed, or the policy refused a status or a required check did not pass;
+        2: the run was cut short; 3: posdiag could not run a check (an internal error, not a finding)
+        and nothing else failed the gate."""
         if self.incomplete:
             return 2
-        if any(c.status in (Status.FAIL, Status.ERROR) for c in self.checks):
+        kinds = {r.kind for r in self.gate}
+        if kinds & {"finding", "policy"}:
             return 1
-        return 0
+        return 3 if "internal" in kinds else 0
 
     def check(self, name: str) -> CheckResult:
         for c in self.checks:
@@ -173,6 +267,8 @@ class Report:
             "model": self.model.to_dict(),
             "checks": [c.to_dict() for c in self.checks],
             "incomplete": self.incomplete,
+            "policy": self.policy.to_dict(),
+            "gate": {"passed": self.exit_code == 0, "reasons": [r.to_dict() for r in self.gate]},
             "exit_code": self.exit_code,
         }
 

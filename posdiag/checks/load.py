@@ -6,9 +6,15 @@ still injects positions: `shuffle` passes). We read the safetensors keys ourselv
 compare them with the model's position parameters; loading_info's missing / unexpected /
 mismatched keys are cross-checked. Non-persistent buffers (RoPE inv_freq) are recomputed
 from the config at load and are never in a checkpoint: not counted.
+
+A checkpoint that ships its own modeling code (config.json's auto_map) but was loaded as transformers'
+built-in class (no --trust-remote-code) is at best a WARN naming the class tested: the code it ships
+was not what the checks ran.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from posdiag.model.checkpoint import in_checkpoint
 from posdiag.model.subject import Subject
@@ -28,6 +34,20 @@ def is_position_key(name: str) -> bool:
 
 
 def run(subject: Subject, options: RunOptions) -> CheckResult:
+    result = position_parameters(subject)
+    untested = subject.load_info.untested_code
+    if not untested:
+        return result
+    # The checkpoint's own modeling code was not what the checks ran: never a clean PASS.
+    details = {**result.details, "shipped_code": dict(subject.load_info.shipped_code), "shipped_code_tested": False,
+               "model_class": type(subject.model).__name__}
+    if result.status is Status.FAIL:
+        return replace(result, summary=f"{result.summary}; also: {untested}", details=details)
+    return replace(result, status=Status.WARN, summary=f"{untested}; {result.summary}", details=details)
+
+
+def position_parameters(subject: Subject) -> CheckResult:
+    """Whether every position parameter of the model came from the checkpoint."""
     info = subject.load_info
     if info.checkpoint_keys is None:
         reason = ("no checkpoint files: the model was built in memory" if info.source != "pickle"

@@ -15,9 +15,17 @@ import typer
 from posdiag._version import __version__
 from posdiag.cli import check, compare, kernels, rope
 
+EXIT_CODES = (
+    "Exit codes: 0 no check failed (warnings and skips allowed unless --fail-on refuses them); "
+    "1 a position bug found (a check failed), or the gate policy refused a result (--fail-on, --require); "
+    "2 usage or load error; 3 posdiag could not run a check (an internal error, not a finding about the "
+    "model: please report it) and nothing else failed the gate."
+)
+
 app = typer.Typer(
     name="posdiag",
     help="Find position-injection bugs in transformer checkpoints.",
+    epilog=EXIT_CODES,
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
@@ -35,15 +43,11 @@ def _version(value: bool) -> None:
 def main(
     version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version.")] = False,
 ) -> None:
-    """posdiag permutes, shifts and probes a model's inputs to tell whether position really entered it.
-
-    Exit codes: 0 every check passed (warnings and skips allowed), 1 a check failed,
-    2 usage or load error.
-    """
+    """posdiag permutes, shifts and probes a model's inputs to tell whether position really entered it."""
 
 
 for command in (check.shuffle, check.check, compare.compare, kernels.kernels, rope.rope):
-    app.command()(command)
+    app.command(epilog=None if command is compare.compare else EXIT_CODES)(command)
 del command
 
 __all__ = ["app", "main"]

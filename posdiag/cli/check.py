@@ -19,6 +19,7 @@ from posdiag.cli.options import (
     DeviceOpt,
     DType,
     DtypeOpt,
+    FailOnOpt,
     FormatOpt,
     JsonOpt,
     JunitOpt,
@@ -29,6 +30,7 @@ from posdiag.cli.options import (
     PermsOpt,
     PickleOpt,
     QuietOpt,
+    RequireOpt,
     RevisionOpt,
     SeedOpt,
     SeqLenOpt,
@@ -56,7 +58,7 @@ def shuffle(
     upcast: UpcastOpt = True, allow_pickle: PickleOpt = False, seq_len: SeqLenOpt = None, seed: SeedOpt = 0,
     permutations: PermsOpt = 3, text: TextOpt = None, max_batch: MaxBatchOpt = None, json: JsonOpt = None,
     junit: JunitOpt = None, format: FormatOpt = None, config: ConfigOpt = None, show_config: ShowConfigOpt = False,
-    quiet: QuietOpt = False, debug: DebugOpt = False,
+    fail_on: FailOnOpt = None, quiet: QuietOpt = False, debug: DebugOpt = False,
 ) -> None:
     """Permutation test (the headline): do outputs merely permute when the tokens do?"""
     given = Settings(
@@ -64,7 +66,7 @@ def shuffle(
         device_map=device_map, max_memory=max_memory, offload_folder=offload_folder,
         attn_implementation=attn_implementation, upcast=upcast, allow_pickle=allow_pickle, seq_len=seq_len, seed=seed,
         permutations=permutations, text=text, max_batch=max_batch, json=json, junit=junit, format=format,
-        config=config, show_config=show_config, quiet=quiet, debug=debug,
+        config=config, show_config=show_config, fail_on=fail_on, quiet=quiet, debug=debug,
     )
     run(ctx, given, fixed_checks=["shuffle"])
 
@@ -80,7 +82,7 @@ def check(
     permutations: PermsOpt = 3, text: TextOpt = None, max_batch: MaxBatchOpt = None, json: JsonOpt = None,
     junit: JunitOpt = None, format: FormatOpt = None, config: ConfigOpt = None, show_config: ShowConfigOpt = False,
     save_baseline: SaveBaselineOpt = None, baseline: BaselineOpt = None, baseline_margin: MarginOpt = 10.0,
-    quiet: QuietOpt = False, debug: DebugOpt = False,
+    fail_on: FailOnOpt = None, require: RequireOpt = None, quiet: QuietOpt = False, debug: DebugOpt = False,
 ) -> None:
     """Every applicable check: the CI gate."""
     given = Settings(
@@ -89,7 +91,8 @@ def check(
         offload_folder=offload_folder, attn_implementation=attn_implementation, upcast=upcast,
         allow_pickle=allow_pickle, seq_len=seq_len, seed=seed, permutations=permutations, text=text,
         max_batch=max_batch, json=json, junit=junit, format=format, config=config, show_config=show_config,
-        save_baseline=save_baseline, baseline=baseline, baseline_margin=baseline_margin, quiet=quiet, debug=debug,
+        save_baseline=save_baseline, baseline=baseline, baseline_margin=baseline_margin, fail_on=fail_on,
+        require=require, quiet=quiet, debug=debug,
     )
     run(ctx, given)
 
@@ -106,9 +109,10 @@ def run(ctx: typer.Context, given: Settings, fixed_checks: list[str] | None = No
     if not settings.model:
         fail("no MODEL given (pass one, or set `model` in [tool.posdiag] / posdiag.toml)")
 
-    from posdiag.api import run_checks, select_checks
+    from posdiag.api import gate_policy, run_checks, select_checks
 
     names = fixed_checks or guarded(lambda: select_checks(_split(settings.only), _split(settings.skip)), debug)
+    policy = guarded(lambda: gate_policy(settings.fail_on, settings.require), debug)
     err = Console(stderr=True)
     with err.status(f"loading {settings.model}…"):
         subject = guarded(lambda: load(settings), debug)
@@ -117,7 +121,7 @@ def run(ctx: typer.Context, given: Settings, fixed_checks: list[str] | None = No
         with err.status("running checks…") as status:
             def progress(name: str) -> None:
                 status.update(f"running {name}…")
-            report = guarded(lambda: run_checks(subject, names, options, on_progress=progress), debug)
+            report = guarded(lambda: run_checks(subject, names, options, on_progress=progress, policy=policy), debug)
     finally:
         subject.close()  # the temporary offload folder of a --device-map run
     if settings.baseline:

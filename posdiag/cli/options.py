@@ -57,6 +57,10 @@ JunitOpt = Annotated[str | None, typer.Option("--junit", help="Write a JUnit XML
 FormatOpt = Annotated[str | None, typer.Option("--format", help="console or github (::error annotations; default in GitHub Actions).")]
 ConfigOpt = Annotated[Path | None, typer.Option("--config", help="Config file (default: posdiag.toml or [tool.posdiag] in pyproject.toml).")]
 ShowConfigOpt = Annotated[bool, typer.Option("--show-config", help="Print the effective configuration and exit.")]
+FailOnOpt = Annotated[str | None, typer.Option(
+    "--fail-on", help="Also fail the gate (exit 1) on these statuses: warn, skip or warn,skip (a FAIL always fails).")]
+RequireOpt = Annotated[str | None, typer.Option(
+    "--require", help="Comma-separated checks that must PASS: one that warns, skips or does not run fails the gate.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="One line per check.")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")]
 
@@ -87,6 +91,9 @@ class Settings:
     permutations: int = 3
     text: str | None = None
     check_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # per check: the config file's [checks.NAME]
+    # the gate (api.gate_policy turns these into posdiag.results.GatePolicy)
+    fail_on: str | list[str] | None = None  # warn and/or skip: comma-separated when typed, a list from a config file
+    require: str | list[str] | None = None  # checks that must PASS, likewise
     # output
     json: str | None = None  # JSON report path, '-' for stdout
     junit: str | None = None

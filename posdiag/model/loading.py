@@ -234,6 +234,7 @@ def _load_pretrained(spec: str, options: LoadOptions) -> Subject:
         mismatched_keys=tuple(str(k[0]) if isinstance(k, tuple) else str(k) for k in (loading_info.get("mismatched_keys", ()) or ())),
         files=tuple(weights["files"]),
         source=weights["source"],
+        **shipped_code(config, model, options.trust_remote_code),
     )
     subject = Subject(
         model=model, config=model.config, family=family, spec=spec, kind=family.kind,
@@ -272,6 +273,27 @@ def _maybe_upcast(subject: Subject) -> None:
     subject.notes.append(f"upcast from {dtype_name(subject.load_dtype)} to float32 for the checks (--no-upcast keeps it)")
 
 
+def shipped_code(config: Any, model: torch.nn.Module, trusted: bool) -> dict[str, Any]:
+    """The checkpoint's own modeling code (config.json's auto_map) and, when the loaded class is not that
+    code, why (LoadInfo fields).
+
+    Without --trust-remote-code transformers ignores auto_map when it knows the model_type and builds its
+    own class for it, so the checks test that class, not the code the checkpoint ships. Code loaded from the
+    checkpoint lives in transformers' dynamic `transformers_modules` package, never in `transformers.`."""
+    auto_map = getattr(config, "auto_map", None) or {}
+    if not isinstance(auto_map, dict) or not auto_map:
+        return {}
+    auto_map = {str(k): str(v[0] if isinstance(v, (list, tuple)) else v) for k, v in auto_map.items()}
+    if not type(model).__module__.startswith("transformers."):
+        return {"shipped_code": auto_map}
+    where = ", ".join(f"{k}: {v}" for k, v in auto_map.items())
+    why = ("its auto_map names none of it for the auto class posdiag loads, so" if trusted
+           else "without --trust-remote-code")
+    return {"shipped_code": auto_map,
+            "untested_code": f"the checkpoint ships its own modeling code (auto_map: {where}); {why} posdiag tested "
+                             f"transformers' built-in {type(model).__name__}, not that code"}
+
+
 def auto_class(config: Any, family: Family):
     import transformers
 
@@ -286,9 +308,10 @@ def _explain_config_error(spec: str, exc: Exception, options: LoadOptions, is_lo
     text = one_line(exc)
     if "trust_remote_code" in text or "custom code" in text:
         return f"'{spec}' needs its own Python code to load; rerun with --trust-remote-code if you trust it"
-    if isinstance(exc, (json.JSONDecodeError, ValueError)) and is_local and "Unrecognized model" not in text:
+    unknown = "Unrecognized model" in text or "does not recognize this architecture" in text
+    if isinstance(exc, (json.JSONDecodeError, ValueError)) and is_local and not unknown:
         return f"'{spec}/config.json' is not a valid config: {text}"
-    if "Unrecognized model" in text or "does not recognize this architecture" in text or "model_type" in text:
+    if unknown or "model_type" in text:
         return f"'{spec}': unknown model type for this transformers version ({text[:160]})"
     if not is_local:
         return f"cannot fetch '{spec}' from the hub: {text[:200]} (check the id, the network, or HF_TOKEN)"

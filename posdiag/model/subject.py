@@ -42,6 +42,8 @@ class LoadInfo:
     mismatched_keys: tuple[str, ...] = ()
     files: tuple[str, ...] = ()
     source: str = ""
+    shipped_code: dict[str, str] = field(default_factory=dict)  # config.auto_map: the checkpoint's own code
+    untested_code: str = ""  # why the loaded class is not that code ('' when it is, or there is none)
 
 
 @dataclass
@@ -94,6 +96,9 @@ class Subject:
             check_dtype=dtype_name(self.dtype),
             source=self.load_info.source,
             notes=tuple(self.notes),
+            model_class=type(self.model).__name__,
+            shipped_code=dict(self.load_info.shipped_code),
+            untested_code=self.load_info.untested_code,
         )
 
     @property

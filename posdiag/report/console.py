@@ -26,6 +26,12 @@ def render(report: Report, console: Console, *, quiet: bool = False, verbose_tab
     if quiet:
         for check in report.checks:
             console.print(Text.assemble(status_text(check.status), f" {check.name}: {check.summary}"))
+        extra = _gate_lines(report, findings=False)  # what fails the gate beyond the FAIL lines above
+        for line in extra:
+            console.print(line)
+        if extra:
+            tail = [part for part in (report.policy.describe(), f"exit code {report.exit_code}") if part]
+            console.print(Text(" · ".join(tail), style="dim"))
         return
     m = report.model
     header = Text.assemble(
@@ -34,6 +40,8 @@ def render(report: Report, console: Console, *, quiet: bool = False, verbose_tab
         f"{m.dtype}{'→' + m.check_dtype if m.check_dtype and m.check_dtype != m.dtype else ''} on {m.device}",
     )
     console.print(header)
+    if m.untested_code:
+        console.print(Text(f"  not tested: {m.untested_code}", style="yellow"))
     for note in m.notes:
         console.print(Text(f"  note: {note}", style="dim"))
 
@@ -62,14 +70,41 @@ def _table(check: CheckResult, table) -> RichTable:
 
 
 def _verdict_panel(report: Report) -> Panel:
-    counts = {s: sum(1 for c in report.checks if c.status is s) for s in Status}
-    parts = [f"{n} {s.value}" for s, n in counts.items() if n]
+    """What the run judged, in one look: OK only when every check passed; a run with skips or warnings is
+    not a full bill of health; findings, refusals of the gate policy and internal errors each say so."""
+    counts = " · ".join(f"{n} {s.value}" for s in Status if (n := sum(c.status is s for c in report.checks)))
+    counts = counts or "no checks ran"
+    footer = [part for part in (report.policy.describe(), f"exit code {report.exit_code}") if part]
     if report.incomplete:
-        title, style = "INCOMPLETE — interrupted, not every check ran", "bold magenta"
-    elif report.exit_code == 0:
-        title, style = "OK — no position bug found", "bold green"
+        lines = [Text("INCOMPLETE — interrupted, not every check ran", style="bold magenta")]
+        footer.insert(0, counts)
+    elif report.gate:
+        lines = list(_gate_lines(report, findings=True))
+        footer.insert(0, counts)
+    elif report.checks and all(c.status is Status.PASS for c in report.checks):
+        lines = [Text("OK — no position bug found", style="bold green")]
+        footer.insert(0, counts)
     else:
-        failed = [c.name for c in report.checks if c.status in (Status.FAIL, Status.ERROR)]
-        title, style = f"FAILED — {', '.join(failed)}", "bold red"
-    body = Group(Text(title, style=style), Text(f"{', '.join(parts)} · exit code {report.exit_code}", style="dim"))
-    return Panel(body, expand=False)
+        blind = all(c.status is Status.SKIP for c in report.checks)  # no check ran on this model
+        verdict = "nothing was judged" if blind else "not a full bill of health"
+        lines = [Text(f"{counts} — {verdict}", style="bold yellow")]
+        short = [f"{c.name} ({c.status.value})" for c in report.checks if c.status is not Status.PASS]
+        if short:
+            footer.insert(0, f"not passed: {', '.join(short)}")
+    return Panel(Group(*lines, Text(" · ".join(footer), style="dim")), expand=False)
+
+
+def _gate_lines(report: Report, *, findings: bool) -> list[Text]:
+    """One line per way the gate failed: the position bugs found, what the policy refused, and each check
+    posdiag could not run (its own bug, not a finding about the model)."""
+    lines = []
+    found = [r.check for r in report.gate if r.kind == "finding"]
+    if findings and found:
+        lines.append(Text(f"FAILED — position bug found by {', '.join(found)}", style="bold red"))
+    refused = [f"{r.check} {r.why}" for r in report.gate if r.kind == "policy"]
+    if refused:
+        lines.append(Text(f"GATE FAILED — {'; '.join(refused)}", style="bold red"))
+    for r in report.gate:
+        if r.kind == "internal":
+            lines.append(Text(f"posdiag could not run {r.check}: {r.summary}; please report", style="bold magenta"))
+    return lines

@@ -1,4 +1,6 @@
-"""GitHub Actions annotations: `::error` for failed checks, `::warning` for warnings."""
+"""GitHub Actions annotations: `::error` for what fails the gate (a failed check, a status the gate
+policy refuses, a required check that did not pass, a check posdiag could not run), `::warning` for the
+other warnings."""
 
 from __future__ import annotations
 
@@ -16,11 +18,18 @@ def _escape_prop(text: str) -> str:
 
 def format_github(report: Report) -> str:
     lines = []
+    refused = {r.check: r for r in report.gate if r.kind == "policy"}
     for check in report.checks:
         level = {Status.FAIL: "error", Status.ERROR: "error", Status.WARN: "warning"}.get(check.status)
+        summary = check.summary
+        if check.name in refused:
+            level, summary = "error", f"{refused[check.name].why}: {summary}"
         if level:
             title = _escape_prop(f"posdiag {check.name} ({report.model.id})")
-            lines.append(f"::{level} title={title}::{_escape(check.summary)}")
+            lines.append(f"::{level} title={title}::{_escape(summary)}")
+    for r in refused.values():
+        if r.status == "missing":
+            lines.append(f"::error title={_escape_prop(f'posdiag {r.check} ({report.model.id})')}::{_escape(r.why)}")
     if report.incomplete:
         lines.append("::error title=posdiag::run interrupted, not every check ran")
     return "".join(line + "\n" for line in lines)

@@ -1,7 +1,10 @@
 """JUnit XML: one testcase per check, for CI systems that show test reports.
 
-classname = the model id, name = the check. FAIL/ERROR carry the summary and key numbers;
-SKIP is <skipped> (never counted as passed). Characters XML 1.0 forbids are replaced.
+classname = the model id, name = the check. FAIL carries the summary and key numbers; SKIP is <skipped>
+with its reason (never counted as passed); ERROR (posdiag could not run the check) is <error>. A WARN or
+SKIP the gate policy refuses (--fail-on), or a required check that did not pass (--require), is a
+<failure type="GatePolicy"> saying so; a required check that did not run gets a testcase of its own.
+Characters XML 1.0 forbids are replaced.
 """
 
 from __future__ import annotations
@@ -19,19 +22,23 @@ def _clean(text: str) -> str:
 
 
 def format_junit(report: Report) -> str:
-    failures = sum(c.status is Status.FAIL for c in report.checks)
+    refused = {r.check: r for r in report.gate if r.kind == "policy"}
+    failures = sum(c.status is Status.FAIL or c.name in refused for c in report.checks)
+    missing = [r for r in refused.values() if r.status == "missing"]
     errors = sum(c.status is Status.ERROR for c in report.checks) + (1 if report.incomplete else 0)
-    skipped = sum(c.status is Status.SKIP for c in report.checks)
+    skipped = sum(c.status is Status.SKIP and c.name not in refused for c in report.checks)
     suite = ET.Element("testsuite", {
         "name": "posdiag",
-        "tests": str(len(report.checks)),
-        "failures": str(failures),
+        "tests": str(len(report.checks) + len(missing)),
+        "failures": str(failures + len(missing)),
         "errors": str(errors),
         "skipped": str(skipped),
         "time": f"{sum(c.seconds for c in report.checks):.3f}",
     })
     props = ET.SubElement(suite, "properties")
-    for key, value in {**report.versions, "family": report.model.family, "position_kind": report.model.position_kind}.items():
+    policy = {"fail_on": ",".join(report.policy.to_dict()["fail_on"]), "require": ",".join(report.policy.require)}
+    for key, value in {**report.versions, "family": report.model.family, "position_kind": report.model.position_kind,
+                       **{k: v for k, v in policy.items() if v}}.items():
         ET.SubElement(props, "property", {"name": _clean(key), "value": _clean(value)})
     for check in report.checks:
         case = ET.SubElement(suite, "testcase", {
@@ -41,13 +48,22 @@ def format_junit(report: Report) -> str:
             node = ET.SubElement(case, "failure", {"message": _clean(check.summary), "type": "PositionBug"})
             node.text = _clean(f"{check.summary}\n{numbers}")
         elif check.status is Status.ERROR:
-            node = ET.SubElement(case, "error", {"message": _clean(check.summary), "type": "CheckError"})
+            message = f"posdiag could not run {check.name} (an internal error, not a finding; please report)"
+            node = ET.SubElement(case, "error", {"message": message, "type": "InternalError"})
             node.text = _clean(check.summary)
+        elif check.name in refused:
+            why = refused[check.name].why
+            node = ET.SubElement(case, "failure", {"message": _clean(f"{why}: {check.summary}"), "type": "GatePolicy"})
+            node.text = _clean(f"{check.status.value.upper()}: {check.summary}\n{numbers}")
         elif check.status is Status.SKIP:
-            ET.SubElement(case, "skipped", {"message": _clean(check.summary)})
+            node = ET.SubElement(case, "skipped", {"message": _clean(check.summary)})
+            node.text = _clean(check.summary)
         else:
             out = ET.SubElement(case, "system-out")
             out.text = _clean(f"{check.status.value.upper()}: {check.summary}\n{numbers}")
+    for reason in missing:
+        case = ET.SubElement(suite, "testcase", {"classname": _clean(report.model.id), "name": _clean(reason.check)})
+        ET.SubElement(case, "failure", {"message": _clean(reason.why), "type": "GatePolicy"})
     if report.incomplete:
         case = ET.SubElement(suite, "testcase", {"classname": _clean(report.model.id), "name": "incomplete"})
         ET.SubElement(case, "error", {"message": "run interrupted: not every check ran", "type": "Incomplete"})

@@ -3,6 +3,7 @@
     def test_positions(posdiag):
         posdiag.assert_ok(build_my_model())                 # every applicable check
         posdiag.assert_ok(build_my_model(), checks=["shuffle"])
+        posdiag.assert_ok(build_my_model(), fail_on="skip", require=["shuffle", "cache"])  # a stricter gate
 
 A failure shows the report (one line per check, with the numbers), not a traceback into posdiag.
 Registered through the `pytest11` entry point, so installing posdiag is enough.
@@ -23,19 +24,27 @@ class PosdiagFixture:
 
         return check_model(model, checks, **kwargs)
 
-    def assert_ok(self, model: Any, checks: Iterable[str] | None = None, *, allow_warnings: bool = True, **kwargs: Any):
-        """Fail the test when any check fails (or warns, with allow_warnings=False). Returns the report."""
-        from posdiag.results import Status
-
-        report = self.check(model, checks, **kwargs)
-        bad = {Status.FAIL, Status.ERROR} | (set() if allow_warnings else {Status.WARN})
-        failed = [c for c in report.checks if c.status in bad]
-        if failed:
-            lines = [f"posdiag found {len(failed)} problem(s) in {report.model.id} "
+    def assert_ok(self, model: Any, checks: Iterable[str] | None = None, *, allow_warnings: bool = True,
+                  fail_on: str | Iterable[str] | None = None, require: str | Iterable[str] | None = None,
+                  **kwargs: Any):
+        """Fail the test when the gate does not pass: a check fails, posdiag cannot run one, or the policy
+        refuses a result (`fail_on` warn/skip, `require`d checks; allow_warnings=False is fail_on warn).
+        Returns the report."""
+        statuses = set(_split(fail_on)) | (set() if allow_warnings else {"warn"})
+        report = self.check(model, checks, fail_on=sorted(statuses), require=require, **kwargs)
+        if report.exit_code != 0:
+            lines = [f"posdiag found {len(report.gate)} problem(s) in {report.model.id} "
                      f"({report.model.family}, positions: {report.model.position_kind}):"]
             lines += [f"  {c.status.value.upper()} {c.name}: {c.summary}" for c in report.checks]
+            lines += [f"  gate: {r.check} {r.why}" for r in report.gate if r.kind == "policy"]
             pytest.fail("\n".join(lines), pytrace=False)
         return report
+
+
+def _split(value: str | Iterable[str] | None) -> list[str]:
+    if value is None:
+        return []
+    return [v.strip() for v in (value.split(",") if isinstance(value, str) else value) if v.strip()]
 
 
 @pytest.fixture

@@ -1,0 +1,219 @@
+"""The gate: --fail-on / --require decided in Report.exit_code, a run that judged nothing never reads as OK,
+internal errors (exit 3) kept apart from findings (exit 1), and the same policy in every output."""
+
+import io
+import json
+import xml.etree.ElementTree as ET
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+import posdiag.checks.shuffle
+from posdiag.cli import app
+from posdiag.report.console import render
+from posdiag.report.github import format_github
+from posdiag.report.junit import format_junit
+from posdiag.results import CheckResult, GatePolicy, ModelInfo, Report, Status
+
+runner = CliRunner()
+MODEL = ModelInfo(id="m", family="llama", kind="causal", position_kind="rope", dtype="float32", device="cpu")
+
+
+def invoke(*args, **kw):
+    return runner.invoke(app, [str(a) for a in args], env={"COLUMNS": "250"}, **kw)  # panel lines unwrapped
+
+
+def report(*statuses, policy=None, **kw):
+    checks = tuple(CheckResult(name, s, f"{name} said {s.value}") for name, s in statuses)
+    return Report(model=MODEL, checks=checks, policy=policy or GatePolicy(), **kw)
+
+
+def panel(rep: Report) -> str:
+    out = io.StringIO()
+    render(rep, Console(file=out, width=200, color_system=None), verbose_tables=False)
+    return out.getvalue()
+
+
+# ---------------------------------------------------------------- the policy as data
+
+
+def test_exit_code_follows_the_policy():
+    mixed = [("load", Status.PASS), ("rope", Status.WARN), ("cache", Status.SKIP)]
+    assert report(*mixed).exit_code == 0
+    assert report(*mixed, policy=GatePolicy(fail_on=frozenset({Status.WARN}))).exit_code == 1
+    assert report(*mixed, policy=GatePolicy(fail_on=frozenset({Status.SKIP}))).exit_code == 1
+    assert report(*mixed, policy=GatePolicy(require=("load",))).exit_code == 0
+    refused = report(*mixed, policy=GatePolicy(require=("load", "cache", "kernels")))
+    assert refused.exit_code == 1
+    assert [(r.check, r.status, r.why) for r in refused.gate] == [
+        ("cache", "skip", "required, but skip"), ("kernels", "missing", "required, but it did not run")]
+    with pytest.raises(ValueError):
+        GatePolicy(fail_on=frozenset({Status.FAIL}))
+
+
+def test_internal_errors_are_exit_3_and_findings_win():
+    assert report(("shuffle", Status.ERROR), ("load", Status.PASS)).exit_code == 3
+    assert report(("shuffle", Status.ERROR), ("load", Status.FAIL)).exit_code == 1
+    skip_refused = GatePolicy(fail_on=frozenset({Status.SKIP}))
+    assert report(("shuffle", Status.ERROR), ("table", Status.SKIP), policy=skip_refused).exit_code == 1
+    assert report(("shuffle", Status.ERROR), incomplete=True).exit_code == 2
+
+
+def test_api_policy_names_are_validated():
+    from posdiag.api import gate_policy
+    from posdiag.errors import PosdiagError
+
+    assert gate_policy("warn, SKIP", "cache,shuffle") == GatePolicy(frozenset({Status.WARN, Status.SKIP}),
+                                                                     ("cache", "shuffle"))
+    assert gate_policy(["skip"], None) == GatePolicy(frozenset({Status.SKIP}))
+    with pytest.raises(PosdiagError, match="--fail-on fail"):
+        gate_policy("fail", None)
+    with pytest.raises(PosdiagError, match="--require cachee: unknown check"):
+        gate_policy(None, "cachee")
+
+
+# ---------------------------------------------------------------- the summary panel
+
+
+def test_panel_says_ok_only_when_every_check_passed():
+    assert "OK — no position bug found" in panel(report(("load", Status.PASS), ("shuffle", Status.PASS)))
+    mixed = panel(report(("load", Status.PASS), ("shuffle", Status.PASS), ("rope", Status.WARN),
+                         ("table", Status.SKIP)))
+    assert "OK" not in mixed and "no position bug found" not in mixed
+    assert "2 pass · 1 skip · 1 warn — not a full bill of health" in mixed
+    assert "not passed: rope (warn), table (skip)" in mixed and "exit code 0" in mixed
+    blind = panel(report(("cache", Status.SKIP), ("table", Status.SKIP)))
+    assert "OK" not in blind and "2 skip — nothing was judged" in blind
+    warned = panel(report(("rope", Status.WARN), ("copy", Status.WARN)))
+    assert "OK" not in warned and "2 warn — not a full bill of health" in warned
+
+
+def test_panel_names_findings_refusals_and_internal_errors_apart():
+    err = CheckResult("shuffle", Status.ERROR, "posdiag could not run this check: ...",
+                      details={"error": "RuntimeError: boom"})
+    both = panel(Report(model=MODEL, checks=(CheckResult("load", Status.FAIL, "table missing"), err)))
+    assert "FAILED — position bug found by load" in both
+    assert "posdiag could not run shuffle: RuntimeError: boom; please report" in both
+    assert "FAILED — position bug found by shuffle" not in both and "exit code 1" in both
+    refused = panel(report(("cache", Status.SKIP), policy=GatePolicy(require=("cache",))))
+    assert "GATE FAILED — cache required, but skip" in refused and "require cache · exit code 1" in refused
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def test_all_skip_run_is_not_ok_and_fail_on_skip_refuses_it(fixtures_dir):
+    blind = invoke("check", fixtures_dir / "llama-tiny", "--only", "table")
+    assert blind.exit_code == 0, blind.output
+    assert "SKIP" in blind.output and "OK" not in blind.output and "nothing was judged" in blind.output
+    refused = invoke("check", fixtures_dir / "llama-tiny", "--only", "table", "--fail-on", "skip")
+    assert refused.exit_code == 1
+    assert "GATE FAILED — table skip, and the gate fails on skip" in refused.output
+
+
+def test_require_cache_on_an_encoder(fixtures_dir):
+    result = invoke("check", fixtures_dir / "bert-tiny", "--only", "cache", "--require", "cache", "--json", "-")
+    assert result.exit_code == 1
+    data = json.loads(result.stdout[result.stdout.index("{"):])
+    assert data["schema"] == 1 and data["checks"][0]["status"] == "skip"
+    assert data["policy"] == {"fail_on": [], "require": ["cache"]}
+    (reason,) = data["gate"]["reasons"]
+    assert reason["check"] == "cache" and reason["kind"] == "policy" and reason["why"] == "required, but skip"
+    assert reason["summary"] == data["checks"][0]["summary"] and data["gate"]["passed"] is False
+    assert "GATE FAILED — cache required, but skip" in result.stderr
+
+
+def test_bad_policy_is_a_usage_error(fixtures_dir):
+    result = invoke("check", fixtures_dir / "llama-tiny", "--fail-on", "warn,fail")
+    assert result.exit_code == 2 and "--fail-on fail" in result.output
+
+
+def boom(subject, options):
+    raise RuntimeError("boom inside the check\nsecond line")
+
+
+def test_internal_error_exits_3_with_its_own_wording(fixtures_dir, monkeypatch):
+    monkeypatch.setattr(posdiag.checks.shuffle, "run", boom)
+    result = invoke("shuffle", fixtures_dir / "llama-tiny", "--json", "-")
+    assert result.exit_code == 3
+    assert "posdiag could not run shuffle: RuntimeError: boom inside the check; please report" in result.stderr
+    assert "FAILED" not in result.stderr
+    data = json.loads(result.stdout[result.stdout.index("{"):])
+    check = data["checks"][0]
+    assert check["status"] == "error" and check["details"]["exception"] == "RuntimeError"
+    assert data["exit_code"] == 3 and data["gate"]["reasons"][0]["kind"] == "internal"
+
+
+def test_fail_together_with_an_error_is_exit_1_and_says_both(fixtures_dir, monkeypatch):
+    monkeypatch.setattr(posdiag.checks.shuffle, "run", boom)
+    result = invoke("check", fixtures_dir / "gpt2-tiny-missing-wpe", "--only", "load,shuffle")
+    assert result.exit_code == 1
+    assert "FAILED — position bug found by load" in result.output
+    assert "posdiag could not run shuffle: RuntimeError: boom inside the check; please report" in result.output
+
+
+def test_fail_on_from_the_config_file(fixtures_dir, tmp_path, monkeypatch):
+    (tmp_path / "pyproject.toml").write_text(
+        f'[tool.posdiag]\nmodel = "{fixtures_dir / "llama-tiny"}"\nfail-on = "skip"\nrequire = ["table"]\n')
+    monkeypatch.chdir(tmp_path)
+    shown = invoke("check", "--show-config")
+    assert shown.exit_code == 0 and "fail-on" in shown.output and "require" in shown.output
+    result = invoke("check", "--only", "table", "-q")
+    assert result.exit_code == 1 and "GATE FAILED — table required, but skip" in result.output
+    typed = invoke("check", "--only", "table", "--fail-on", "warn", "--require", "load", "-q")
+    assert typed.exit_code == 1 and "required, but it did not run" in typed.output  # the command line wins
+
+
+# ---------------------------------------------------------------- JUnit, GitHub, API, plugin
+
+
+def test_junit_skip_is_skipped_with_the_reason_and_refusals_are_failures():
+    plain = ET.fromstring(format_junit(report(("load", Status.PASS), ("cache", Status.SKIP))))
+    cases = {c.get("name"): c for c in plain.iter("testcase")}
+    assert cases["cache"].find("skipped").get("message") == "cache said skip"
+    assert plain.get("skipped") == "1" and plain.get("failures") == "0"
+    strict = GatePolicy(fail_on=frozenset({Status.SKIP}), require=("kernels",))
+    root = ET.fromstring(format_junit(report(("load", Status.PASS), ("cache", Status.SKIP), policy=strict)))
+    cases = {c.get("name"): c for c in root.iter("testcase")}
+    assert cases["cache"].find("skipped") is None
+    assert cases["cache"].find("failure").get("type") == "GatePolicy"
+    assert cases["kernels"].find("failure").get("message") == "required, but it did not run"
+    assert root.get("failures") == "2" and root.get("skipped") == "0" and root.get("tests") == "3"
+    err = ET.fromstring(format_junit(report(("shuffle", Status.ERROR))))
+    assert err.find("testcase/error").get("type") == "InternalError" and err.get("failures") == "0"
+
+
+def test_github_annotations_follow_the_policy():
+    text = format_github(report(("rope", Status.WARN), ("cache", Status.SKIP),
+                                policy=GatePolicy(fail_on=frozenset({Status.SKIP}))))
+    assert text.splitlines() == ["::warning title=posdiag rope (m)::rope said warn",
+                                 "::error title=posdiag cache (m)::skip, and the gate fails on skip: cache said skip"]
+
+
+def test_python_api_takes_the_policy():
+    from posdiag import check_model
+    from posdiag.testing import zoo
+
+    model = zoo.tiny_model("llama")
+    assert check_model(model, ["table"]).exit_code == 0
+    strict = check_model(model, ["table"], fail_on="skip")
+    assert strict.exit_code == 1 and strict.policy.fail_on == {Status.SKIP}
+
+
+PLUGIN_TEST = '''
+from posdiag.testing import zoo
+
+def test_default_policy(posdiag):
+    posdiag.assert_ok(zoo.tiny_model("llama"), checks=["table"])
+
+def test_required(posdiag):
+    posdiag.assert_ok(zoo.tiny_model("llama"), checks=["table"], require=["table"])
+'''
+
+
+def test_pytest_plugin_respects_the_policy(pytester):
+    pytester.makepyfile(test_model=PLUGIN_TEST)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*posdiag found 1 problem(s)*", "*SKIP table:*", "*gate: table required, but skip*"])
