@@ -198,6 +198,7 @@ def _measure(subject: Subject, prompts: list[torch.Tensor], new_tokens: int) -> 
             start = 0 if seq2seq else len(prompts[row]) - 1
             first_step_error = max(first_step_error, relative_l2(run_.logits[i, 0], prompt_logits[row][start]))
             run_.errors[row] = _compare_row(run_, i, row, refs[(run_.name, i)], start, tolerance)
+        run_.logits = run_.tokens = None  # judged: only the figures are kept
     return Measurement(runs, floor_measured, first_step_error, pad_note, cache_note)
 
 
