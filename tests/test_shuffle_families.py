@@ -51,12 +51,17 @@ def test_bfloat16_is_upcast_and_judged(family):
     assert shuffle(broken).status is Status.FAIL
 
 
-def test_bfloat16_without_upcast_is_never_a_false_verdict():
-    """Staying in bf16, a residual near rounding is inconclusive (WARN), not FAIL and never PASS."""
+def test_bfloat16_without_upcast_is_decided_in_float64():
+    """Staying in bf16, a residual near rounding is inconclusive there: the same rows re-run in float64 decide
+    (a FAIL for the model without positions, a PASS for its healthy twin), never a WARN that shrugs."""
     broken = zoo.tiny_model("llama", dtype=torch.bfloat16)
     zoo.remove_positions(broken, "llama")
     result = shuffle(broken, upcast=False)
-    assert result.status is Status.WARN and "inconclusive" in result.summary
+    assert result.status is Status.FAIL, result.summary
+    assert "in float64 (inconclusive in bfloat16" in result.summary
+    assert result.metrics["ratio"] < 10  # the float64 figures: outputs merely permute
+    healthy = shuffle(zoo.tiny_model("llama", dtype=torch.bfloat16), upcast=False)
+    assert healthy.status is Status.PASS, healthy.summary
 
 
 def test_per_layer_table_shows_where_position_enters():

@@ -34,7 +34,9 @@ from posdiag.model.subject import Subject
 from posdiag.model.tensors import relative_l2
 from posdiag.options import RunOptions, probe_ids
 from posdiag.results import CheckResult, Status, Table, combine_stacks
-from posdiag.verdict import PASS_RATIO, judge_position_signal, noise_floor
+from posdiag.model.precision import run_finer
+from posdiag.model.tensors import dtype_name
+from posdiag.verdict import LOW_PRECISION, PASS_RATIO, FloorVerdict, judge_position_signal, noise_floor
 
 TITLE = "Permutation equivariance"
 
@@ -82,8 +84,20 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
         rows.append(Row(ids))
     # Encoder-decoders: the decoder is tested against one fixed encoder input for every row.
     encoder_ids = ids[None].expand(len(rows), -1) if subject.kind == "seq2seq" and stack == "decoder" else None
-    with jittered(subject, stack, jitter_row, len(rows), options.seed) if recurrent else _nothing() as has_jitter:
-        out = run_rows(subject, rows, stack=stack, encoder_ids=encoder_ids)
+
+    def measure():
+        with jittered(subject, stack, jitter_row, len(rows), options.seed) if recurrent else _nothing() as jitter_found:
+            return run_rows(subject, rows, stack=stack, encoder_ids=encoder_ids), jitter_found
+
+    def final_figures(measured) -> tuple[float, float]:
+        """(residual, floor) at the last layer: the numbers the verdict is about."""
+        hidden, jitter_found = measured[0].final, measured[1]
+        res = min(relative_l2(hidden[first_perm + i], hidden[0][p]) for i, p in enumerate(perms))
+        if consistent:
+            return res, max(relative_l2(hidden[first_consistent + i], hidden[0][p]) for i, p in enumerate(perms))
+        return res, relative_l2(hidden[jitter_row], hidden[0]) if jitter_found else 0.0
+
+    out, has_jitter = measure()
     base = [h[0] for h in out.hidden]
 
     if not all(torch.isfinite(h).all() for h in out.hidden):
@@ -118,6 +132,7 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
         if not fid.ok:
             return CheckResult("shuffle", Status.SKIP, f"mask not faithful, no verdict: {fid.reason}",
                                metrics, details)
+    consistent_is_floor = consistent
     if consistent and final_floor > 0 and final_residual > 0 and max(floor[-1]) >= 0.5 * final_residual:
         # Permuting position ids with the tokens did not restore P f(x): the ids are not what
         # the model positions by (an unknown family's stack deriving them inside). The consistent
@@ -125,8 +140,12 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
         details["floor_source"] = f"{dtype} machine epsilon (position ids passed but not honoured)"
         floor = [[0.0] for _ in range(layers)]
         final_floor = 0.0
+        consistent_is_floor = False
 
     verdict = judge_position_signal(final_residual, final_floor, dtype)
+    if verdict.status is Status.WARN and dtype in LOW_PRECISION:
+        verdict = _decided_finer(subject, verdict, measure, final_figures, consistent_is_floor, dtype)
+        details["decided_in"] = verdict.reason
     table_rows = []
     enters = None
     for l in range(layers):
@@ -147,6 +166,24 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
     table = Table(f"shuffle residual by layer ({stack})" if subject.kind == "seq2seq" else "shuffle residual by layer",
                   ("layer", "residual", "noise floor", "ratio"), tuple(table_rows))
     return CheckResult("shuffle", verdict.status, summary, metrics, details, (table,))
+
+
+def _decided_finer(subject: Subject, verdict: FloorVerdict, measure, figures, floor_honoured: bool,
+                   dtype: str) -> FloorVerdict:
+    """Half precision cannot tell a weak position signal from rounding: re-run the same rows with the model in
+    float64 (module by module) and decide there. When no finer run is possible the WARN stays, saying so."""
+    finer = run_finer(subject, measure)
+    if finer.value is None:
+        return FloorVerdict(verdict.status, verdict.residual, verdict.noise_floor, verdict.ratio,
+                            f"{verdict.reason}; the float64 re-run that decides could not run: {finer.reason}")
+    residual, floor = figures(finer.value)
+    name = dtype_name(finer.dtype)
+    # Without a consistent permutation the floor is a dtype's unit: float32's, since models keep norms and softmax
+    # in float32 inside a float64 run (a Llama without positions: 6e-8 in float64, float32 rounding).
+    decided = judge_position_signal(residual, floor, name) if floor_honoured else \
+        judge_position_signal(residual, 0.0, "float32")
+    return FloorVerdict(decided.status, residual, decided.noise_floor, decided.ratio,
+                        f"{decided.reason} in {name} (inconclusive in {dtype}: {verdict.ratio:.3g}x its floor)")
 
 
 @contextlib.contextmanager
