@@ -115,6 +115,7 @@ class ModelInfo:
     check_dtype: str = ""  # the dtype equivariance checks ran in (after upcasting)
     source: str = ""  # what files were read (safetensors / pickle / factory / in-memory)
     notes: tuple[str, ...] = ()
+    tested: str = ""  # which part of a multimodal model the checks ran on ("" : the whole model)
 
     @property
     def causal(self) -> bool:
@@ -131,6 +132,7 @@ class ModelInfo:
             "check_dtype": self.check_dtype or self.dtype,
             "device": self.device,
             "source": self.source,
+            "tested": self.tested,
             "notes": list(self.notes),
         }
 

@@ -176,7 +176,16 @@ _ROWS: dict[str, Family] = {
 
 
 def family_for(config: Any) -> Family:
-    """The quirk row for a loaded config (some rows depend on config fields)."""
+    """The quirk row for a loaded config (some rows depend on config fields).
+
+    A multimodal config (vision / audio towers around a language model) gets its language model's row
+    under its own name: the checks drive the language model with text inputs (see `language_config`),
+    so the text model's quirks (Gemma3's per-layer-type masks, Mistral's window) are the ones that apply.
+    """
+    if is_multimodal(config):
+        row = family_for(language_config(config))
+        kind = "seq2seq" if getattr(config, "is_encoder_decoder", False) else "causal"
+        return replace(row, name=getattr(config, "model_type", row.name), kind=kind)
     model_type = getattr(config, "model_type", None) or "generic"
     row = _ROWS.get(model_type)
     if row is None:
@@ -198,6 +207,34 @@ def family_for(config: Any) -> Family:
     if model_type == "distilbert" and getattr(config, "sinusoidal_pos_embds", False):
         return replace(row, position_kind="sinusoidal")
     return row
+
+
+# Sub-configs of the towers posdiag does not test (the language model is what carries text positions).
+_TOWERS = {"vision_config": "vision tower", "audio_config": "audio tower", "vision_tower_config": "vision tower",
+           "speech_config": "speech tower"}
+
+
+def is_multimodal(config: Any) -> bool:
+    """A config holding a language model next to other towers (vision-language, audio-language)."""
+    if not any(getattr(config, name, None) is not None for name in _TOWERS):
+        return False
+    get = getattr(config, "get_text_config", None)
+    return callable(get) and get(decoder=True) is not config
+
+
+def language_config(config: Any) -> Any:
+    """The config the checks read (sizes, RoPE, windows, layer types): a multimodal model's text config
+    (the top config of Qwen2-VL, LLaVA, Gemma3... holds none of them), else the config itself."""
+    return config.get_text_config(decoder=True) if is_multimodal(config) else config
+
+
+def tested_tower(model: Any) -> str:
+    """What the checks run on, for the report header: "" for a text model."""
+    config = getattr(model, "config", None)
+    if config is None or not is_multimodal(config):
+        return ""
+    towers = sorted({label for name, label in _TOWERS.items() if getattr(config, name, None) is not None})
+    return f"language model of {type(model).__name__}; {' and '.join(towers)} not tested"
 
 
 def _declared_causal(config: Any) -> bool:

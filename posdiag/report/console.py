@@ -34,6 +34,8 @@ def render(report: Report, console: Console, *, quiet: bool = False, verbose_tab
         f"{m.dtype}{'→' + m.check_dtype if m.check_dtype and m.check_dtype != m.dtype else ''} on {m.device}",
     )
     console.print(header)
+    if m.tested:
+        console.print(Text(f"  tested: {m.tested}"))
     for note in m.notes:
         console.print(Text(f"  note: {note}", style="dim"))
 
