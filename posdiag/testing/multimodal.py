@@ -47,7 +47,9 @@ def small_config(model_type: str, **text_overrides: Any) -> PretrainedConfig:
         sizes = {**TEXT_SIZES, **text_overrides} if name == "text_config" else TOWER_SIZES
         kwargs[name] = _shrunk(sub, sizes)
     if not kwargs:  # a text-only config: shrink it directly
-        return transformers.AutoConfig.for_model(model_type, **_shrunk(base, {**TEXT_SIZES, **text_overrides}))
+        fields = _shrunk(base, {**TEXT_SIZES, **text_overrides})
+        fields.pop("model_type")
+        return transformers.AutoConfig.for_model(model_type, **fields)
     return config_class(**kwargs)
 
 
