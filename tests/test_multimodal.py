@@ -91,3 +91,9 @@ def test_llama4_is_driven_through_its_language_model():
     subject = from_module(tiny_multimodal("llama4"))
     assert type(subject.model).__name__ == "Llama4ForCausalLM"
     assert "driven alone" in subject.tested and "image_outputs" in subject.tested
+
+
+def test_type_built_only_as_masked_lm_is_an_encoder():
+    # ALBERT has no quirk row and its 5.x config no is_decoder field: it was guessed causal (a false causal FAIL).
+    assert family_for(small_config("albert")).kind == "encoder"
+    assert family_for(small_config("afmoe")).kind == "causal"

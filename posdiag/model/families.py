@@ -245,6 +245,13 @@ def _declared_causal(config: Any) -> bool:
 _CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel")
 
 
+def _masked_only(model_type: str | None) -> bool:
+    from transformers.models.auto import modeling_auto as auto
+
+    return (model_type in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES
+            and model_type not in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
 def _guess_kind(config: Any) -> str:
     if getattr(config, "is_encoder_decoder", False):
         return "seq2seq"
@@ -252,5 +259,9 @@ def _guess_kind(config: Any) -> str:
     if any(a.endswith(_CAUSAL_HEADS) for a in archs):
         return "causal"
     if any(a.endswith(("ForMaskedLM", "ForSequenceClassification", "ForTokenClassification")) for a in archs):
+        return "encoder"
+    if getattr(config, "is_decoder", None) is None and _masked_only(getattr(config, "model_type", None)):
+        # A config with no is_decoder field (5.x dropped it from many) of a type transformers builds only as a
+        # masked LM is a bidirectional encoder: guessed causal, ALBERT read as leaking the future (a false FAIL).
         return "encoder"
     return "causal" if getattr(config, "is_decoder", True) else "encoder"
