@@ -95,9 +95,10 @@ def run_all(timeout: float, only: list[str], write: bool) -> None:
             proc = subprocess.run([sys.executable, str(script), "--one", model_type], capture_output=True,
                                   text=True, timeout=timeout)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+            last = (proc.stderr.strip().splitlines() or [""])[-1][:200]
             row = json.loads(lines[-1]) if lines else {
                 "type": model_type, "kind": types.get(model_type, "?"),
-                "unbuildable": f"process exited {proc.returncode}: {(proc.stderr.strip().splitlines() or [''])[-1][:200]}"}
+                "unbuildable": f"process exited {proc.returncode}: {last}"}
         except subprocess.TimeoutExpired:
             row = {"type": model_type, "kind": types.get(model_type, "?"), "timeout": timeout}
         with RESULTS.open("a") as f:
