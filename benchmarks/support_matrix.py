@@ -2,6 +2,11 @@
 
     python benchmarks/support_matrix.py            # print the table
     python benchmarks/support_matrix.py --write    # also replace it in docs/support.md
+    python benchmarks/support_matrix.py --all --write [--timeout 300] [--only TYPE,...]
+        # every model type of transformers' causal-LM, seq2seq, masked-LM and image-text-to-text mappings:
+        # a tiny model from a small config (posdiag.testing.multimodal.small_config), every check, one
+        # subprocess per type with a time limit; results accumulate in benchmarks/sweep.jsonl (resumable:
+        # types already there are not run again) and the sweep table of docs/support.md is rebuilt from it
 
 Rows are the families of posdiag.testing.zoo at transformers' default init; each cell is the check's
 status on the healthy model. The last column is the shuffle verdict once positions are removed
@@ -21,7 +26,19 @@ SYMBOL = {"pass": "PASS", "fail": "**FAIL**", "warn": "WARN", "skip": "skip", "e
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--write", action="store_true")
+    parser.add_argument("--all", action="store_true", help="sweep every model type of the auto mappings")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per model type (--all)")
+    parser.add_argument("--only", default="", help="comma-separated model types (--all)")
+    parser.add_argument("--one", default="", help=argparse.SUPPRESS)  # internal: run one type, print JSON
     args = parser.parse_args()
+    if args.one or args.all:
+        import sweep  # benchmarks/sweep.py, next to this script
+
+        if args.one:
+            sweep.run_one(args.one)
+        else:
+            sweep.run_all(args.timeout, [t for t in args.only.split(",") if t], args.write)
+        return
 
     import torch
     import transformers

@@ -118,6 +118,7 @@ class ModelInfo:
     model_class: str = ""  # the Python class the checks ran on
     shipped_code: dict[str, str] = field(default_factory=dict)  # the checkpoint's own code (config auto_map)
     untested_code: str = ""  # why the checks did not run that code ('' when they did, or there is none)
+    tested: str = ""  # which part of a multimodal model the checks ran on ("" : the whole model)
 
     @property
     def causal(self) -> bool:
@@ -134,6 +135,7 @@ class ModelInfo:
             "check_dtype": self.check_dtype or self.dtype,
             "device": self.device,
             "source": self.source,
+            "tested": self.tested,
             "notes": list(self.notes),
             "class": self.model_class,
             "shipped_code": ({"auto_map": dict(self.shipped_code), "tested": not self.untested_code,

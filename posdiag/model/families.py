@@ -176,7 +176,16 @@ _ROWS: dict[str, Family] = {
 
 
 def family_for(config: Any) -> Family:
-    """The quirk row for a loaded config (some rows depend on config fields)."""
+    """The quirk row for a loaded config (some rows depend on config fields).
+
+    A multimodal config (vision / audio towers around a language model) gets its language model's row
+    under its own name: the checks drive the language model with text inputs (see `language_config`),
+    so the text model's quirks (Gemma3's per-layer-type masks, Mistral's window) are the ones that apply.
+    """
+    if is_multimodal(config):
+        row = family_for(language_config(config))
+        kind = "seq2seq" if getattr(config, "is_encoder_decoder", False) else "causal"
+        return replace(row, name=getattr(config, "model_type", row.name), kind=kind)
     model_type = getattr(config, "model_type", None) or "generic"
     row = _ROWS.get(model_type)
     if row is None:
@@ -200,12 +209,47 @@ def family_for(config: Any) -> Family:
     return row
 
 
+# Sub-configs of the towers posdiag does not test (the language model is what carries text positions).
+_TOWERS = {"vision_config": "vision tower", "audio_config": "audio tower", "vision_tower_config": "vision tower",
+           "speech_config": "speech tower"}
+
+
+def is_multimodal(config: Any) -> bool:
+    """A config holding a language model next to other towers (vision-language, audio-language)."""
+    if not any(getattr(config, name, None) is not None for name in _TOWERS):
+        return False
+    get = getattr(config, "get_text_config", None)
+    return callable(get) and get(decoder=True) is not config
+
+
+def language_config(config: Any) -> Any:
+    """The config the checks read (sizes, RoPE, windows, layer types): a multimodal model's text config
+    (the top config of Qwen2-VL, LLaVA, Gemma3... holds none of them), else the config itself."""
+    return config.get_text_config(decoder=True) if is_multimodal(config) else config
+
+
+def tested_tower(model: Any) -> str:
+    """What the checks run on, for the report header: "" for a text model."""
+    config = getattr(model, "config", None)
+    if config is None or not is_multimodal(config):
+        return ""
+    towers = sorted({label for name, label in _TOWERS.items() if getattr(config, name, None) is not None})
+    return f"language model of {type(model).__name__}; {' and '.join(towers)} not tested"
+
+
 def _declared_causal(config: Any) -> bool:
     archs = getattr(config, "architectures", None) or []
     return bool(getattr(config, "is_decoder", False)) or any(a.endswith(_CAUSAL_HEADS) for a in archs)
 
 
 _CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel")
+
+
+def _masked_only(model_type: str | None) -> bool:
+    from transformers.models.auto import modeling_auto as auto
+
+    return (model_type in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES
+            and model_type not in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
 def _guess_kind(config: Any) -> str:
@@ -215,5 +259,9 @@ def _guess_kind(config: Any) -> str:
     if any(a.endswith(_CAUSAL_HEADS) for a in archs):
         return "causal"
     if any(a.endswith(("ForMaskedLM", "ForSequenceClassification", "ForTokenClassification")) for a in archs):
+        return "encoder"
+    if getattr(config, "is_decoder", None) is None and _masked_only(getattr(config, "model_type", None)):
+        # A config with no is_decoder field (5.x dropped it from many) of a type transformers builds only as a
+        # masked LM is a bidirectional encoder: guessed causal, ALBERT read as leaking the future (a false FAIL).
         return "encoder"
     return "causal" if getattr(config, "is_decoder", True) else "encoder"

@@ -20,7 +20,7 @@ import torch
 
 from posdiag.errors import PosdiagError, one_line
 from posdiag.model.checkpoint import checkpoint_dtype, weight_files
-from posdiag.model.families import Family, family_for
+from posdiag.model.families import Family, family_for, language_config, tested_tower
 from posdiag.model.introspect import detect_position_kind
 from posdiag.model.placement import (
     device_map_kwargs,
@@ -58,8 +58,11 @@ def from_module(model: torch.nn.Module, *, name: str = "in-memory model", option
     param = next(iter(model.parameters()), None)
     load_dtype = param.dtype if param is not None else torch.float32
     device = input_device(model)
+    tested = ""
     if is_hf:
         family = family_for(config)
+        model, tested = text_route(model)
+        config = language_config(config) if model.config is config else model.config
         _check_attn_implementation(model, options)
     else:
         config = _CustomConfig(model)
@@ -70,7 +73,7 @@ def from_module(model: torch.nn.Module, *, name: str = "in-memory model", option
         position_kind=family.position_kind if family.position_kind != "none found" else detect_position_kind(model),
         dtype=load_dtype, load_dtype=load_dtype, device=device,
         load_info=LoadInfo(checkpoint_keys=None, source="in-memory module"),
-        options=options, is_hf=is_hf,
+        options=options, is_hf=is_hf, tested=tested,
     )
     _maybe_upcast(subject)
     return subject
@@ -225,6 +228,7 @@ def _load_pretrained(spec: str, options: LoadOptions) -> Subject:
     if device is not None:
         model = model.to(device)
     model.eval()
+    model, tested = text_route(model)
 
     param = next(iter(model.parameters()))  # its dtype; its device may be "meta" when offloaded
     info = LoadInfo(
@@ -237,10 +241,10 @@ def _load_pretrained(spec: str, options: LoadOptions) -> Subject:
         **shipped_code(config, model, options.trust_remote_code),
     )
     subject = Subject(
-        model=model, config=model.config, family=family, spec=spec, kind=family.kind,
+        model=model, config=language_config(model.config), family=family, spec=spec, kind=family.kind,
         position_kind=family.position_kind if family.position_kind != "none found" else detect_position_kind(model),
         dtype=param.dtype, load_dtype=stored if upcast_at_load else param.dtype, device=input_device(model),
-        load_info=info, options=options,
+        load_info=info, options=options, tested=tested,
     )
     # Removed by Subject.close(), else when the model is collected, else at interpreter exit.
     subject.cleanup = [weakref.finalize(model, shutil.rmtree, folder, True) for folder in temporary]
@@ -252,6 +256,39 @@ def _load_pretrained(spec: str, options: LoadOptions) -> Subject:
                              f"float32 size, twice {name}'s; --no-upcast keeps {name})")
     _maybe_upcast(subject)
     return subject
+
+
+def text_route(model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
+    """The module the checks drive with text inputs, and what the report header says was tested.
+
+    A multimodal model's checks run on its language model with text inputs, through the model's own forward:
+    that is the path users run (it builds the mRoPE position streams and the masks, and generate() carries
+    rope_deltas), and measured on tiny Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Gemma3, Mistral3, LLaVA, PaliGemma,
+    Idefics3 and SmolVLM every check runs through it. Where that forward raises on text inputs, the complete
+    causal LM the model holds is driven alone (Llama4ForConditionalGeneration.forward in transformers 5.24
+    reads `image_outputs` off its language model's output and raises AttributeError on every call), and the
+    header says so."""
+    tested = tested_tower(model)
+    if not tested:
+        return model, ""
+    error = _text_forward_error(model)
+    inner = getattr(model, "language_model", None)
+    if error is None or not (isinstance(inner, torch.nn.Module) and hasattr(inner, "get_output_embeddings")
+                             and inner.get_output_embeddings() is not None):
+        return model, tested
+    towers = tested.split("; ", 1)[1]
+    return inner.eval(), (f"language model {type(inner).__name__} of {type(model).__name__}, driven alone "
+                          f"({type(model).__name__}.forward raised {error} on text inputs); {towers}")
+
+
+def _text_forward_error(model: torch.nn.Module) -> str | None:
+    ids = torch.tensor([[4, 5]], device=input_device(model))
+    try:
+        with torch.inference_mode():
+            model(input_ids=ids, use_cache=False, output_hidden_states=True, return_dict=True)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {one_line(exc)}"[:160]
+    return None
 
 
 def _maybe_upcast(subject: Subject) -> None:
@@ -294,14 +331,53 @@ def shipped_code(config: Any, model: torch.nn.Module, trusted: bool) -> dict[str
                              f"transformers' built-in {type(model).__name__}, not that code"}
 
 
-def auto_class(config: Any, family: Family):
-    import transformers
+# (auto class, its mapping in transformers.models.auto.modeling_auto), in the order a checkpoint's declared
+# architecture is looked up. Vision-language checkpoints (Qwen2-VL, LLaVA, PaliGemma...) are in none of the
+# text mappings: AutoModelForCausalLM raises "Unrecognized configuration class" on them.
+_AUTO = (
+    ("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
+    ("AutoModelForSeq2SeqLM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),
+    ("AutoModelForImageTextToText", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES"),
+    ("AutoModelForMaskedLM", "MODEL_FOR_MASKED_LM_MAPPING_NAMES"),
+    ("AutoModel", "MODEL_MAPPING_NAMES"),
+)
 
+
+def auto_class(config: Any, family: Family):
+    """The auto class that builds what the checkpoint is.
+
+    The class the checkpoint declares (`architectures`) wins where an auto mapping builds it for this model
+    type: a Llama4 checkpoint saved as Llama4ForConditionalGeneration loads as that (AutoModelForCausalLM
+    would build the text-only Llama4ForCausalLM and re-initialise every weight under its other prefix).
+    Otherwise by kind: encoders as the base model (its last_hidden_state is the representation),
+    encoder-decoders with their LM head, decoders with theirs, then image-text-to-text, then the base model.
+    Model types in no mapping (remote code) go to AutoModelForCausalLM, which says what it cannot build.
+    """
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    model_type = getattr(config, "model_type", None)
+    built = {auto: _names(getattr(modeling_auto, mapping).get(model_type)) for auto, mapping in _AUTO}
+    declared = set(getattr(config, "architectures", None) or ())
+    for auto, _ in _AUTO:
+        if declared & built[auto] and not (family.kind == "encoder" and built["AutoModel"]):
+            return getattr(transformers, auto)
     if family.kind == "seq2seq" or getattr(config, "is_encoder_decoder", False):
-        return transformers.AutoModelForSeq2SeqLM
-    if family.kind == "encoder":
-        return transformers.AutoModel
+        order = ("AutoModelForSeq2SeqLM", "AutoModelForImageTextToText", "AutoModel")
+    elif family.kind == "encoder":
+        order = ("AutoModel", "AutoModelForMaskedLM")
+    else:
+        order = ("AutoModelForCausalLM", "AutoModelForImageTextToText", "AutoModelForSeq2SeqLM", "AutoModel")
+    for auto in order:
+        if built[auto]:
+            return getattr(transformers, auto)
     return transformers.AutoModelForCausalLM
+
+
+def _names(entry: Any) -> set[str]:
+    if entry is None:
+        return set()
+    return {entry} if isinstance(entry, str) else set(entry)
 
 
 def _explain_config_error(spec: str, exc: Exception, options: LoadOptions, is_local: bool) -> str:

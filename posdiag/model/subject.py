@@ -75,6 +75,7 @@ class Subject:
     batch_limit: int | None = None  # lowered after an out-of-memory fallback
     is_hf: bool = True
     notes: list[str] = field(default_factory=list)
+    tested: str = ""  # multimodal models: the tower the checks run on (families.tested_tower)
     cleanup: list[Any] = field(default_factory=list, repr=False)  # weakref.finalize: temporary offload folders
 
     def close(self) -> None:
@@ -99,7 +100,19 @@ class Subject:
             model_class=type(self.model).__name__,
             shipped_code=dict(self.load_info.shipped_code),
             untested_code=self.load_info.untested_code,
+            tested=self.tested,
         )
+
+    @property
+    def language_model(self) -> torch.nn.Module:
+        """The module holding the language model's layers: what module-inspecting probes (rotary tables,
+        attention capture) search. A multimodal model's vision tower has rotary modules and attention of
+        its own (Qwen2-VL's 2D vision RoPE): searched, they were judged as text RoPE and failed."""
+        if self.tested and self.is_hf and hasattr(self.model, "get_decoder"):
+            decoder = self.model.get_decoder()
+            if isinstance(decoder, torch.nn.Module):
+                return decoder
+        return self.model
 
     @property
     def dtype_name(self) -> str:
@@ -149,7 +162,10 @@ class Subject:
     # ---------------------------------------------------------------- inputs
     def special_ids(self) -> set[int]:
         ids: set[int] = set()
-        for obj in (self.config, getattr(self.config, "text_config", None)):
+        # The model's own config too: a multimodal model's image/video token ids live there, not in the
+        # language model's config (Subject.config), and an image token without pixels makes it raise.
+        model_config = getattr(self.model, "config", None) if self.is_hf else None
+        for obj in (self.config, getattr(self.config, "text_config", None), model_config):
             if obj is None:
                 continue
             for name in dir(obj):

@@ -40,6 +40,8 @@ def render(report: Report, console: Console, *, quiet: bool = False, verbose_tab
         f"{m.dtype}{'→' + m.check_dtype if m.check_dtype and m.check_dtype != m.dtype else ''} on {m.device}",
     )
     console.print(header)
+    if m.tested:
+        console.print(Text(f"  tested: {m.tested}"))
     if m.untested_code:
         console.print(Text(f"  not tested: {m.untested_code}", style="yellow"))
     for note in m.notes:

@@ -38,6 +38,8 @@ def render_rope_static(out: Console, model: str, config: Any, static: list) -> N
         out.print(Text(head, style="bold"))
         out.print(_side_by_side(r.before, r.after))
         out.print(_pair_table(r.after))
+        if r.sections:
+            out.print(_section_table(r.sections))
         out.print(Text("\n".join(wavelength_plot_lines(r.before, r.after))))
         for w in r.warnings:
             out.print(Text(f"  warning: {w}", style="yellow"))
@@ -72,6 +74,19 @@ def _pair_table(a) -> Table:
     for p in picks:
         t.add_row(str(p), f"{a.freqs[p]:.4g}", _fmt(float(a.wavelengths[p])), f"{a.turns_training[p]:.3g}",
                   f"{a.turns_target[p]:.3g}", "yes" if a.unseen[p] else "")
+    return t
+
+
+def _section_table(sections) -> Table:
+    t = Table(title=f"mRoPE sections ({sections[0].layout}): pairs per position stream", title_justify="left",
+              show_header=True, header_style="bold", box=None)
+    for col in ("stream", "pairs", "critical pair", "shortest λ", "longest λ", "unseen at N"):
+        t.add_column(col, justify="right")
+    for s in sections:
+        shown = ", ".join(str(p) for p in s.pairs[:4]) + (", …" if len(s.pairs) > 4 else "")
+        span = f"{s.pairs[0]}–{s.pairs[-1]}" if s.layout == "chunked" else shown
+        t.add_row(s.stream, f"{len(s.pairs)}: {span}", _fmt(s.critical_pair), _fmt(s.shortest_wavelength),
+                  _fmt(s.longest_wavelength), str(s.unseen_at_target))
     return t
 
 

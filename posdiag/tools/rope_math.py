@@ -315,6 +315,7 @@ class SpecReport:
     after: Analysis
     warnings: tuple[str, ...]
     notes: tuple[str, ...]
+    sections: tuple = ()  # mrope.Section per position stream (t, h, w) of multimodal RoPE; () otherwise
 
 
 def report_spec(config: Any, spec: RopeSpec, target_length: int | None = None) -> SpecReport:
@@ -344,7 +345,10 @@ def report_spec(config: Any, spec: RopeSpec, target_length: int | None = None) -
                      f"shown at length {target}")
     if after.decay_first_zero is not None:
         notes.append(f"{spec.label}: decay curve first crosses zero at offset {after.decay_first_zero} (information)")
-    return SpecReport(spec, scaling, before, after, tuple(warnings), tuple(notes))
+    from posdiag.tools import mrope
+
+    streams = mrope.sections(text_config(config), spec.params, after.freqs, training, target)
+    return SpecReport(spec, scaling, before, after, tuple(warnings), tuple(notes), streams)
 
 
 def analyze_config(config: Any, target_length: int | None = None) -> list[SpecReport]:

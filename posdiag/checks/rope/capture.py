@@ -67,7 +67,7 @@ class Capture:
 def capturing(subject: Subject, capture: Capture):
     """Wrap eager attention (eager runs) and apply_rotary_pos_emb in every attention module's globals."""
     patched, hooks = [], []
-    for g in _attention_globals(subject.model):
+    for g in _attention_globals(subject.language_model):
         eager = capture.eager_mode and callable(g.get("eager_attention_forward"))
         if eager:
             patched.append((g, "eager_attention_forward", g["eager_attention_forward"]))
@@ -76,7 +76,7 @@ def capturing(subject: Subject, capture: Capture):
             patched.append((g, "apply_rotary_pos_emb", g["apply_rotary_pos_emb"]))
             g["apply_rotary_pos_emb"] = capture.apply(g["apply_rotary_pos_emb"], record=not eager)
     if capture.eager_mode:
-        for attention in _attention_modules(subject.model):
+        for attention in _attention_modules(subject.language_model):
             for name, proj in plain_projections(attention).items():
                 hooks.append(proj.register_forward_hook(capture.projection(attention, name)))
     try:

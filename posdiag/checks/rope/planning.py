@@ -29,7 +29,7 @@ def make_plan(subject: Subject, settings: dict, specs: list[rope_math.RopeSpec])
     target = int(settings.get("target_length") or declared or max(s.training_length or 0 for s in specs) or 4096)
     static = [rope_math.report_spec(subject.config, s, target) for s in specs]
     layer_spec = _layer_specs(subject, specs)
-    cap = _table_cap(subject.model)
+    cap = _table_cap(subject.language_model)
     top = max(target, declared or 0, 2)
     notes: list[str] = []
     if cap is not None and top > cap:

@@ -17,7 +17,7 @@ def probe_tables(subject: Subject, specs, refs, positions: np.ndarray) -> tuple[
     done = False
     pos = torch.as_tensor(positions, device=subject.device)[None]
     eps_out = MACHINE_EPSILON.get(subject.dtype_name, 1.2e-7)
-    for module in _rotary_modules(subject.model):
+    for module in _rotary_modules(subject.language_model):
         x = torch.zeros(1, 1, 1, dtype=subject.dtype, device=subject.device)
         for spec in specs:
             if spec.layer_type is not None and not hasattr(module, f"{spec.layer_type}_inv_freq"):

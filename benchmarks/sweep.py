@@ -1,0 +1,138 @@
+"""The support sweep: every model type of transformers' text and image-text auto mappings, as a tiny model.
+
+Driven by `python benchmarks/support_matrix.py --all`. Each type runs in its own subprocess under a time limit
+(a hang or a crash costs one row); each finished row is appended to benchmarks/sweep.jsonl at once, so an
+interrupted sweep resumes where it stopped. The table in docs/support.md is rebuilt from that file.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "sweep.jsonl"
+PAGE = HERE.parent / "docs" / "support.md"
+MAPPINGS = {  # kind shown in the table -> transformers.models.auto.modeling_auto mapping
+    "causal": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "seq2seq": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    "masked": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "image-text": "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
+}
+SYMBOL = {"pass": "PASS", "fail": "**FAIL**", "warn": "WARN", "skip": "skip", "error": "**ERROR**"}
+
+
+def model_types() -> dict[str, str]:
+    """model type -> the first mapping (in MAPPINGS order) that builds it."""
+    from transformers.models.auto import modeling_auto
+
+    out: dict[str, str] = {}
+    for kind, name in MAPPINGS.items():
+        for model_type in getattr(modeling_auto, name):
+            out.setdefault(model_type, kind)
+    return out
+
+
+def run_one(model_type: str) -> None:
+    """Build, check, print one JSON line (run in a subprocess by run_all)."""
+    import warnings
+
+    import torch
+    import transformers
+
+    warnings.filterwarnings("ignore")
+    transformers.utils.logging.set_verbosity_error()
+    torch.set_num_threads(1)
+    from posdiag import checks
+    from posdiag.api import run_checks
+    from posdiag.model.families import family_for
+    from posdiag.model.loading import auto_class, from_module
+    from posdiag.options import RunOptions
+    from posdiag.testing.multimodal import small_config
+
+    row: dict = {"type": model_type, "kind": model_types().get(model_type, "?")}
+    try:
+        config = small_config(model_type)
+        auto = auto_class(config, family_for(config))
+        torch.manual_seed(0)
+        try:
+            model = auto.from_config(config, attn_implementation="eager")
+        except (ValueError, TypeError):
+            model = auto.from_config(config)
+        subject = from_module(model.eval(), name=model_type)
+    except Exception as exc:  # not instantiable from a small config on CPU: listed with the reason
+        row["unbuildable"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+        print(json.dumps(row))
+        return
+    row.update(position_kind=subject.position_kind, family_kind=subject.kind, tested=subject.tested)
+    names = [n for n in checks.available() if n != "load"]
+    report = run_checks(subject, names, RunOptions(seq_len=16))
+    row["checks"] = {c.name: [c.status.value, c.summary[:240]] for c in report.checks}
+    print(json.dumps(row))
+
+
+def done() -> dict[str, dict]:
+    rows: dict[str, dict] = {}
+    if RESULTS.exists():
+        for line in RESULTS.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                rows[row["type"]] = row
+    return rows
+
+
+def run_all(timeout: float, only: list[str], write: bool) -> None:
+    types = model_types()
+    todo = [t for t in (only or sorted(types)) if t not in done()]
+    script = HERE / "support_matrix.py"
+    for i, model_type in enumerate(todo):
+        start = time.time()
+        try:
+            proc = subprocess.run([sys.executable, str(script), "--one", model_type], capture_output=True,
+                                  text=True, timeout=timeout)
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+            last = (proc.stderr.strip().splitlines() or [""])[-1][:200]
+            row = json.loads(lines[-1]) if lines else {
+                "type": model_type, "kind": types.get(model_type, "?"),
+                "unbuildable": f"process exited {proc.returncode}: {last}"}
+        except subprocess.TimeoutExpired:
+            row = {"type": model_type, "kind": types.get(model_type, "?"), "timeout": timeout}
+        with RESULTS.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(f"[{i + 1}/{len(todo)}] {model_type} {time.time() - start:.0f}s", flush=True)
+    if write:
+        write_page()
+
+
+def write_page() -> None:
+    from posdiag import checks
+
+    names = [n for n in checks.available() if n != "load"]
+    rows = done()
+    total = len(model_types())
+    judged = [r for r in rows.values() if "checks" in r]
+    errors = sum(1 for r in judged for s, _ in r["checks"].values() if s == "error")
+    skips = sum(1 for r in judged for s, _ in r["checks"].values() if s == "skip")
+    lines = [f"Partial sweep: {len(rows)} of {total} model types swept so far (the rest not yet run): {len(judged)} "
+             f"judged, {skips} check results skipped with reasons, {errors} errors.", "",
+             "| model type | kind | positions | " + " | ".join(names) + " |", "|---" * (len(names) + 3) + "|"]
+    for r in sorted(judged, key=lambda r: r["type"]):
+        cells = [SYMBOL[r["checks"].get(n, ["skip"])[0]] for n in names]
+        kind = r["kind"] if r["kind"] == "image-text" else r["family_kind"]  # bart: seq2seq, though also a causal LM
+        lines.append(f"| {r['type']} | {kind} | {r['position_kind']} | " + " | ".join(cells) + " |")
+    lines += ["", "Not judged (cannot be built from a small config on CPU, or over the time limit):", ""]
+    for r in sorted((r for r in rows.values() if "checks" not in r), key=lambda r: r["type"]):
+        why = r.get("unbuildable") or f"over the {r.get('timeout', 0):.0f} s limit per model type"
+        lines.append(f"- `{r['type']}` ({r['kind']}): {why.replace('|', '/')}")
+    table = "\n".join(lines)
+    text = PAGE.read_text()
+    block = f"<!-- sweep:start -->\n{table}\n<!-- sweep:end -->"
+    if "<!-- sweep:start -->" in text:
+        text = re.sub(r"<!-- sweep:start -->.*?<!-- sweep:end -->", lambda _: block, text, flags=re.S)
+    else:
+        text += "\n## Every model type (the sweep)\n\n" + block + "\n"
+    PAGE.write_text(text)

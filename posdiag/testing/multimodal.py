@@ -1,0 +1,89 @@
+"""Tiny models of any transformers model type, multimodal ones included, built from a small config on CPU.
+
+``small_config(model_type)`` starts from the type's default config and shrinks the language model (2 layers,
+4 heads of 16 dims, hidden 64, vocab 256) and every other tower (1 layer, hidden 32, 28-pixel images of 14-pixel
+patches) with whatever size fields each sub-config has. Multimodal RoPE sections (``mrope_section``, which
+Qwen-VL rotary classes default to a 128-dim head) are scaled to the small head: 4 + 2 + 2 of its 8 pairs.
+``tiny_multimodal`` builds the image-text-to-text model (``AutoModelForImageTextToText``) from it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch import nn
+    from transformers import PretrainedConfig
+
+# The language model's sizes; fields a config does not have are left out.
+TEXT_SIZES: dict[str, Any] = dict(  # noqa: C408
+    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    intermediate_size=128, intermediate_size_mlp=128, moe_intermediate_size=32, vocab_size=256,
+    max_position_embeddings=256, num_local_experts=4, num_experts=4, num_experts_per_tok=2,
+    d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+    encoder_ffn_dim=128, decoder_ffn_dim=128, num_layers=2, num_heads=4, d_ff=128, d_kv=16,
+)  # fmt: skip
+# Vision / audio towers: as small as their patching allows.
+TOWER_SIZES: dict[str, Any] = dict(  # noqa: C408
+    hidden_size=32, num_hidden_layers=1, depth=1, num_attention_heads=2, num_heads=2, intermediate_size=64,
+    embed_dim=32, image_size=28, patch_size=14, out_hidden_size=64, projector_input_dim=64,
+    projector_output_dim=64, vision_output_dim=64, num_layers=1, encoder_layers=1, d_model=32,
+)  # fmt: skip
+MROPE_SECTION = [4, 2, 2]  # t/h/w pairs of the 8 a 16-dim head rotates (Qwen2-VL's [16, 24, 24] of 64, scaled)
+_SUB_CONFIGS = ("text_config", "vision_config", "audio_config", "vision_tower_config", "speech_config")
+
+
+def small_config(model_type: str, **text_overrides: Any) -> PretrainedConfig:
+    """The default config of ``model_type`` with every tower shrunk (``text_overrides`` win for the text model)."""
+    import transformers
+
+    config_class = type(transformers.AutoConfig.for_model(model_type))
+    base = config_class()
+    kwargs: dict[str, Any] = {}
+    for name in _SUB_CONFIGS:
+        sub = getattr(base, name, None)
+        if sub is None or not hasattr(sub, "to_dict"):
+            continue
+        sizes = {**TEXT_SIZES, **text_overrides} if name == "text_config" else TOWER_SIZES
+        kwargs[name] = _shrunk(sub, sizes)
+    if not kwargs:  # a text-only config: shrink it directly
+        fields = _shrunk(base, {**TEXT_SIZES, **text_overrides})
+        fields.pop("model_type")
+        return transformers.AutoConfig.for_model(model_type, **fields)
+    return config_class(**kwargs)
+
+
+def _shrunk(config: Any, sizes: dict[str, Any]) -> dict[str, Any]:
+    fields = config.to_dict()
+    out = {k: v for k, v in sizes.items() if k in fields}
+    out["model_type"] = config.model_type
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    if "mrope_section" in rope or _reads_mrope(config):
+        rope["mrope_section"] = list(MROPE_SECTION)
+    if rope:
+        out["rope_parameters"] = rope
+    return out
+
+
+def _reads_mrope(config: Any) -> bool:
+    """Whether the model of this config rotates by mRoPE sections (its modelling code reads mrope_section)."""
+    import importlib
+    import inspect
+
+    module_name = type(config).__module__.replace("configuration_", "modeling_")
+    try:
+        return "mrope_section" in inspect.getsource(importlib.import_module(module_name))
+    except Exception:  # no modelling module of that name
+        return False
+
+
+def tiny_multimodal(model_type: str, *, seed: int = 0, attn_implementation: str | None = "eager",
+                    **text_overrides: Any) -> nn.Module:
+    """A tiny image-text-to-text model of ``model_type`` (eval mode, default init seeded with ``seed``)."""
+    import torch
+    import transformers
+
+    config = small_config(model_type, **text_overrides)
+    torch.manual_seed(seed)
+    kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    return transformers.AutoModelForImageTextToText.from_config(config, **kwargs).eval()
