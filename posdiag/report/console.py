@@ -7,6 +7,7 @@ from rich.panel import Panel
 from rich.table import Table as RichTable
 from rich.text import Text
 
+from posdiag.report.fit import print_line, print_table
 from posdiag.results import CheckResult, Report, Status
 
 STYLE = {
@@ -25,7 +26,8 @@ def status_text(status: Status) -> Text:
 def render(report: Report, console: Console, *, quiet: bool = False, verbose_tables: bool = True) -> None:
     if quiet:
         for check in report.checks:
-            console.print(Text.assemble(status_text(check.status), f" {check.name}: {check.summary}"))
+            line = Text.assemble(status_text(check.status), f" {check.name}: {check.summary}")
+            print_line(console, line)
         return
     m = report.model
     header = Text.assemble(
@@ -43,12 +45,12 @@ def render(report: Report, console: Console, *, quiet: bool = False, verbose_tab
     overview.add_column("summary", overflow="fold")
     for check in report.checks:
         overview.add_row(check.name, status_text(check.status), check.summary)
-    console.print(overview)
+    print_table(console, overview, prose=True)
 
     if verbose_tables:
         for check in report.checks:
             for table in check.tables:
-                console.print(_table(check, table))
+                print_table(console, _table(check, table))
     console.print(_verdict_panel(report))
 
 
