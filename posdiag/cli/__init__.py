@@ -8,18 +8,22 @@ Heavy imports (torch, transformers) happen inside commands so `posdiag --help` i
 
 from __future__ import annotations
 
-from typing import Annotated
+import functools
+from collections.abc import Callable
+from typing import Annotated, Any
 
 import typer
 
 from posdiag._version import __version__
 from posdiag.cli import check, compare, kernels, rope
+from posdiag.cli._io import interrupted
 
 app = typer.Typer(
     name="posdiag",
     help="Find position-injection bugs in transformer checkpoints.",
     add_completion=False,
     no_args_is_help=True,
+    rich_markup_mode=None,  # click's plain help: wraps between words at any width, never cuts an option name
     pretty_exceptions_show_locals=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
@@ -38,12 +42,25 @@ def main(
     """posdiag permutes, shifts and probes a model's inputs to tell whether position really entered it.
 
     Exit codes: 0 every check passed (warnings and skips allowed), 1 a check failed,
-    2 usage or load error.
+    2 usage or load error, 130 interrupted.
     """
 
 
+def _interruptible(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Ctrl-C anywhere in a command (loading, checks, rendering) ends it with exit 130 and one line."""
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except KeyboardInterrupt:
+            interrupted()
+
+    return run
+
+
 for command in (check.shuffle, check.check, compare.compare, kernels.kernels, rope.rope):
-    app.command()(command)
+    app.command(short_help=(command.__doc__ or "").strip().splitlines()[0])(_interruptible(command))
 del command
 
 __all__ = ["app", "main"]

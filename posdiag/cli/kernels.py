@@ -17,6 +17,7 @@ from typing import Annotated, NoReturn
 
 import typer
 
+from posdiag.cli import validate
 from posdiag.cli._flow import emit, load, run_options
 from posdiag.cli._io import console_for, fail, guarded, write_output
 from posdiag.cli.options import (
@@ -81,6 +82,8 @@ def kernels(
         ))
     if not model:
         fail("no MODEL given (or pass --synthetic for random q/k/v)")
+    validate.model_spec(model)
+    validate.outputs(json=json)
     if dtype not in [d.value for d in DType]:
         fail(f"--dtype {dtype}: use one of {', '.join(d.value for d in DType)}")
     settings = Settings(  # the kernels check alone, eager as the baseline, one pass per input

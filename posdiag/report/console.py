@@ -35,7 +35,7 @@ def render(report: Report, console: Console, *, quiet: bool = False, verbose_tab
         f"  family {m.family} · {m.kind} · positions: {m.position_kind} · "
         f"{m.dtype}{'→' + m.check_dtype if m.check_dtype and m.check_dtype != m.dtype else ''} on {m.device}",
     )
-    console.print(header)
+    print_line(console, header)
     for note in m.notes:
         console.print(Text(f"  note: {note}", style="dim"))
 
