@@ -4,8 +4,12 @@ stderr and exit 2 (with --debug the traceback first, same exit code), an interru
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
 import sys
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, TypeVar
 
@@ -49,6 +53,30 @@ def guarded(fn: Callable[[], T], debug: bool) -> T:
             traceback.print_exc()
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         fail(f"{type(exc).__name__}: {first[:300]}" + ("" if debug else " (rerun with --debug for the traceback)"))
+
+
+# The torch profiler's C++ logger (kineto) writes `USDT:2026-... profiler_start` lines straight to fd 2.
+KINETO_LINE = re.compile(r"^(USDT|INFO|WARNING|STAGE):\d{4}-\d\d-\d\d .*\] ")
+
+
+@contextlib.contextmanager
+def without_profiler_noise() -> Iterator[None]:
+    """Hold back what native code writes to stderr (fd 2) in the block and pass on all but the
+    profiler's log lines."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = [line for line in held.read().decode(errors="replace").splitlines(keepends=True)
+                    if not KINETO_LINE.match(line)]
+            sys.stderr.write("".join(kept))
 
 
 def write_output(path: str, text: str, debug: bool) -> None:

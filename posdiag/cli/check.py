@@ -8,8 +8,8 @@ from typing import Annotated, NoReturn
 
 import typer
 
-from posdiag.cli._flow import emit, load, run_options
 from posdiag.cli import validate
+from posdiag.cli._flow import emit, load, run_options
 from posdiag.cli._io import fail, guarded
 from posdiag.cli.options import (
     AttnOpt,

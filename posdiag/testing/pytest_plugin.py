@@ -33,7 +33,7 @@ class PosdiagFixture:
         if failed:
             lines = [f"posdiag found {len(failed)} problem(s) in {report.model.id} "
                      f"({report.model.family}, positions: {report.model.position_kind}):"]
-            lines += [f"  {c.status.value.upper()} {c.name}: {c.summary}" for c in report.checks]
+            lines += [f"  {c.status.value.upper()} {c.name}: {c.summary}" for c in failed]
             pytest.fail("\n".join(lines), pytrace=False)
         return report
 
