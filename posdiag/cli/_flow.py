@@ -14,8 +14,9 @@ from posdiag.cli.options import Settings, load_options
 
 
 def quiet_transformers() -> None:
-    """transformers' own progress bars and missing-key warnings, accelerate's offload warning:
-    posdiag reports those itself (the `load` check, the device-map note)."""
+    """transformers' own progress bars and missing-key warnings, accelerate's offload warning, the hub
+    client's retries: posdiag reports those itself (the `load` check, the device-map note, one line
+    when the hub cannot be reached)."""
     import logging
 
     import transformers
@@ -23,6 +24,7 @@ def quiet_transformers() -> None:
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     logging.getLogger("accelerate.big_modeling").setLevel(logging.ERROR)
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # its retry lines: posdiag says "cannot fetch" once
 
 
 def load(settings: Settings):
