@@ -69,3 +69,13 @@ def compare(report: Report, baseline: dict[str, Any], margin: float = 10.0) -> C
                            + "; ".join(regressions[:4]), metrics, {"regressions": regressions}, (table,))
     return CheckResult("baseline", Status.PASS, f"no regression against the baseline ({len(rows)} values compared, "
                        f"margin x{margin:g})", metrics, {}, (table,))
+
+
+def first_run(path: str | Path, *, written: bool) -> CheckResult:
+    """The `baseline` check of a run that had no baseline to compare with: a SKIP that says whether this
+    run's report became the baseline (only a passing run's does)."""
+    if written:
+        summary = f"no baseline yet: this run's report was written to '{path}' (commit it; later runs compare with it)"
+    else:
+        summary = f"no baseline yet, and none written to '{path}': this run did not pass"
+    return CheckResult("baseline", Status.SKIP, summary, {"compared": 0}, {"path": str(path), "written": written})

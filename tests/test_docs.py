@@ -246,20 +246,25 @@ def test_relative_links_resolve(page):
 
 
 def test_ci_examples_run(tmp_path, monkeypatch):
-    """examples/github-workflow.yml and .pre-commit-hooks.yaml, with MODEL from [tool.posdiag] as they say."""
+    """examples/github-workflow.yml and .pre-commit-hooks.yaml, with MODEL from [tool.posdiag] as they say, from the
+    first run on (no baseline on disk): the gate writes the baseline and the JUnit file, and the next run compares."""
     workdir(tmp_path, monkeypatch, '[tool.posdiag]\nmodel = "fixtures/llama-tiny"\nonly = ["shuffle"]\n')
     workflow = (ROOT / "examples" / "github-workflow.yml").read_text()
     lines = re.findall(r"^\s*run: (posdiag .*)$", workflow, flags=re.M)
     hooks = re.findall(r"^\s*entry: (posdiag .*)$", (ROOT / ".pre-commit-hooks.yaml").read_text(), flags=re.M)
     assert lines and hooks
-    # the baseline the workflow reads is saved once and committed, as docs/ci.md says
-    assert "--save-baseline" in (ROOT / "docs" / "ci.md").read_text()
-    assert run(Command("", ["posdiag", "check", "--save-baseline", "posdiag-baseline.json"])).exit_code == 0
-    for line in lines + hooks:
-        argv = shlex.split(line)
-        result = run(Command(line, argv))
-        assert result.exit_code == 0, f"`{line}` exited {result.exit_code}\n{result.output}"
-        for name in written_files(argv):
-            assert (tmp_path / name).is_file()
-    uploaded = re.search(r"path: (\S+)", workflow).group(1)
-    assert (tmp_path / uploaded).is_file(), f"the workflow uploads {uploaded}, which the gate did not write"
+    assert 'pip install "posdiag @ git+' in workflow, "the workflow installs posdiag from its repository, as the README"
+    assert not (tmp_path / "posdiag-baseline.json").exists()
+    for attempt in ("first run", "with the baseline"):
+        for line in lines + hooks:
+            argv = shlex.split(line)
+            result = run(Command(line, argv))
+            assert result.exit_code == 0, f"{attempt}: `{line}` exited {result.exit_code}\n{result.output}"
+            for name in written_files(argv) + [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--baseline"]:
+                assert (tmp_path / name).is_file(), f"{attempt}: `{line}` did not write {name}"
+            if "--baseline" in argv:
+                expected = ("baseline", "SKIP" if attempt == "first run" else "PASS")
+                assert expected in verdicts(result.output.splitlines()), f"{attempt}: `{line}`\n{result.output}"
+    uploaded = re.search(r"path: \|\n((?:\s+\S+\n)+)", workflow).group(1).split()
+    for name in uploaded:
+        assert (tmp_path / name).is_file(), f"the workflow uploads {name}, which the gate did not write"

@@ -8,12 +8,15 @@ Heavy imports (torch, transformers) happen inside commands so `posdiag --help` i
 
 from __future__ import annotations
 
-from typing import Annotated
+import functools
+from collections.abc import Callable
+from typing import Annotated, Any
 
 import typer
 
 from posdiag._version import __version__
 from posdiag.cli import check, compare, kernels, rope
+from posdiag.cli._io import interrupted
 
 EXIT_CODES = (
     "Exit codes: 0 no check failed (warnings and skips allowed unless --fail-on refuses them); "
@@ -28,6 +31,7 @@ app = typer.Typer(
     epilog=EXIT_CODES,
     add_completion=False,
     no_args_is_help=True,
+    rich_markup_mode=None,  # click's plain help: wraps between words at any width, never cuts an option name
     pretty_exceptions_show_locals=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
@@ -46,8 +50,22 @@ def main(
     """posdiag permutes, shifts and probes a model's inputs to tell whether position really entered it."""
 
 
+def _interruptible(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Ctrl-C anywhere in a command (loading, checks, rendering) ends it with exit 130 and one line."""
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except KeyboardInterrupt:
+            interrupted()
+
+    return run
+
+
 for command in (check.shuffle, check.check, compare.compare, kernels.kernels, rope.rope):
-    app.command(epilog=None if command is compare.compare else EXIT_CODES)(command)
+    app.command(short_help=(command.__doc__ or "").strip().splitlines()[0],
+                epilog=None if command is compare.compare else EXIT_CODES)(_interruptible(command))
 del command
 
 __all__ = ["app", "main"]

@@ -9,13 +9,14 @@ from typing import Any, NoReturn
 
 import typer
 
-from posdiag.cli._io import console_for, fail, write_output
+from posdiag.cli._io import console_for, interrupted, write_output
 from posdiag.cli.options import Settings, load_options
 
 
 def quiet_transformers() -> None:
-    """transformers' own progress bars and missing-key warnings, accelerate's offload warning:
-    posdiag reports those itself (the `load` check, the device-map note)."""
+    """transformers' own progress bars and missing-key warnings, accelerate's offload warning, the hub
+    client's retries: posdiag reports those itself (the `load` check, the device-map note, one line
+    when the hub cannot be reached)."""
     import logging
 
     import transformers
@@ -23,6 +24,7 @@ def quiet_transformers() -> None:
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     logging.getLogger("accelerate.big_modeling").setLevel(logging.ERROR)
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # its retry lines: posdiag says "cannot fetch" once
 
 
 def load(settings: Settings):
@@ -65,22 +67,26 @@ def tokenize(model: str, text: str, revision: str | None, trust_remote_code: boo
     return tuple(int(i) for i in ids)
 
 
-def emit(report, settings: Settings) -> NoReturn:
-    """Render the report where the settings say; the exit code is the report's."""
+def emit(report, settings: Settings, *, baseline: tuple[str, Any] | None = None) -> NoReturn:
+    """Render the report where the settings say and write every file asked for (an interrupted run's
+    too, marked incomplete); the exit code is the report's, 130 when interrupted. baseline: (path,
+    report) of a first run's baseline to write."""
     from posdiag.report.console import render
     from posdiag.report.github import format_github
     from posdiag.report.json_report import format_json
     from posdiag.report.junit import format_junit
 
     fmt = settings.format or ("github" if os.environ.get("GITHUB_ACTIONS") == "true" else "console")
-    if fmt not in ("console", "github"):
-        fail(f"--format {fmt}: use console or github")
     render(report, console_for(settings.json), quiet=settings.quiet)
     if fmt == "github":
         (sys.stderr if settings.json == "-" else sys.stdout).write(format_github(report))
     writes = {settings.json: format_json(report), settings.junit: format_junit(report),
               settings.save_baseline: format_json(report)}
+    if baseline:
+        writes[baseline[0]] = format_json(baseline[1])
     for path, text in writes.items():
         if path:
             write_output(path, text, settings.debug)
+    if report.incomplete:
+        interrupted()
     raise typer.Exit(report.exit_code)

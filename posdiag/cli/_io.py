@@ -1,10 +1,15 @@
 """How the command line ends and where its text goes: a PosdiagError (or any crash) is one line on
-stderr and exit 2, an interrupt is exit 130, and `-` as a path means stdout."""
+stderr and exit 2 (with --debug the traceback first, same exit code), an interrupt is
+"posdiag: interrupted" and exit 130, and `-` as a path means stdout."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
 import sys
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, TypeVar
 
@@ -22,24 +27,56 @@ def fail(message: str) -> NoReturn:
     raise typer.Exit(2)
 
 
+def interrupted() -> NoReturn:
+    """Ctrl-C, wherever it lands: one line on stderr, exit 130."""
+    typer.echo("posdiag: interrupted", err=True)
+    raise typer.Exit(130)
+
+
 def guarded(fn: Callable[[], T], debug: bool) -> T:
-    """Run fn; a PosdiagError (or any load-time crash) becomes one line on stderr and exit 2."""
+    """Run fn; a PosdiagError (or any load-time crash) becomes one line on stderr and exit 2.
+    --debug prints the traceback before that line; the exit code stays the same."""
+    import traceback
+
     from posdiag.errors import PosdiagError
 
     try:
         return fn()
     except PosdiagError as exc:
         if debug:
-            raise
+            traceback.print_exc()
         fail(str(exc))
     except KeyboardInterrupt:
-        typer.echo("posdiag: interrupted", err=True)
-        raise typer.Exit(130)
+        interrupted()
     except Exception as exc:
         if debug:
-            raise
+            traceback.print_exc()
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        fail(f"{type(exc).__name__}: {first[:300]} (rerun with --debug for the traceback)")
+        fail(f"{type(exc).__name__}: {first[:300]}" + ("" if debug else " (rerun with --debug for the traceback)"))
+
+
+# The torch profiler's C++ logger (kineto) writes `USDT:2026-... profiler_start` lines straight to fd 2.
+KINETO_LINE = re.compile(r"^(USDT|INFO|WARNING|STAGE):\d{4}-\d\d-\d\d .*\] ")
+
+
+@contextlib.contextmanager
+def without_profiler_noise() -> Iterator[None]:
+    """Hold back what native code writes to stderr (fd 2) in the block and pass on all but the
+    profiler's log lines."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = [line for line in held.read().decode(errors="replace").splitlines(keepends=True)
+                    if not KINETO_LINE.match(line)]
+            sys.stderr.write("".join(kept))
 
 
 def write_output(path: str, text: str, debug: bool) -> None:

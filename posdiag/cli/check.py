@@ -8,6 +8,7 @@ from typing import Annotated, NoReturn
 
 import typer
 
+from posdiag.cli import validate
 from posdiag.cli._flow import emit, load, run_options
 from posdiag.cli._io import fail, guarded
 from posdiag.cli.options import (
@@ -42,10 +43,14 @@ from posdiag.cli.options import (
     resolve,
 )
 
-OnlyOpt = Annotated[str | None, typer.Option("--only", help="Comma-separated checks to run.")]
-SkipOpt = Annotated[str | None, typer.Option("--skip", help="Comma-separated checks to leave out.")]
-SaveBaselineOpt = Annotated[str | None, typer.Option("--save-baseline", help="Also write the JSON report to PATH as a baseline.")]
-BaselineOpt = Annotated[str | None, typer.Option("--baseline", help="Fail when a metric regresses against this stored report.")]
+OnlyOpt = Annotated[str | None, typer.Option("--only", metavar="NAMES", help="Comma-separated checks to run.")]
+SkipOpt = Annotated[str | None, typer.Option("--skip", metavar="NAMES", help="Comma-separated checks to leave out.")]
+SaveBaselineOpt = Annotated[str | None, typer.Option("--save-baseline", metavar="PATH", help="Also write the JSON report to PATH as a baseline.")]
+BaselineOpt = Annotated[str | None, typer.Option(
+    "--baseline", metavar="PATH", help="Fail when a metric regresses against this stored report; a file that does not "
+                                       "exist yet is written by a passing run (the first run of a CI gate).")]
+BaselineRequiredOpt = Annotated[bool, typer.Option(
+    "--baseline-required", help="A --baseline file that does not exist is a usage error (exit 2) instead of written.")]
 MarginOpt = Annotated[float, typer.Option("--baseline-margin", min=1.0, help="Regression factor allowed against --baseline.")]
 
 
@@ -81,8 +86,9 @@ def check(
     upcast: UpcastOpt = True, allow_pickle: PickleOpt = False, seq_len: SeqLenOpt = None, seed: SeedOpt = 0,
     permutations: PermsOpt = 3, text: TextOpt = None, max_batch: MaxBatchOpt = None, json: JsonOpt = None,
     junit: JunitOpt = None, format: FormatOpt = None, config: ConfigOpt = None, show_config: ShowConfigOpt = False,
-    save_baseline: SaveBaselineOpt = None, baseline: BaselineOpt = None, baseline_margin: MarginOpt = 10.0,
-    fail_on: FailOnOpt = None, require: RequireOpt = None, quiet: QuietOpt = False, debug: DebugOpt = False,
+    save_baseline: SaveBaselineOpt = None, baseline: BaselineOpt = None, baseline_required: BaselineRequiredOpt = False,
+    baseline_margin: MarginOpt = 10.0, fail_on: FailOnOpt = None, require: RequireOpt = None, quiet: QuietOpt = False,
+    debug: DebugOpt = False,
 ) -> None:
     """Every applicable check: the CI gate."""
     given = Settings(
@@ -91,14 +97,15 @@ def check(
         offload_folder=offload_folder, attn_implementation=attn_implementation, upcast=upcast,
         allow_pickle=allow_pickle, seq_len=seq_len, seed=seed, permutations=permutations, text=text,
         max_batch=max_batch, json=json, junit=junit, format=format, config=config, show_config=show_config,
-        save_baseline=save_baseline, baseline=baseline, baseline_margin=baseline_margin, fail_on=fail_on,
-        require=require, quiet=quiet, debug=debug,
+        save_baseline=save_baseline, baseline=baseline, baseline_required=baseline_required,
+        baseline_margin=baseline_margin, fail_on=fail_on, require=require, quiet=quiet, debug=debug,
     )
     run(ctx, given)
 
 
 def run(ctx: typer.Context, given: Settings, fixed_checks: list[str] | None = None) -> NoReturn:
-    """Resolve the settings, then show them, or load MODEL, run the checks and emit the report."""
+    """Resolve the settings, then show them, or validate every option, load MODEL, run the checks and
+    emit the report."""
     from rich.console import Console
 
     debug = given.debug
@@ -108,10 +115,16 @@ def run(ctx: typer.Context, given: Settings, fixed_checks: list[str] | None = No
         raise typer.Exit(0)
     if not settings.model:
         fail("no MODEL given (pass one, or set `model` in [tool.posdiag] / posdiag.toml)")
+    validate.model_spec(settings.model)
+    validate.output_format(settings)
+    validate.outputs(json=settings.json, junit=settings.junit, save_baseline=settings.save_baseline)
+    stored = validate.baseline(settings)
 
     from posdiag.api import gate_policy, run_checks, select_checks
 
-    names = fixed_checks or guarded(lambda: select_checks(_split(settings.only), _split(settings.skip)), debug)
+    names = fixed_checks or guarded(lambda: select_checks(settings.only, settings.skip), debug)
+    if not names:
+        fail(f"no check left to run (--only {','.join(settings.only or [])} --skip {','.join(settings.skip or [])})")
     policy = guarded(lambda: gate_policy(settings.fail_on, settings.require), debug)
     err = Console(stderr=True)
     with err.status(f"loading {settings.model}…"):
@@ -124,21 +137,29 @@ def run(ctx: typer.Context, given: Settings, fixed_checks: list[str] | None = No
             report = guarded(lambda: run_checks(subject, names, options, on_progress=progress, policy=policy), debug)
     finally:
         subject.close()  # the temporary offload folder of a --device-map run
-    if settings.baseline:
-        report = guarded(lambda: _with_baseline(report, settings.baseline, settings.baseline_margin), debug)
-    emit(report, settings)
+    first_baseline = None
+    if settings.baseline and not report.incomplete:
+        if stored is not None:
+            report = guarded(lambda: _with_baseline(report, stored, settings.baseline_margin), debug)
+        else:
+            report, first_baseline = _first_baseline(report, settings.baseline)
+    emit(report, settings, baseline=first_baseline)
 
 
-def _split(value) -> list[str] | None:
-    if value is None or isinstance(value, list):
-        return value
-    return [v.strip() for v in value.split(",") if v.strip()]
+def _with_baseline(report, stored: dict, margin: float):
+    from posdiag.baseline import compare
+
+    return replace(report, checks=report.checks + (compare(report, stored, margin),))
 
 
-def _with_baseline(report, path: str, margin: float):
-    from posdiag.baseline import compare, read_baseline
+def _first_baseline(report, path: str):
+    """No baseline yet: a passing run writes this report there (and says so); a failing one does not."""
+    from posdiag.baseline import first_run
 
-    return replace(report, checks=report.checks + (compare(report, read_baseline(path), margin),))
+    ok = report.exit_code == 0
+    stored = report
+    report = replace(report, checks=report.checks + (first_run(path, written=ok),))
+    return report, ((path, stored) if ok else None)
 
 
 def _show_config(settings: Settings) -> None:

@@ -11,6 +11,7 @@ from typing import Annotated
 
 import typer
 
+from posdiag.cli import validate
 from posdiag.cli._flow import quiet_transformers, tokenize
 from posdiag.cli._io import console_for, fail, guarded, write_output
 from posdiag.cli.options import (
@@ -76,6 +77,9 @@ def compare(
         attn_implementation=attn_implementation, upcast=upcast, allow_pickle=allow_pickle, seq_len=seq_len, seed=seed,
         text=text, max_batch=max_batch, json=json, quiet=quiet, debug=debug,
     )
+    validate.model_spec(reference)
+    validate.model_spec(candidate)
+    validate.outputs(json=json, plot=plot)
     if plot:
         _require_matplotlib()
     mapping = guarded(lambda: _layer_map(layer_map), debug) if layer_map else None

@@ -6,7 +6,7 @@ compare in float32): kernels are compared at the precision they run in.
 `posdiag kernels --synthetic`: no model. Random q, k, v of the given shape through each SDPA
 backend that runs here, posdiag's naive attention in the run dtype and posdiag's tiled
 online-softmax attention, against posdiag's float64 naive reference; `--sweep` doubles the
-sequence length and shows peak memory (quadratic for naive, linear for tiled/flash).
+sequence length (up to --sweep-to) and shows peak memory (quadratic for naive, linear for tiled/flash).
 Heavy imports happen inside the command.
 """
 
@@ -17,8 +17,9 @@ from typing import Annotated, NoReturn
 
 import typer
 
+from posdiag.cli import validate
 from posdiag.cli._flow import emit, load, run_options
-from posdiag.cli._io import console_for, fail, guarded, write_output
+from posdiag.cli._io import console_for, fail, guarded, without_profiler_noise, write_output
 from posdiag.cli.options import (
     DebugOpt,
     Device,
@@ -50,7 +51,8 @@ CausalOpt = Annotated[bool, typer.Option("--causal/--no-causal", help="Synthetic
 AlignOpt = Annotated[str, typer.Option("--alignment", help="Synthetic: causal alignment when q-len != k-len: bottom_right (KV-cache decode, FlashAttention >= 2.1) or top_left (SDPA is_causal).")]
 PaddingOpt = Annotated[int, typer.Option("--padding", min=0, help="Synthetic: left-padded keys in the last row.")]
 WindowOpt = Annotated[int | None, typer.Option("--window", min=1, help="Synthetic: sliding window (keys visible per query, itself included).")]
-SweepOpt = Annotated[int | None, typer.Option("--sweep", min=2, help="Synthetic: double the length from --q-len up to this many tokens.")]
+SweepOpt = Annotated[bool, typer.Option("--sweep", help="Synthetic: double the length from --q-len up to --sweep-to and show peak memory by length.")]
+SweepToOpt = Annotated[int | None, typer.Option("--sweep-to", metavar="N", min=2, help="Synthetic: the longest length of --sweep (implies it; default 8 x --q-len).")]
 RepeatsOpt = Annotated[int, typer.Option("--repeats", min=1, help="Synthetic: timed repetitions (median reported).")]
 MemoryOpt = Annotated[bool, typer.Option("--memory/--no-memory", help="Synthetic: measure peak memory (CPU: via the torch profiler).")]
 SDtypeOpt = Annotated[str, typer.Option("--dtype", help="Model: load dtype (auto = the checkpoint's). Synthetic: float32, bfloat16, float16 or float64.")]
@@ -63,7 +65,7 @@ def kernels(
     synthetic: SyntheticOpt = False, impl: ImplOpt = None,
     batch: BatchOpt = 2, heads: HeadsOpt = 8, kv_heads: KvHeadsOpt = None, q_len: QLenOpt = 256, k_len: KLenOpt = None,
     head_dim: HeadDimOpt = 64, causal: CausalOpt = True, alignment: AlignOpt = "bottom_right", padding: PaddingOpt = 0,
-    window: WindowOpt = None, sweep: SweepOpt = None, repeats: RepeatsOpt = 3, memory: MemoryOpt = True,
+    window: WindowOpt = None, sweep: SweepOpt = False, sweep_to: SweepToOpt = None, repeats: RepeatsOpt = 3, memory: MemoryOpt = True,
     revision: RevisionOpt = None, trust_remote_code: TrustOpt = False, dtype: SDtypeOpt = "auto",
     device: DeviceOpt = Device.auto, device_map: DeviceMapOpt = None, max_memory: MaxMemoryOpt = None,
     offload_folder: OffloadOpt = None, upcast: KUpcastOpt = False,
@@ -76,11 +78,14 @@ def kernels(
             fail("--synthetic takes no MODEL")
         _synthetic(SyntheticRun(
             batch=batch, heads=heads, kv_heads=kv_heads, q_len=q_len, k_len=k_len, head_dim=head_dim, causal=causal,
-            alignment=alignment, padding=padding, window=window, sweep=sweep, repeats=repeats, memory=memory,
+            alignment=alignment, padding=padding, window=window,
+            sweep=(sweep_to or 8 * q_len) if (sweep or sweep_to) else None, repeats=repeats, memory=memory,
             dtype=dtype, device=device.value, seed=seed, json=json, quiet=quiet, debug=debug,
         ))
     if not model:
         fail("no MODEL given (or pass --synthetic for random q/k/v)")
+    validate.model_spec(model)
+    validate.outputs(json=json)
     if dtype not in [d.value for d in DType]:
         fail(f"--dtype {dtype}: use one of {', '.join(d.value for d in DType)}")
     settings = Settings(  # the kernels check alone, eager as the baseline, one pass per input
@@ -155,7 +160,7 @@ def _synthetic(run: SyntheticRun) -> NoReturn:
     lengths = [(run.q_len, run.k_len or run.q_len)]
     if run.sweep:
         if run.sweep < run.q_len:
-            fail(f"--sweep {run.sweep} is shorter than --q-len {run.q_len}")
+            fail(f"--sweep-to {run.sweep} is shorter than --q-len {run.q_len}")
         lengths = [(n, n) for n in sweep_lengths(run.q_len, run.sweep)]
     out = console_for(run.json)
     records = []
@@ -164,7 +169,8 @@ def _synthetic(run: SyntheticRun) -> NoReturn:
         shape = Shape(batch=run.batch, heads=run.heads, kv_heads=kv, q_len=tq, k_len=tk, head_dim=run.head_dim,
                       causal=run.causal, alignment=run.alignment, padding=run.padding, window=run.window,
                       dtype=dtype, device=str(device))
-        results = guarded(lambda: synthetic(shape, seed=run.seed, memory=run.memory, repeats=run.repeats), debug)
+        with without_profiler_noise():
+            results = guarded(lambda: synthetic(shape, seed=run.seed, memory=run.memory, repeats=run.repeats), debug)
         verdicts = judge_synthetic(results, dtype)
         any_fail |= any(v.startswith("FAIL") for v in verdicts.values())
         records.append({"shape": {k: getattr(shape, k) for k in shape.__dataclass_fields__},

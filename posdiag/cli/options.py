@@ -30,32 +30,32 @@ class Device(str, enum.Enum):
     mps = "mps"
 
 
-ModelArg = Annotated[str, typer.Argument(help="Hub id, local checkpoint directory, or module.path:factory.", show_default=False)]
-OptionalModelArg = Annotated[str | None, typer.Argument(
+ModelArg = Annotated[str, typer.Argument(metavar="MODEL", help="Hub id, local checkpoint directory, or module.path:factory.", show_default=False)]
+OptionalModelArg = Annotated[str | None, typer.Argument(metavar="MODEL", 
     help="Hub id, local checkpoint directory, or module.path:factory (default: `model` in the config file).",
     show_default=False)]
-RevisionOpt = Annotated[str | None, typer.Option("--revision", help="Hub revision (branch, tag or commit).")]
+RevisionOpt = Annotated[str | None, typer.Option("--revision", metavar="REV", help="Hub revision (branch, tag or commit).")]
 TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow the checkpoint's own Python code to run.")]
 DtypeOpt = Annotated[DType, typer.Option("--dtype", help="Load dtype (auto = the checkpoint's).")]
 DeviceOpt = Annotated[Device, typer.Option("--device", help="Where to run.")]
-DeviceMapOpt = Annotated[str | None, typer.Option("--device-map", help="accelerate device map (e.g. auto) for models larger than one device.")]
+DeviceMapOpt = Annotated[str | None, typer.Option("--device-map", metavar="MAP", help="accelerate device map (e.g. auto) for models larger than one device.")]
 MaxMemoryOpt = Annotated[str | None, typer.Option(
-    "--max-memory", help="With --device-map: memory per device, e.g. 0=70GiB,1=70GiB,cpu=200GiB; the rest goes to disk.")]
+    "--max-memory", metavar="BUDGET", help="With --device-map: memory per device, e.g. 0=70GiB,1=70GiB,cpu=200GiB; the rest goes to disk.")]
 OffloadOpt = Annotated[str | None, typer.Option(
-    "--offload-folder", help="With --device-map: where disk-offloaded weights go (default: a temporary folder, removed "
+    "--offload-folder", metavar="DIR", help="With --device-map: where disk-offloaded weights go (default: a temporary folder, removed "
                              "after the run); never inside the checkpoint.")]
-AttnOpt = Annotated[str, typer.Option("--attn-implementation", help="Attention implementation for the checks (eager honours custom masks).")]
+AttnOpt = Annotated[str, typer.Option("--attn-implementation", metavar="IMPL", help="Attention implementation for the checks (eager honours custom masks).")]
 UpcastOpt = Annotated[bool, typer.Option("--upcast/--no-upcast", help="Run equivariance checks in float32 when the model is half precision.")]
 PickleOpt = Annotated[bool, typer.Option("--allow-pickle", help="Allow loading pickle (.bin) weights, which can execute code.")]
-SeqLenOpt = Annotated[int | None, typer.Option("--seq-len", min=1, help="Probe length in tokens (default min(64, declared context)).")]
-SeedOpt = Annotated[int, typer.Option("--seed", help="Seed for probe tokens and permutations.")]
-PermsOpt = Annotated[int, typer.Option("--permutations", min=1, max=64, help="Random permutations per equivariance test.")]
-TextOpt = Annotated[str | None, typer.Option("--text", help="Probe with this text through the model's tokenizer instead of random ids.")]
-MaxBatchOpt = Annotated[int | None, typer.Option("--max-batch", min=1, help="At most this many sequences per forward pass.")]
-JsonOpt = Annotated[str | None, typer.Option("--json", help="Write the JSON report to PATH ('-' for stdout).")]
-JunitOpt = Annotated[str | None, typer.Option("--junit", help="Write a JUnit XML report to PATH.")]
-FormatOpt = Annotated[str | None, typer.Option("--format", help="console or github (::error annotations; default in GitHub Actions).")]
-ConfigOpt = Annotated[Path | None, typer.Option("--config", help="Config file (default: posdiag.toml or [tool.posdiag] in pyproject.toml).")]
+SeqLenOpt = Annotated[int | None, typer.Option("--seq-len", metavar="N", min=1, help="Probe length in tokens (default min(64, declared context)).")]
+SeedOpt = Annotated[int, typer.Option("--seed", metavar="N", help="Seed for probe tokens and permutations.")]
+PermsOpt = Annotated[int, typer.Option("--permutations", metavar="N", min=1, max=64, help="Random permutations per equivariance test.")]
+TextOpt = Annotated[str | None, typer.Option("--text", metavar="TEXT", help="Probe with this text through the model's tokenizer instead of random ids.")]
+MaxBatchOpt = Annotated[int | None, typer.Option("--max-batch", metavar="N", min=1, help="At most this many sequences per forward pass.")]
+JsonOpt = Annotated[str | None, typer.Option("--json", metavar="PATH", help="Write the JSON report to PATH ('-' for stdout).")]
+JunitOpt = Annotated[str | None, typer.Option("--junit", metavar="PATH", help="Write a JUnit XML report to PATH.")]
+FormatOpt = Annotated[str | None, typer.Option("--format", metavar="console|github", help="console or github (::error annotations; default in GitHub Actions).")]
+ConfigOpt = Annotated[Path | None, typer.Option("--config", metavar="PATH", help="Config file (default: posdiag.toml or [tool.posdiag] in pyproject.toml).")]
 ShowConfigOpt = Annotated[bool, typer.Option("--show-config", help="Print the effective configuration and exit.")]
 FailOnOpt = Annotated[str | None, typer.Option(
     "--fail-on", help="Also fail the gate (exit 1) on these statuses: warn, skip or warn,skip (a FAIL always fails).")]
@@ -71,7 +71,7 @@ class Settings:
     file under the command line. Defaults are the command line's defaults."""
 
     model: str | None = None  # hub id, checkpoint directory or module.path:factory
-    only: str | list[str] | None = None  # checks to run: comma-separated when typed, a list from a config file
+    only: str | list[str] | None = None  # checks to run: comma-separated when typed, a list once resolved
     skip: str | list[str] | None = None  # checks to leave out, likewise
     # loading (load_options turns these into posdiag.options.LoadOptions, one to one)
     revision: str | None = None
@@ -99,7 +99,8 @@ class Settings:
     junit: str | None = None
     format: str | None = None  # console | github; None = github inside GitHub Actions
     save_baseline: str | None = None
-    baseline: str | None = None
+    baseline: str | None = None  # a missing file is written by a passing run, unless baseline_required
+    baseline_required: bool = False
     baseline_margin: float = 10.0
     quiet: bool = False
     debug: bool = False
@@ -131,6 +132,9 @@ def resolve(ctx: typer.Context, given: Settings) -> Settings:
     if given.config and not Path(given.config).is_file():
         raise FileNotFoundError(given.config)
     effective, source = merge(values, {k: v for k, v in file_values.items() if k in values}, typed)
+    for key in ("only", "skip"):  # one shape whichever way it came: a list of names
+        if isinstance(effective.get(key), str):
+            effective[key] = [v.strip() for v in effective[key].split(",") if v.strip()]
     for key, choices in (("dtype", DType), ("device", Device)):
         allowed = [m.value for m in choices]
         if effective[key] not in allowed:

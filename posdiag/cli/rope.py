@@ -10,6 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
+from posdiag.cli import validate
 from posdiag.cli._flow import load, quiet_transformers
 from posdiag.cli._io import console_for, fail, guarded, write_output
 from posdiag.cli.options import (
@@ -57,6 +58,8 @@ def rope(
         attn_implementation=attn_implementation, upcast=upcast, allow_pickle=allow_pickle, seed=seed, json=json,
         quiet=quiet, debug=debug,
     )
+    validate.model_spec(model)
+    validate.outputs(json=json, plot=plot)
     static_only = config_only or Path(model).is_file()
     copy_probe = _check_extras(probe, plot, static_only)
 

@@ -14,6 +14,7 @@ from rich.table import Table as RichTable
 from rich.text import Text
 
 from posdiag.report.console import status_text
+from posdiag.report.fit import print_line, print_table
 from posdiag.results import CheckResult, Report, Status
 
 BLOCKS = "▁▂▃▄▅▆▇█"
@@ -22,7 +23,7 @@ BLOCKS = "▁▂▃▄▅▆▇█"
 def render_compare(report: Report, console: Console, *, quiet: bool = False) -> None:
     check = report.check("compare")
     if quiet:
-        console.print(Text.assemble(status_text(check.status), f" compare: {check.summary}"))
+        print_line(console, Text.assemble(status_text(check.status), f" compare: {check.summary}"))
         return
     details = check.details
     for role in ("reference", "candidate"):
@@ -44,14 +45,14 @@ def render_compare(report: Report, console: Console, *, quiet: bool = False) -> 
             f"compared in {details.get('compared_dtype', '?')} · floor: {details.get('floor_source', '?')}", style="dim"))
     for note in details.get("notes", ()) or ():
         console.print(Text(f"note: {note}", style="yellow"))
-    console.print(Text.assemble(status_text(check.status), f" compare: {check.summary}"))
+    print_line(console, Text.assemble(status_text(check.status), f" compare: {check.summary}"))
 
     profile = details.get("profile")
     if profile and check.tables:
-        console.print(_layer_table(check, profile))
+        print_table(console, _layer_table(check, profile))
         focus = details.get("first_layer")  # the bar plot only where something differs
         if focus in profile["mean_error"]:
-            console.print(_bar_plot(focus, profile))
+            print_table(console, _bar_plot(focus, profile))
     console.print(_panel(report))
 
 

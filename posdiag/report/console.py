@@ -7,6 +7,7 @@ from rich.panel import Panel
 from rich.table import Table as RichTable
 from rich.text import Text
 
+from posdiag.report.fit import print_line, print_table
 from posdiag.results import CheckResult, Report, Status
 
 STYLE = {
@@ -25,7 +26,8 @@ def status_text(status: Status) -> Text:
 def render(report: Report, console: Console, *, quiet: bool = False, verbose_tables: bool = True) -> None:
     if quiet:
         for check in report.checks:
-            console.print(Text.assemble(status_text(check.status), f" {check.name}: {check.summary}"))
+            line = Text.assemble(status_text(check.status), f" {check.name}: {check.summary}")
+            print_line(console, line)
         extra = _gate_lines(report, findings=False)  # what fails the gate beyond the FAIL lines above
         for line in extra:
             console.print(line)
@@ -39,7 +41,7 @@ def render(report: Report, console: Console, *, quiet: bool = False, verbose_tab
         f"  family {m.family} · {m.kind} · positions: {m.position_kind} · "
         f"{m.dtype}{'→' + m.check_dtype if m.check_dtype and m.check_dtype != m.dtype else ''} on {m.device}",
     )
-    console.print(header)
+    print_line(console, header)
     if m.tested:
         console.print(Text(f"  tested: {m.tested}"))
     if m.untested_code:
@@ -53,12 +55,12 @@ def render(report: Report, console: Console, *, quiet: bool = False, verbose_tab
     overview.add_column("summary", overflow="fold")
     for check in report.checks:
         overview.add_row(check.name, status_text(check.status), check.summary)
-    console.print(overview)
+    print_table(console, overview, prose=True)
 
     if verbose_tables:
         for check in report.checks:
             for table in check.tables:
-                console.print(_table(check, table))
+                print_table(console, _table(check, table))
     console.print(_verdict_panel(report))
 
 

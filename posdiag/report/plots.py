@@ -29,7 +29,10 @@ def write_rope_png(path: str, static: list, report) -> None:
         ax = axes[0][1]
         for label in dict.fromkeys(r[0] for r in rows):
             pts = [(p, v) for lab, p, v in rows if lab == label]
-            ax.loglog([max(p, 1) for p, _ in pts], [max(v, 1e-3) for _, v in pts], "o-", label=label)
+            ax.plot([p for p, _ in pts], [max(v, 1e-3) for _, v in pts], "o-", label=label)
+        ax.set_xscale("symlog", linthresh=1)  # position 0 at x=0, log spacing past 1
+        ax.set_yscale("log")
+        ax.set_xlim(left=0)
         ax.axhline(10, color="r", ls="--", lw=0.8, label="FAIL above")
         ax.set_xlabel("position")
         ax.set_ylabel("applied-rotation error / tolerance")

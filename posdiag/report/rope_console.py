@@ -11,6 +11,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from posdiag.report.fit import print_table
+
 
 def _fmt(v: Any) -> str:
     if v is None:
@@ -36,10 +38,10 @@ def render_rope_static(out: Console, model: str, config: Any, static: list) -> N
                 + (f", declared context {s.declared}" if s.declared else "")
                 + (f", attention scaling {r.attention_scaling:.4g}" if r.attention_scaling != 1.0 else ""))
         out.print(Text(head, style="bold"))
-        out.print(_side_by_side(r.before, r.after))
-        out.print(_pair_table(r.after))
+        print_table(out, _side_by_side(r.before, r.after))
+        print_table(out, _pair_table(r.after))
         if r.sections:
-            out.print(_section_table(r.sections))
+            print_table(out, _section_table(r.sections))
         out.print(Text("\n".join(wavelength_plot_lines(r.before, r.after))))
         for w in r.warnings:
             out.print(Text(f"  warning: {w}", style="yellow"))

@@ -9,6 +9,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from posdiag.report.fit import print_table
+
 RULE = "rule: error <= 2 x posdiag naive's error in the same dtype + eps (FlashAttention's test rule)"
 
 
@@ -31,8 +33,8 @@ def render_synthetic(out: Console, shape, results: list, verdicts: dict[str, str
         table.add_row(r.name, f"{r.error:.2e}" if ok else "-", f"{r.max_abs:.1e}" if ok else "-",
                       f"{r.seconds * 1e3:.2f}" if ok else "-",
                       f"{r.peak_bytes / 2**20:.2f}" if ok and r.peak_bytes is not None else "-",
-                      r.empty_rows or "-", verdicts.get(r.name, ""), r.note[:60])
-    out.print(table)
+                      r.empty_rows or "-", verdicts.get(r.name, ""), r.note)
+    print_table(out, table)
 
 
 def render_growth(out: Console, records: list[dict[str, Any]]) -> None:
@@ -53,4 +55,4 @@ def render_growth(out: Console, records: list[dict[str, Any]]) -> None:
         if len(known) >= 2 and known[0][1] > 0:
             slope = f"{math.log(known[-1][1] / known[0][1]) / math.log(known[-1][0] / known[0][0]):.2f}"
         table.add_row(name, *[f"{p / 2**20:.2f}" if p else "-" for p in peaks], slope)
-    out.print(table)
+    print_table(out, table)

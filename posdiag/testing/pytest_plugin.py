@@ -33,10 +33,13 @@ class PosdiagFixture:
         statuses = set(_split(fail_on)) | (set() if allow_warnings else {"warn"})
         report = self.check(model, checks, fail_on=sorted(statuses), require=require, **kwargs)
         if report.exit_code != 0:
-            lines = [f"posdiag found {len(report.gate)} problem(s) in {report.model.id} "
-                     f"({report.model.family}, positions: {report.model.position_kind}):"]
-            lines += [f"  {c.status.value.upper()} {c.name}: {c.summary}" for c in report.checks]
-            lines += [f"  gate: {r.check} {r.why}" for r in report.gate if r.kind == "policy"]
+            from posdiag.results import Status
+
+            problems = [f"  {c.status.value.upper()} {c.name}: {c.summary}" for c in report.checks
+                        if c.status in (Status.FAIL, Status.ERROR)]
+            problems += [f"  gate: {r.check} {r.why}" for r in report.gate if r.kind == "policy"]
+            lines = [f"posdiag found {len(problems)} problem(s) in {report.model.id} "
+                     f"({report.model.family}, positions: {report.model.position_kind}):", *problems]
             pytest.fail("\n".join(lines), pytrace=False)
         return report
 

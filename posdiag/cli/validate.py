@@ -1,0 +1,92 @@
+"""Usage errors found before any work: MODEL that looks like a local path but is not there, the output
+format, the files a run will write, the baseline it will read. Each is one line on stderr and exit 2,
+answered at once (no torch import, no model load, no hub request). Nothing heavy is imported here."""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+
+from posdiag.cli._io import fail
+from posdiag.cli.options import Settings
+
+FORMATS = ("console", "github")
+
+
+def model_spec(spec: str) -> None:
+    """A MODEL that looks local (starts with `.`, `/` or `~`, or names a path whose first component is
+    here) and does not exist is a typo, not a hub id: say so instead of asking the hub."""
+    if os.path.exists(os.path.expanduser(spec)) or _looks_like_factory(spec):
+        return
+    parts = [p for p in spec.replace(os.sep, "/").split("/") if p]
+    local = spec.startswith((".", "/", "~")) or (len(parts) > 1 and os.path.exists(parts[0])) or spec.count("/") > 1
+    if not local:
+        return
+    fail(f"'{spec}' does not exist (no such file or directory){_did_you_mean(spec)}")
+
+
+def _looks_like_factory(spec: str) -> bool:
+    module, _, attr = spec.rpartition(":")
+    return bool(module) and attr.isidentifier() and all(p.isidentifier() for p in module.split("."))
+
+
+def _did_you_mean(spec: str) -> str:
+    path = Path(os.path.expanduser(spec))
+    parent = path.parent
+    while not parent.is_dir() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return ""
+    try:
+        names = [p.name for p in parent.iterdir()]
+    except OSError:
+        return ""
+    close = difflib.get_close_matches(path.name, names, n=1)
+    if not close or parent != path.parent:
+        return ""
+    return f"; did you mean '{os.path.join(os.path.dirname(spec), close[0])}'?"
+
+
+def output_format(settings: Settings) -> None:
+    if settings.format is not None and settings.format not in FORMATS:
+        fail(f"--format {settings.format}: use {' or '.join(FORMATS)}")
+
+
+def outputs(**paths: str | None) -> None:
+    """Every file the run will write: its folder exists, and the path is not a folder. `-` is stdout."""
+    for option, path in paths.items():
+        if not path or path == "-":
+            continue
+        flag = "--" + option.replace("_", "-")
+        target = Path(path).expanduser()
+        if target.is_dir():
+            fail(f"{flag} {path}: is a directory; give a file name")
+        folder = target.parent
+        if not folder.is_dir():
+            fail(f"{flag} {path}: the folder '{folder}' does not exist")
+        if not os.access(folder, os.W_OK):
+            fail(f"{flag} {path}: the folder '{folder}' is not writable")
+
+
+def baseline(settings: Settings) -> dict | None:
+    """The baseline to compare with, read now (a bad file is exit 2 before the model loads); None when
+    there is none yet (the run then writes it, unless --baseline-required)."""
+    if not settings.baseline:
+        if settings.baseline_required:
+            fail("--baseline-required needs --baseline PATH")
+        return None
+    path = Path(settings.baseline)
+    if not path.exists():
+        if settings.baseline_required:
+            fail(f"baseline '{settings.baseline}' does not exist (--baseline-required; create it with "
+                 "--save-baseline, or drop --baseline-required to write it on this run)")
+        outputs(baseline=settings.baseline)
+        return None
+    from posdiag.baseline import read_baseline
+    from posdiag.errors import PosdiagError
+
+    try:
+        return read_baseline(path)
+    except PosdiagError as exc:
+        fail(str(exc))
