@@ -95,6 +95,20 @@ def test_falcon_alibi_bias_is_computed_in_bfloat16():
     assert 128 <= result.details["holds_up_to"] < result.details["breaks_at"] <= 256
 
 
+def test_healthy_alibi_holds_past_256_with_the_falcon_probe():
+    """The healthy counterpart of the Falcon finding: MPT builds ALiBi in float32, and the same prefix-route
+    ladder (shifts up to 256, 64 tokens, max position 319) holds at every rung, so Falcon's break is Falcon's
+    bfloat16 slopes, not ALiBi's and not the probe's."""
+    healthy = shift(zoo.tiny_model("mpt", max_seq_len=1024))
+    falcon = shift(zoo.tiny_model("falcon_alibi", max_position_embeddings=1024))
+    assert healthy.details["route"] == falcon.details["route"] == "prefix of invisible padding"
+    assert healthy.details["ladder"] == falcon.details["ladder"] and healthy.details["ladder"][-1] == 256
+    assert healthy.details["seq_len"] == falcon.details["seq_len"] == 64
+    assert healthy.status is Status.PASS, healthy.summary
+    assert healthy.metrics["ratio"] <= 10 and healthy.metrics["unit_shift_ratio"] > 100
+    assert falcon.status is Status.FAIL
+
+
 def test_encoder_decoder_with_relative_buckets_passes_both_stacks():
     result = shift(zoo.tiny_model("t5", init="strong"))
     assert result.status is Status.PASS
