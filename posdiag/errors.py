@@ -15,3 +15,22 @@ def describe_error(exc: BaseException) -> str:
     """`Type: first line`, at most 200 characters: an exception named in a verdict or a skip reason."""
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:200]
+
+
+def raised_in_posdiag(exc: BaseException) -> bool:
+    """Whether posdiag's own code raised `exc` rather than the model it ran.
+
+    The innermost frame of the traceback outside torch decides: inside the posdiag package it is
+    posdiag's bug (to be raised, so the run reports an error); anywhere else (transformers, the model's
+    own modeling code, a user's factory) it is the model's answer to the input it was given. Frames in
+    torch are skipped because a model's indexing error surfaces there (F.embedding, a tensor op)."""
+    import os
+    import traceback
+
+    import torch
+
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+    own_dir = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frames = [os.path.abspath(f.filename) for f in traceback.extract_tb(exc.__traceback__)]
+    outside_torch = [f for f in frames if not f.startswith(torch_dir)]
+    return bool(outside_torch) and outside_torch[-1].startswith(own_dir)

@@ -12,6 +12,8 @@ an always-called forward hook restores), so other models in the same process are
                         transformers PR #29285); GPT-J: its sin/cos table stored in bfloat16.
 - bf16_positions:       only the position values go through bfloat16 before fp32 angle math
                         (gpt-neox #1003: `t` in half precision; exact up to 256, then rounded).
+- identity_rotation:    the rotary module returns cos = 1, sin = 0: RoPE declared, positions move nothing.
+- rotary_ignores_position_ids: the rotary module sees 0..T-1 whatever position_ids the caller passed.
 """
 
 from __future__ import annotations
@@ -176,3 +178,38 @@ def demo_bf16_positions() -> torch.nn.Module:
     from posdiag.testing import zoo
 
     return bf16_positions(zoo.tiny_model("llama", max_position_embeddings=4096))
+
+
+def identity_rotation(model: torch.nn.Module) -> torch.nn.Module:
+    """The rotary module returns cos = 1, sin = 0: every position gets the identity rotation, so the
+    model declares RoPE yet its positions move nothing (a rotary table never filled, a zeroed inv_freq)."""
+    for rotary in _rotary_modules(model):
+        def hook(_module, _args, out):
+            cos, sin = out
+            return torch.ones_like(cos), torch.zeros_like(sin)
+        rotary.register_forward_hook(hook)
+    return model
+
+
+def rotary_ignores_position_ids(model: torch.nn.Module) -> torch.nn.Module:
+    """The rotary module is handed 0..T-1 whatever position_ids say (cos/sin sliced by sequence length, the
+    way older ports build them): ids passed by the caller never reach attention."""
+    for rotary in _rotary_modules(model):
+        def pre(_module, args, kwargs):
+            args = list(args)
+            pos = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
+            arange = torch.arange(pos.shape[-1], device=pos.device).expand_as(pos)
+            if "position_ids" in kwargs:
+                kwargs["position_ids"] = arange
+            else:
+                args[1] = arange
+            return tuple(args), kwargs
+        rotary.register_forward_pre_hook(pre, with_kwargs=True)
+    return model
+
+
+def demo_identity_rotation() -> torch.nn.Module:
+    """For docs/checks.md (shift): `posdiag check tests.plants_shift:demo_identity_rotation --only shift`."""
+    from posdiag.testing import zoo
+
+    return identity_rotation(zoo.tiny_model("llama"))

@@ -194,8 +194,13 @@ def test_half_precision_checkpoint_is_loaded_in_float32(bf16_llama):
 def test_no_upcast_keeps_half_precision(bf16_llama, tmp_path):
     result = invoke("shuffle", bf16_llama, "--device-map", "auto", "--max-memory", "cpu=0", "--no-upcast",
                     "--seq-len", 16, "-q", "--json", tmp_path / "r.json")
-    assert result.exit_code in (0, 1), result.output
-    model = json.loads((tmp_path / "r.json").read_text())["model"]
+    report = json.loads((tmp_path / "r.json").read_text())
+    (shuffle,) = report["checks"]
+    # Kept in bfloat16: measured 0.66 = 85x the bf16 floor, under PASS_RATIO (100x), so the verdict rule calls it
+    # inconclusive and says which run would decide (exit 0: a WARN does not fail the gate by default).
+    assert result.exit_code == 0 and shuffle["status"] == "warn", (result.exit_code, shuffle["summary"])
+    assert shuffle["summary"].startswith("inconclusive in bfloat16") and "rerun in float32" in shuffle["summary"]
+    model = report["model"]
     assert model["dtype"] == model["check_dtype"] == "bfloat16"
     assert not any("float32" in n for n in model["notes"])
 

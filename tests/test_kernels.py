@@ -91,7 +91,7 @@ def test_nan_in_fully_masked_rows_that_leaks_fails(family):
 def test_padding_rows_are_reported_as_information():
     result = kernels(zoo.tiny_model("llama"))
     padded = result.details["implementations"]["sdpa"]["scenarios"]["left-padded"]
-    assert padded["padding_rows"] in ("zeros", "finite", "NaN/Inf")
+    assert padded["padding_rows"] == "finite"  # measured: SDPA leaves finite values in Llama's padding rows
     assert padded["top1_agreement"] == 1.0 and padded["kl"] < 1e-9
 
 

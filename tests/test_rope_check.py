@@ -32,6 +32,7 @@ def test_every_zoo_family_passes_or_skips(family):
         assert result.metrics["applied_probed"] and result.metrics["worst_ratio"] < 2
         assert result.metrics["attention_factor_probed"] and result.metrics["attention_factor_ratio"] < 1
         assert result.forward_passes == 1
+        assert result.details["not_probed"] == [] and "not probed" not in result.summary
     else:
         assert result.status is Status.SKIP and "not a RoPE model" in result.summary
 
@@ -197,3 +198,60 @@ def test_norm_after_rotation_is_judged_where_the_rotation_is_applied():
             if name.endswith("inv_freq"):
                 buffer.mul_(1.5)  # wrong frequencies reach the rotation
     assert api.run_checks(from_module(model), ["rope"]).check("rope").status is Status.FAIL
+
+
+# ------------------------------------------------------------------ no probe is dropped silently
+def stacked_rotary(model):
+    """A port whose rotary module returns one stacked tensor [2, ...]: `cos, sin = rotary(x, ids)` unpacks it in
+    the model, but it is no (cos, sin) pair the table probe can read."""
+    for module in model.modules():
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            module.register_forward_hook(lambda _m, _a, out: torch.stack(out))
+    return model
+
+
+def test_a_table_that_cannot_be_probed_is_named_not_dropped():
+    result = rope(stacked_rotary(zoo.tiny_model("llama")))
+    assert result.status is Status.PASS, result.summary  # the applied rotation was probed, and matches
+    assert result.metrics["tables_probed"] is False
+    (why,) = result.details["not_probed"]
+    assert why.startswith("rotary table of LlamaRotaryEmbedding: it returned one tensor of shape (2,")
+    assert result.summary.endswith("; not probed: " + why)
+
+
+def test_nothing_probed_is_a_skip_naming_each_probe(monkeypatch):
+    import contextlib
+
+    from posdiag.checks.rope import applied
+
+    monkeypatch.setattr(applied, "capturing", lambda subject, capture: contextlib.nullcontext(False))
+    result = rope(stacked_rotary(zoo.tiny_model("llama")))
+    assert result.status is Status.SKIP, result.summary
+    assert "rotary table of LlamaRotaryEmbedding" in result.summary
+    assert "applied rotation: no eager attention function or apply_rotary_pos_emb to observe" in result.summary
+
+
+def test_a_rotary_module_that_cannot_be_called_alone_is_named():
+    model = zoo.tiny_model("qwen2")
+    for module in model.modules():
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            def refuse(_m, args):
+                if args[0].shape[-1] == 1:  # posdiag's probe input, not the model's hidden states
+                    raise RuntimeError("expects the hidden states")
+            module.register_forward_pre_hook(refuse)
+    result = rope(model)
+    assert result.status is Status.PASS, result.summary
+    assert result.details["not_probed"] == ["rotary table of Qwen2RotaryEmbedding: calling it with (x, position_ids) "
+                                            "raised RuntimeError: expects the hidden states"]
+
+
+def test_attention_factor_missing_at_one_layer_is_named(monkeypatch):
+    from posdiag.checks.rope import applied
+
+    real = applied.factor_finding
+    monkeypatch.setattr(applied, "factor_finding", lambda *a: None if a[-1] == 1 else real(*a))
+    result = rope(zoo.tiny_model("llama"))
+    assert result.status is Status.PASS, result.summary
+    assert result.details["not_probed"] == ["attention factor at layer 1 q, layer 1 k: no un-rotated q/k lined up "
+                                            "with the rotated one"]
+    assert "not probed: attention factor at layer 1 q, layer 1 k" in result.summary

@@ -8,7 +8,8 @@ positions rounded to bfloat16 break only once positions pass 256, and the check 
 import pytest
 import torch
 
-from plants_shift import absolute_leak, bf16_angles, bf16_positions, keys_never_rotated, layout_mismatch
+from plants_shift import (absolute_leak, bf16_angles, bf16_positions, identity_rotation, keys_never_rotated,
+                          layout_mismatch, rotary_ignores_position_ids)
 from posdiag.testing import zoo
 from posdiag.api import run_checks
 from posdiag.results import Status
@@ -94,17 +95,66 @@ def test_falcon_alibi_bias_is_computed_in_bfloat16():
     assert 128 <= result.details["holds_up_to"] < result.details["breaks_at"] <= 256
 
 
+def test_healthy_alibi_holds_past_256_with_the_falcon_probe():
+    """The healthy counterpart of the Falcon finding: MPT builds ALiBi in float32, and the same prefix-route
+    ladder (shifts up to 256, 64 tokens, max position 319) holds at every rung, so Falcon's break is Falcon's
+    bfloat16 slopes, not ALiBi's and not the probe's."""
+    healthy = shift(zoo.tiny_model("mpt", max_seq_len=1024))
+    falcon = shift(zoo.tiny_model("falcon_alibi", max_position_embeddings=1024))
+    assert healthy.details["route"] == falcon.details["route"] == "prefix of invisible padding"
+    assert healthy.details["ladder"] == falcon.details["ladder"] and healthy.details["ladder"][-1] == 256
+    assert healthy.details["seq_len"] == falcon.details["seq_len"] == 64
+    assert healthy.status is Status.PASS, healthy.summary
+    assert healthy.metrics["ratio"] <= 10 and healthy.metrics["unit_shift_ratio"] > 100
+    assert falcon.status is Status.FAIL
+
+
 def test_encoder_decoder_with_relative_buckets_passes_both_stacks():
     result = shift(zoo.tiny_model("t5", init="strong"))
     assert result.status is Status.PASS
     assert set(result.details["stacks"]) == {"encoder", "decoder"}
 
 
-def test_positions_without_effect_skip():
-    model = zoo.tiny_model("llama", init="strong")
-    zoo.remove_positions(model, "llama")
+MOVE_NOTHING = {"identity_rotation": identity_rotation, "rotary_ignores_position_ids": rotary_ignores_position_ids}
+
+
+@pytest.mark.parametrize("plant", MOVE_NOTHING)
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt_neox", "phi"])
+def test_declared_rope_whose_positions_move_nothing_fails(family, plant):
+    """Invariance holds trivially when positions move nothing: for a model that declares RoPE that is the
+    bug, not a reason to skip. The healthy twin of each family PASSes (test_every_family_...)."""
+    result = shift(MOVE_NOTHING[plant](zoo.tiny_model(family)))
+    assert result.status is Status.FAIL, result.summary
+    assert result.summary.startswith("positions move nothing: the model declares rope positions")
+    assert result.metrics["unit_shift_ratio"] < 10
+    assert shift(zoo.tiny_model(family)).status is Status.PASS  # the healthy twin, same seed
+
+
+@pytest.mark.parametrize("family", ["llama", "bloom", "t5"])
+def test_relative_positions_removed_fail(family):
+    """RoPE zeroed, ALiBi zeroed (prefix route), T5 buckets zeroed: each declares relative positions."""
+    model = zoo.tiny_model(family, init="strong")
+    zoo.remove_positions(model, family)
     result = shift(model)
-    assert result.status is Status.SKIP and "no measurable effect" in result.summary
+    assert result.status is Status.FAIL and "positions move nothing" in result.summary, result.summary
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_absolute_positions_removed_keep_their_skip(family):
+    model = zoo.tiny_model(family, init="strong")
+    zoo.remove_positions(model, family)
+    result = shift(model)
+    assert result.status is Status.SKIP and "no measurable effect" in result.summary, result.summary
+
+
+def test_declared_rope_without_effect_in_bfloat16_is_inconclusive():
+    """In bfloat16 a weak signal and none cannot be told apart: WARN naming the float32 run, never PASS."""
+    from posdiag.options import LoadOptions
+
+    model = identity_rotation(zoo.tiny_model("llama").to(torch.bfloat16))
+    result = run_checks(from_module(model, options=LoadOptions(upcast=False)), ["shift"]).check("shift")
+    assert result.status is Status.WARN, result.summary
+    assert result.summary.startswith("inconclusive in bfloat16") and "float32" in result.summary
 
 
 def test_bfloat16_model_is_upcast_and_passes():

@@ -19,8 +19,11 @@ context minus T runs in one forward; the first k past its tolerance is where inv
 Families that derive positions inside (ALiBi, T5, BART, Marian take no position_ids) are shifted by
 a prefix instead: k padding tokens, invisible to every query, placed before the probe. Absolute
 positions (learned or sinusoidal tables) are not meant to be invariant: the check reports how much
-the outputs change and SKIPs. Stateful rope types (dynamic, longrope) choose frequencies from the
-largest position in the batch; the whole ladder shares one forward, so one set of frequencies.
+the outputs change and SKIPs. A model that declares relative positions whose one-position change Δ1
+stays within FAIL_RATIO noise floors FAILs: its positions move nothing, so invariance would hold
+trivially (in half precision that is inconclusive, WARN). Stateful rope types (dynamic, longrope)
+choose frequencies from the largest position in the batch; the whole ladder shares one forward, so
+one set of frequencies.
 
 Recurrent / linear-attention / convolutional mixers (posdiag.model.introspect) never see position ids, so the
 direct route stays faithful for them (the ids move, the recurrence does not care); only the floor changes:
@@ -43,7 +46,7 @@ from posdiag.model.subject import Subject
 from posdiag.model.tensors import relative_l2
 from posdiag.options import RunOptions, probe_length
 from posdiag.results import CheckResult, Status, Table, combine_stacks
-from posdiag.verdict import FAIL_RATIO, MACHINE_EPSILON, PASS_RATIO, noise_floor
+from posdiag.verdict import FAIL_RATIO, LOW_PRECISION, MACHINE_EPSILON, PASS_RATIO, noise_floor
 
 TITLE = "Relative invariance under a position shift"
 
@@ -249,11 +252,8 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
 
     signal = delta1 / floor
     metrics["unit_shift_ratio"] = signal
-    if signal < FAIL_RATIO:
-        return CheckResult("shift", Status.SKIP,
-                           f"moving tokens one position changes the outputs by only {delta1:.2e} ({signal:.3g}x the "
-                           f"noise floor): positions have no measurable effect, so invariance would say nothing",
-                           metrics, details, (table,))
+    if not signal >= FAIL_RATIO:
+        return _no_position_effect(subject, delta1, signal, probe, metrics, details, table)
 
     holds_up_to = None
     if breaks is not None:
@@ -298,6 +298,31 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
     if signal < PASS_RATIO:
         summary += f"; weak position signal ({signal:.3g}x the floor): only breaks larger than that would show"
     return CheckResult("shift", Status.PASS, summary, metrics, details, (table,))
+
+
+def _no_position_effect(subject: Subject, delta1: float, signal: float, probe: _Probe, metrics: dict, details: dict,
+                        table: Table) -> CheckResult:
+    """Moving half the tokens one position further changed nothing measurable. For a model that declares
+    relative positions that is the bug itself (an identity rotation, position ids ignored, a zeroed
+    bias): invariance holds trivially, so a PASS or a SKIP would hide it. Absolute models keep the SKIP
+    (their positions are judged by `shuffle` and `table`); a half-precision run cannot tell a weak
+    signal from none (WARN, naming the float32 run that would decide)."""
+    kind, dtype = subject.position_kind, subject.dtype_name
+    moved = ("the second half of the probe one position further away" if not probe.prefix
+             else "the second half of the probe one padding slot further away")
+    measured = f"moving {moved} changes the outputs by only {delta1:.2e} ({signal:.3g}x the noise floor)"
+    details["position_effect"] = "none measurable"
+    if kind in ABSOLUTE_KINDS:
+        return CheckResult("shift", Status.SKIP, f"{measured}: positions have no measurable effect, so invariance "
+                           "would say nothing", metrics, details, (table,))
+    if dtype in LOW_PRECISION:
+        return CheckResult("shift", Status.WARN, f"inconclusive in {dtype}: {measured}, within half-precision rounding "
+                           f"of the {kind} position signal; rerun in float32 (without --no-upcast) to decide whether "
+                           "positions enter", metrics, details, (table,))
+    return CheckResult("shift", Status.FAIL,
+                       f"positions move nothing: the model declares {kind} positions, yet {measured}; relative "
+                       "offsets never reach attention (an identity rotation, position ids ignored, a zeroed bias), so "
+                       "shift invariance would hold trivially", metrics, details, (table,))
 
 
 def _refine(subject: Subject, probe: _Probe, stack: str, encoder_ids, lo: int, hi: int, delta1: float, eps: float,

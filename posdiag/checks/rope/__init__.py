@@ -87,6 +87,11 @@ class _Observed:
     table_done: bool = False
     applied_done: bool = False
     why_not_applied: str = ""
+    not_probed: list[str] = field(default_factory=list)  # what could not be probed, and why (each once)
+    no_factor: list[str] = field(default_factory=list)  # "layer L q" whose attention factor was not measured
+
+    def skipped(self, reasons: list[str]) -> None:
+        self.not_probed += [r for r in reasons if r not in self.not_probed]
 
 
 def _observe(subject: Subject, specs: list[rope_math.RopeSpec], plan: Plan, token: int) -> _Observed:
@@ -95,15 +100,23 @@ def _observe(subject: Subject, specs: list[rope_math.RopeSpec], plan: Plan, toke
     with restored_rotary_state(subject.model):
         for label, positions in plan.probes:
             refs = {id(s): rope_math.inv_freq(subject.config, s, seq_len=int(positions.max()) + 1) for s in specs}
-            t_find, t_done = probe_tables(subject, specs, refs, positions)
+            t_find, t_done, t_skipped = probe_tables(subject, specs, refs, positions)
             seen.findings += [f.labelled(label) for f in t_find]
             seen.table_done |= t_done
-            a_find, a_rows, a_done, why, a_factors = probe_applied(subject, plan.layer_spec, refs, positions, token)
+            seen.skipped(t_skipped)
+            a_find, a_rows, a_done, why, a_factors, no_factor = probe_applied(subject, plan.layer_spec, refs, positions,
+                                                                              token)
+            seen.no_factor += [n for n in no_factor if n not in seen.no_factor]
             seen.findings += [f.labelled(label) for f in a_find]
             seen.factors += a_factors
             seen.probe_rows += [(label, *r) for r in a_rows]
             seen.applied_done |= a_done
             seen.why_not_applied = seen.why_not_applied or why
+    if seen.factors and seen.no_factor:  # measured at some layers only (none at all: factor_summary says so)
+        seen.skipped([f"attention factor at {', '.join(seen.no_factor)}: no un-rotated q/k lined up with the "
+                      "rotated one"])
+    if seen.why_not_applied and not seen.applied_done:
+        seen.skipped([f"applied rotation: {seen.why_not_applied}"])
     return seen
 
 
@@ -123,6 +136,7 @@ def _evidence(plan: Plan, seen: _Observed, factor: FactorSummary) -> tuple[dict[
     }
     metrics.update(factor.metrics)
     details["attention_factor"] = factor.rows
+    details["not_probed"] = list(seen.not_probed)
     if factor.note:
         details["notes"].append(factor.note)
     worst = max(seen.findings, key=severity, default=None)
@@ -135,16 +149,23 @@ def _evidence(plan: Plan, seen: _Observed, factor: FactorSummary) -> tuple[dict[
 
 def _verdict(specs: list[rope_math.RopeSpec], plan: Plan, seen: _Observed, factor: FactorSummary,
              max_position: int) -> tuple[Status, str]:
+    status, summary = _judged(specs, plan, seen, factor, max_position)
+    if seen.not_probed and status in (Status.PASS, Status.WARN):
+        summary += f"; not probed: {'; '.join(seen.not_probed)}"
+    return status, summary
+
+
+def _judged(specs: list[rope_math.RopeSpec], plan: Plan, seen: _Observed, factor: FactorSummary,
+            max_position: int) -> tuple[Status, str]:
     if not seen.table_done and not seen.applied_done:
-        return Status.SKIP, f"could not observe the rotation: {seen.why_not_applied or 'no rotary module or attention hook found'}"
+        return Status.SKIP, f"could not observe the rotation: {'; '.join(seen.not_probed) or 'no rotary module found'}"
     failed = [f for f in seen.findings if f.failed]
     if failed:
         return Status.FAIL, max(failed, key=severity).sentence()
     worst = max(seen.findings, key=severity, default=None)
     ratio = f"worst {worst.ratio:.3g}x tolerance" if worst else "no comparison"
     if not seen.applied_done:
-        return Status.WARN, (f"tables match the config ({ratio}) but the applied rotation could not be observed: "
-                             f"{seen.why_not_applied}")
+        return Status.WARN, f"tables match the config ({ratio}) but the applied rotation could not be observed"
     if factor.warning:
         return Status.WARN, f"rotation agrees with the config ({ratio}); {factor.warning}"
     warnings = [w for r in plan.static for w in r.warnings]

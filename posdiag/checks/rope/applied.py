@@ -19,10 +19,10 @@ LAYOUTS = ("half", "interleaved")
 
 
 def probe_applied(subject: Subject, layer_spec, refs, positions: np.ndarray, token: int):
-    """-> (findings, [(position, worst ratio)], observed, why not, attention-factor rows)."""
+    """-> (findings, [(position, worst ratio)], observed, why not, attention-factor rows, factor not measured at)."""
     records, out, why = _capture_qk(subject, positions, token)
     if why:
-        return [], [], False, why, []
+        return [], [], False, why, [], []
     # The same token at every position gives the same pre-rotation q/k only when nothing before the
     # attention layer reads order; a recurrent mixer does (healthy Qwen3-Next, LFM2, Bamba FAILed here
     # at 1e2-7e5x). The attention factor (rotated / un-rotated length) needs no such premise.
@@ -30,6 +30,7 @@ def probe_applied(subject: Subject, layer_spec, refs, positions: np.ndarray, tok
     eps = MACHINE_EPSILON.get(subject.dtype_name, 1.2e-7)
     findings: list[Finding] = []
     factors: list[Finding] = []
+    no_factor: list[str] = []  # "layer L q": no un-rotated capture lines up with that q/k
     by_pos = np.zeros(len(positions))
     for layer, (_module, q, k, plain) in enumerate(records):
         q, k, judged_at = _judged_qk(q, k, plain)
@@ -39,7 +40,7 @@ def probe_applied(subject: Subject, layer_spec, refs, positions: np.ndarray, tok
         arrays = {name: heads(t, len(positions)) for name, t in (("q", q), ("k", k))}
         for name, t in (("q", q), ("k", k)):
             if arrays[name] is None:
-                return [], [], False, f"captured {name} has shape {tuple(t.shape)}, not [batch, heads, positions, dim]", []
+                return [], [], False, f"captured {name} has shape {tuple(t.shape)}, not [batch, heads, positions, dim]", [], []
         fits = {}
         for name, arr in arrays.items():
             if not np.isfinite(arr).all():
@@ -51,15 +52,18 @@ def probe_applied(subject: Subject, layer_spec, refs, positions: np.ndarray, tok
             factor = factor_finding(arr, plain, name, freqs, scaling, eps, positions, layer)
             if factor is not None:
                 factors.append(factor)
+            else:
+                no_factor.append(f"layer {layer} {name}")
         if fits["q"] is None or fits["k"] is None:
             continue
         layer_findings, layer_by_pos = _best_fits(fits, layer, spread, judged_at)
         findings += layer_findings
         by_pos = np.maximum(by_pos, layer_by_pos)
     if recurrent:
-        return findings + factors, [], False, f"{recurrent} (the same token gives a different q/k at each position)", factors
+        return (findings + factors, [], False, f"{recurrent} (the same token gives a different q/k at each position)",
+                factors, no_factor)
     rows = [(int(p), float(r)) for p, r in zip(positions, by_pos)]
-    return findings + factors, rows, True, "", factors
+    return findings + factors, rows, True, "", factors, no_factor
 
 
 def _capture_qk(subject: Subject, positions: np.ndarray, token: int) -> tuple[list, object, str]:

@@ -7,32 +7,53 @@ import numpy as np
 import torch
 
 from posdiag.checks.rope.findings import Finding
+from posdiag.errors import describe_error
 from posdiag.model.subject import Subject
 from posdiag.tools import rope_math
 from posdiag.verdict import MACHINE_EPSILON
 
 
-def probe_tables(subject: Subject, specs, refs, positions: np.ndarray) -> tuple[list[Finding], bool]:
+def probe_tables(subject: Subject, specs, refs, positions: np.ndarray) -> tuple[list[Finding], bool, list[str]]:
+    """-> (findings, whether any table was probed, what could not be probed and why)."""
     findings: list[Finding] = []
-    done = False
+    not_probed: list[str] = []
+    served: set[int] = set()
     pos = torch.as_tensor(positions, device=subject.device)[None]
     eps_out = MACHINE_EPSILON.get(subject.dtype_name, 1.2e-7)
-    for module in _rotary_modules(subject.language_model):
+    modules = _rotary_modules(subject.language_model)
+    for module in modules:
         x = torch.zeros(1, 1, 1, dtype=subject.dtype, device=subject.device)
+        name = type(module).__name__
         for spec in specs:
             if spec.layer_type is not None and not hasattr(module, f"{spec.layer_type}_inv_freq"):
-                continue
+                continue  # this module does not serve that layer type
+            what = f"rotary table of {name}" + (f" ({spec.layer_type})" if spec.layer_type else "")
             try:
                 with torch.inference_mode():
                     out = module(x, pos, spec.layer_type) if spec.layer_type is not None else module(x, pos)
-            except Exception:
+            except Exception as exc:  # posdiag calls the module alone, the way transformers' rotary classes take it
+                not_probed.append(f"{what}: calling it with (x, position_ids) raised {describe_error(exc)}")
                 continue
             if not (isinstance(out, (tuple, list)) and len(out) == 2):
+                not_probed.append(f"{what}: it returned {_shape_of(out)}, not a (cos, sin) pair")
                 continue
-            done = True
+            served.add(id(spec))
             a, b = (t.detach().double().cpu().reshape(-1, t.shape[-1]).numpy() for t in out)
             findings.append(_judge_table(a, b, *refs[id(spec)], positions, eps_out, spec))
-    return findings, done
+    if not modules:
+        not_probed.append("rotary tables: no rotary module found")
+    for s in specs:
+        if modules and s.layer_type is not None and not any(hasattr(m, f"{s.layer_type}_inv_freq") for m in modules):
+            not_probed.append(f"rotary table ({s.layer_type}): no rotary module holds {s.layer_type}_inv_freq")
+    return findings, bool(served), not_probed
+
+
+def _shape_of(out) -> str:
+    if isinstance(out, torch.Tensor):
+        return f"one tensor of shape {tuple(out.shape)}"
+    if isinstance(out, (tuple, list)):
+        return f"{len(out)} values"
+    return type(out).__name__
 
 
 def _rotary_modules(model: torch.nn.Module) -> list[torch.nn.Module]:

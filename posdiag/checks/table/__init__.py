@@ -75,7 +75,9 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
                 parts.append(sinusoid_part(stored, subject))
             parts += health_parts(subject, stored, declared, own_offsets.get(t.name))
 
-    judged = [p.status for p in parts if p.status is not Status.SKIP]
+    # A passing health inspection alone (no zero or duplicate rows) probes nothing: with every probe
+    # skipped the check is a SKIP, never a PASS.
+    judged = [p.status for p in parts if p.status is not Status.SKIP and not (p.name == "health" and p.status is Status.PASS)]
     status = Status.worst(judged) if judged else Status.SKIP
     metrics: dict[str, Any] = {}
     details: dict[str, Any] = {"position_kind": kind, "declared_positions": declared,
@@ -97,7 +99,12 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
 
 
 def _pass_summary(parts: list[Part]) -> str:
-    cap = [p for p in parts if p.name == "capacity"]
-    text = cap[0].message if cap else parts[0].message
-    extra = [p.name for p in parts if p.name != "capacity"]
-    return text + (f"; {', '.join(sorted(set(extra)))} ok" if extra else "")
+    """The capacity line, the other parts that passed, and what was not probed (a part that was not probed
+    is never counted as ok)."""
+    cap = [p for p in parts if p.name == "capacity" and p.status is Status.PASS]
+    passed = [p for p in parts if p.status is Status.PASS]
+    text = (cap or passed)[0].message
+    extra = sorted({p.name for p in passed if p is not (cap or passed)[0]})
+    skipped = [p for p in parts if p.status is Status.SKIP]
+    return (text + (f"; {', '.join(extra)} ok" if extra else "")
+            + (f"; not probed: {'; '.join(p.message for p in skipped)}" if skipped else ""))

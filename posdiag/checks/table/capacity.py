@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from posdiag.checks.table.helpers import Part, encoder_ids
-from posdiag.errors import one_line
+from posdiag.errors import one_line, raised_in_posdiag
 from posdiag.model.probe import Row, run_rows
 from posdiag.model.subject import Subject
 from posdiag.results import Status
@@ -35,7 +35,9 @@ def capacity(subject: Subject, settings: dict, stack: str, n: int, token: int, h
         else:
             h_all, count, floor_pairs = _probe_long_row(subject, stack, int(positions.max()) + 1, token)
             h = h_all[:count][positions]
-    except Exception as exc:  # an index error inside the declared range is itself the finding
+    except Exception as exc:  # the model failing inside the declared range is itself the finding
+        if raised_in_posdiag(exc):  # posdiag's own bug: the run reports an error, never a verdict
+            raise
         return Part("capacity", Status.FAIL, f"{label}probing positions 0..{n - 1} raised "
                     f"{type(exc).__name__}: {one_line(exc)}", details={"where": where}), {}
     if not torch.isfinite(h).all():

@@ -11,6 +11,7 @@ import torch
 
 from posdiag.checks.table.discovery import PositionTable
 from posdiag.checks.table.helpers import Part, rel
+from posdiag.errors import raised_in_posdiag
 from posdiag.model.probe import Row, run_rows
 from posdiag.model.subject import Subject
 from posdiag.options import RunOptions
@@ -62,7 +63,9 @@ def _passed_ids(subject: Subject, stack: str, ids, enc, default, discovered: boo
         shifts = sorted(set(shifts) | {s for s in (own_offset, own_offset - 1, own_offset - 2) if s > 2})
     try:
         out = _shifted(subject, stack, ids, enc, shifts)
-    except Exception:  # a negative shift below the table's first row (a wrong offset, say)
+    except Exception as exc:  # the model refuses a negative shift below the table's first row (a wrong offset)
+        if raised_in_posdiag(exc):
+            raise
         shifts = [0, 1, 2]
         out = _shifted(subject, stack, ids, enc, shifts)
     err = {s: rel(out.hidden[0][i], default) for i, s in enumerate(shifts)}
