@@ -1,0 +1,177 @@
+"""compare — a port against its reference, layer by layer and position by position.
+
+Self-consistency checks cannot see a converted checkpoint whose q/k rows were permuted with
+the wrong pairing layout: it is still a perfectly relative RoPE model, only a different function.
+A trusted reference finds it. Both models get the same token ids (sampled from the reference),
+hidden states are aligned by index (embeddings, then each block; `layer_map` overrides), and
+for every aligned layer we measure
+
+    error_l = ||h_cand - h_ref|| / ||h_ref||             (relative L2 over every position)
+    e_l(t)  = ||h_cand[t] - h_ref[t]|| / ||h_ref[t]||    (the same, position by position)
+
+plus, on the logits, relative error, top-1 agreement and KL(ref || cand) per position.
+
+Noise floor, measured in the same run: the model in the coarser dtype (the reference when
+both agree) is run again up-cast in place to a finer dtype (float32 -> float64, bf16/fp16 ->
+float32; exact both ways, so the model is restored bit for bit). That is the reference compared
+with itself under a trivially different computation: its own rounding error, layer by layer.
+Measured figures (tiny Llama/Qwen2/GPT-2, 128 tokens, fp32): eager vs SDPA 1.3e-7..6.4e-7 at the
+last layer, fp32 vs fp64 1.3e-7..8.2e-7 — the same size, so a different attention kernel is
+judged against the right yardstick. The error is judged as a ratio to that floor
+(`verdict.judge_agreement`, at least one machine epsilon of the coarser dtype); in bf16/fp16 a
+ratio below PASS_RATIO is inconclusive (WARN), never a verdict.
+
+Position pattern (computed at the first layer where the error appears, the layer nearest the
+cause): a relative position encoding (RoPE, ALiBi, a relative bias) cannot change a token that
+sees only itself, so a position bug in a causal stack leaves position 0 at the noise floor and
+the error rises as tokens see more, and more distant, keys. A weight or norm bug acts on every
+token: it is already there at position 0, at the level of the rest.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from posdiag.errors import PosdiagError
+from posdiag.model.subject import Subject
+from posdiag.options import RunOptions
+from posdiag.results import Status
+from posdiag.tools.compare.helpers import (
+    coarser,
+    epsilon,
+    first_non_finite,
+    layer_name,
+    layer_pairs,
+    name_of,
+    parse_layer_map,
+)
+from posdiag.tools.compare.measuring import (
+    UNIFORM_START_FRACTION,
+    LayerProfile,
+    estimated_floor,
+    layer_profile,
+    logits_profile,
+    per_position_error,
+    rel_error,
+)
+from posdiag.tools.compare.running import finer_run, run_stack
+from posdiag.tools.compare.verdict import Comparison, bucket_edges, early_result, finish
+
+__all__ = ["TITLE", "DEFAULT_SEQ_LEN", "UNIFORM_START_FRACTION", "Comparison", "LayerProfile", "bucket_edges",
+           "choose_length", "compare_subjects", "original_context", "parse_layer_map"]
+
+TITLE = "Comparison with a reference, position-resolved"
+
+DEFAULT_SEQ_LEN = 512
+"""Several hundred tokens: long enough that low-frequency RoPE pairs turn visibly, short enough for CPU."""
+
+
+def original_context(subject: Subject) -> int | None:
+    """The training context before any scaling: rope_parameters' original_max_position_embeddings
+    (per layer type too), else the declared context."""
+    values: list[int] = []
+    for obj in (getattr(subject.config, "rope_parameters", None), getattr(subject.config, "rope_scaling", None)):
+        blocks = [obj] if isinstance(obj, dict) else []
+        if isinstance(obj, dict) and any(isinstance(v, dict) for v in obj.values()):
+            blocks = [v for v in obj.values() if isinstance(v, dict)]
+        for block in blocks:
+            value = block.get("original_max_position_embeddings")
+            if isinstance(value, int) and value > 0:
+                values.append(value)
+    value = getattr(subject.config, "original_max_position_embeddings", None)
+    if isinstance(value, int) and value > 0:
+        values.append(value)
+    return min(values) if values else subject.max_positions
+
+
+def choose_length(reference: Subject, candidate: Subject, options: RunOptions, long: bool) -> tuple[int, dict[str, Any]]:
+    """The probe length and why: within both declared contexts (and the original one) by
+    default; past the original context with `long`."""
+    # Usable positions: a table read with an offset (RoBERTa's pad+1) has that many fewer.
+    declared = [d for s in (reference, candidate) if (d := s.max_positions)]
+    cap = min(declared) if declared else None
+    original = min([o for o in (original_context(reference), original_context(candidate)) if o], default=None)
+    info = {"declared_context": cap, "original_context": original, "long": long}
+    if options.token_ids is not None:
+        length = len(options.token_ids)
+    elif long:
+        if original is None:
+            raise PosdiagError("--long needs an original context length (max_position_embeddings or "
+                               "rope_parameters.original_max_position_embeddings) and neither model declares one")
+        length = options.seq_len or 2 * original
+    elif options.seq_len is not None:
+        length = options.seq_len
+    else:
+        length = min([DEFAULT_SEQ_LEN] + [c for c in (cap, original) if c])
+    if length < 4:
+        raise PosdiagError(f"--seq-len {length} is too short: the comparison needs at least 4 tokens")
+    if long and original is not None and length <= original:
+        raise PosdiagError(f"--long runs past the original context of {original} tokens; --seq-len {length} does not")
+    if not long and cap is not None and length > cap:
+        raise PosdiagError(f"--seq-len {length} exceeds the declared context of {cap} tokens (add --long to run past it)")
+    return length, info
+
+
+def compare_subjects(reference: Subject, candidate: Subject, options: RunOptions | None = None, *,
+                     long: bool | None = None, layer_map: dict[int, int] | None = None) -> Comparison:
+    """Compare CANDIDATE with REFERENCE on the same ids. Never prints; raises PosdiagError on
+    inputs that cannot be compared (different kinds, vocabularies, a too-long --seq-len)."""
+    options = options or RunOptions()
+    extra = options.for_check("compare")
+    long = bool(extra.get("long", False)) if long is None else long
+    layer_map = layer_map if layer_map is not None else extra.get("layer_map")
+    if reference.kind != candidate.kind:
+        raise PosdiagError(f"cannot compare a {reference.kind} reference with a {candidate.kind} candidate")
+    length, info = choose_length(reference, candidate, options, long)
+    if options.token_ids is not None:
+        ids = torch.tensor(options.token_ids, dtype=torch.long)
+    else:
+        ids = reference.sample_ids(1, length, options.seed)[0].cpu()
+    if int(ids.max()) >= candidate.vocab_size:
+        raise PosdiagError(f"probe ids reach {int(ids.max())}; the candidate's vocabulary has only {candidate.vocab_size} ids")
+
+    passes_before = reference.forward_count + (candidate.forward_count if candidate is not reference else 0)
+    cmp_dtype = coarser(reference.dtype, candidate.dtype)
+    dtype_name = name_of(cmp_dtype)
+    floor_subject = candidate if epsilon(candidate.dtype) > epsilon(reference.dtype) else reference
+
+    profiles: list[LayerProfile] = []
+    notes: list[str] = []
+    logits_stats: dict[str, Any] = {}
+    floor_sources: set[str] = set()
+    for stack in reference.stacks:
+        out_r = run_stack(reference, ids, stack, "reference")
+        out_c = run_stack(candidate, ids, stack, "candidate")
+        base = out_c if floor_subject is candidate else out_r
+        out_f, source = finer_run(floor_subject, ids, stack)
+        floor_sources.add(source)
+        for bad_name, out in (("reference", out_r), ("candidate", out_c)):
+            bad = first_non_finite(out)
+            if bad is not None:
+                status = Status.ERROR if bad_name == "reference" else Status.FAIL
+                return early_result(status, f"non-finite {bad_name} output at {layer_name(bad, len(out.hidden), stack, reference.kind)}",
+                              length, info, reference, candidate, passes_before)
+        pairs, note = layer_pairs(len(out_r.hidden), len(out_c.hidden), layer_map)
+        if note:
+            notes.append(note)
+        for ri, ci in pairs:
+            a, b = out_r.hidden[ri][0], out_c.hidden[ci][0]
+            name = layer_name(ri, len(out_r.hidden), stack, reference.kind)
+            if a.shape != b.shape:
+                notes.append(f"{name}: shapes differ ({tuple(a.shape)} vs {tuple(b.shape)}), not compared")
+                continue
+            fi = ci if floor_subject is candidate else ri
+            floor_pos = per_position_error(base.hidden[fi][0], out_f.hidden[fi][0]) if out_f is not None else None
+            floor = rel_error(base.hidden[fi][0], out_f.hidden[fi][0]) if out_f is not None else estimated_floor(ri, dtype_name)
+            profiles.append(layer_profile(name, ri, ci, a, b, floor, floor_pos, dtype_name, reference.kind, stack))
+        if out_r.logits is not None and out_c.logits is not None and stack == reference.stacks[-1]:
+            if out_r.logits.shape != out_c.logits.shape:
+                notes.append(f"logits: shapes differ ({tuple(out_r.logits.shape)} vs {tuple(out_c.logits.shape)}), not compared")
+            else:
+                flog = None if out_f is None else (base.logits[0], out_f.logits[0])
+                prof, logits_stats = logits_profile(out_r.logits[0], out_c.logits[0], flog, dtype_name, reference.kind, stack)
+                profiles.append(prof)
+    passes = reference.forward_count + (candidate.forward_count if candidate is not reference else 0) - passes_before
+    return finish(profiles, logits_stats, length, info, dtype_name, floor_sources, notes, reference, candidate, passes)

@@ -1,0 +1,63 @@
+"""compare, running: one forward per side, and the same model again in a finer dtype (the noise floor)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from posdiag.errors import PosdiagError
+from posdiag.model.probe import Row, run_rows
+from posdiag.model.subject import Outputs, Subject
+from posdiag.tools.compare.helpers import name_of
+
+FINER = {torch.float32: torch.float64, torch.bfloat16: torch.float32, torch.float16: torch.float32}
+
+
+def run_stack(subject: Subject, ids: torch.Tensor, stack: str, role: str) -> Outputs:
+    try:
+        return run_rows(subject, [Row(ids.to(subject.device))], stack=stack, explicit_mask=False, want_logits=True)
+    except PosdiagError:
+        raise
+    except Exception as exc:
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        declared = subject.max_positions
+        hint = (f" (past its declared context of {declared}: a position table has no rows there)"
+                if declared and ids.numel() > declared else "")
+        raise PosdiagError(f"the {role} failed on {ids.numel()} tokens: {type(exc).__name__}: {text[:200]}{hint}") from None
+
+
+def finer_run(subject: Subject, ids: torch.Tensor, stack: str) -> tuple[Outputs | None, str]:
+    """Run `subject` once more in a finer dtype (in place, restored exactly afterwards)."""
+    dtype = next(iter(subject.model.parameters())).dtype
+    finer = FINER.get(dtype)
+    reason = None
+    if finer is None:
+        reason = f"{name_of(dtype)} has no finer dtype to compare with"
+    elif subject.options.device_map:
+        reason = "a --device-map model is not re-cast"
+    elif not _memory_allows(subject, finer):
+        reason = f"not enough free memory for a {name_of(finer)} copy of the weights"
+    if reason is None:
+        try:
+            subject.model.to(finer)
+            try:
+                return run_rows(subject, [Row(ids.to(subject.device))], stack=stack, explicit_mask=False, want_logits=True), \
+                    f"{subject.spec} run in {name_of(finer)} vs {name_of(dtype)} (its own rounding)"
+            finally:
+                subject.model.to(dtype)
+        except Exception as exc:  # some families refuse float64: fall back to the dtype minimum
+            reason = f"{name_of(finer)} run failed ({type(exc).__name__})"
+    return None, f"estimated: {name_of(dtype)} machine epsilon x layer index ({reason})"
+
+
+def _memory_allows(subject: Subject, finer: torch.dtype) -> bool:
+    need = sum(p.numel() for p in subject.model.parameters()) * torch.tensor([], dtype=finer).element_size()
+    if subject.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(subject.device)
+        return need < 0.8 * free
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return True
+    return need < 0.8 * free
