@@ -55,7 +55,7 @@ def finish(profiles: list[LayerProfile], logits_stats: dict[str, Any], length: i
                   ("layer", "error", "noise floor", "ratio", "at position 0", "pattern"), tuple(rows))
     details["layers"] = [{"name": p.name, "ref_index": p.ref_index, "cand_index": p.cand_index, "error": p.error,
                           "noise_floor": p.floor, "ratio": p.ratio, **p.pattern} for p in profiles]
-    details["profile"] = _bucketed(profiles, length)
+    details["profile"] = bucketed(profiles, length)
     logit_txt = ""
     if logits_stats:
         logit_txt = (f"; logits: top-1 agree {100 * logits_stats['top1_agreement']:.1f}%, "
@@ -100,7 +100,7 @@ def bucket_edges(length: int, buckets: int = _BUCKETS) -> list[int]:
     return sorted(e for e in edges if e < length) + [length]
 
 
-def _bucketed(profiles: list[LayerProfile], length: int) -> dict[str, Any]:
+def bucketed(profiles: list[LayerProfile], length: int) -> dict[str, Any]:
     edges = bucket_edges(length)
     layers = {}
     for p in profiles:

@@ -1,0 +1,113 @@
+"""Engines: candidates outside PyTorch that only return logits.
+
+The protocol is one method. An engine is any object with
+
+    logits(ids: list[int]) -> array [T, V]     # numpy, torch, or anything numpy.asarray takes
+
+returning the logits of every position for the token ids it is given (no tokenizer: the ids are
+the reference's). It may also carry, all optional:
+
+    name: str               what the report calls it (default: the spec)
+    settings: dict          the engine settings that shape its rounding (KV cache type, batch,
+                            threads...), printed in the report
+    context_length: int     the context the port declares; positions past it are reported as not
+                            covered instead of being asked for
+    boundaries: dict        other declared lengths, e.g. {"sliding_window": 4096}
+    quantization: str       the weights' storage type when it is coarser than float32 (e.g. "Q8_0")
+
+Two adapters produce one: `posdiag.tools.gguf_engine` (llama.cpp through llama-cpp-python, for a
+`.gguf` file) and `load_factory_engine` (a user's `module.path:factory`). The rule that keeps the
+factory syntax unambiguous: the object the factory returns decides. A `torch.nn.Module` is a
+PyTorch model and is compared layer by layer; any other object with a callable `logits` is an
+engine and is compared on its logits, position by position.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from posdiag.errors import PosdiagError
+
+PROTOCOL = "an object with logits(ids: list[int]) -> array [T, V] (numpy or torch)"
+
+
+@dataclass
+class Engine:
+    """A logits-only candidate, normalised: `run(ids)` always returns float64 [T, V] on the CPU."""
+
+    impl: Any
+    name: str
+    settings: dict[str, Any] = field(default_factory=dict)
+    context_length: int | None = None
+    boundaries: dict[str, int] = field(default_factory=dict)
+    quantization: str | None = None
+
+    def run(self, ids: list[int]) -> torch.Tensor:
+        try:
+            raw = self.impl.logits(list(ids))
+        except PosdiagError:
+            raise
+        except Exception as exc:
+            text = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+            raise PosdiagError(f"the engine {self.name} failed on {len(ids)} tokens: {type(exc).__name__}: {text}") from None
+        out = raw.detach().to("cpu", torch.float64) if isinstance(raw, torch.Tensor) else \
+            torch.from_numpy(np.asarray(raw, dtype=np.float64))
+        if out.ndim == 3 and out.shape[0] == 1:
+            out = out[0]
+        if out.ndim != 2 or out.shape[0] != len(ids):
+            raise PosdiagError(f"the engine {self.name} returned logits of shape {tuple(out.shape)} for {len(ids)} "
+                               f"tokens; the protocol is {PROTOCOL}")
+        return out
+
+
+def as_engine(obj: Any, name: str) -> Engine:
+    """Wrap an object that follows the protocol; PosdiagError (one line) when it does not."""
+    if isinstance(obj, Engine):
+        return obj
+    if isinstance(obj, torch.nn.Module) or not callable(getattr(obj, "logits", None)):
+        raise PosdiagError(f"{name} returned {type(obj).__name__}: an engine is {PROTOCOL}")
+    context = getattr(obj, "context_length", None)
+    return Engine(impl=obj, name=str(getattr(obj, "name", None) or name),
+                  settings=dict(getattr(obj, "settings", None) or {}),
+                  context_length=int(context) if isinstance(context, int) and context > 0 else None,
+                  boundaries={k: int(v) for k, v in (getattr(obj, "boundaries", None) or {}).items() if v},
+                  quantization=getattr(obj, "quantization", None))
+
+
+def is_engine(obj: Any) -> bool:
+    """The rule: not a torch.nn.Module, and has a callable `logits`."""
+    return not isinstance(obj, torch.nn.Module) and callable(getattr(obj, "logits", None))
+
+
+def call_factory(spec: str) -> Any:
+    """Import `module.path:factory` and call it (the current directory is importable)."""
+    module_name, _, attr = spec.rpartition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise PosdiagError(f"cannot import factory module '{module_name}': {_line(exc)}") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise PosdiagError(f"'{attr}' in module '{module_name}' is not a callable factory")
+    try:
+        return factory()
+    except Exception as exc:
+        raise PosdiagError(f"factory '{spec}' raised {type(exc).__name__}: {_line(exc)}") from None
+
+
+def is_gguf(spec: str) -> bool:
+    return spec.lower().endswith(".gguf")
+
+
+def _line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__

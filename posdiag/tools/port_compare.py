@@ -1,0 +1,223 @@
+"""compare against an engine: a port that returns only logits, judged position by position.
+
+The reference (PyTorch) and the engine get the same token ids. With no hidden states from the
+engine, the comparison is on the logits, at every position t:
+
+    e(t) = ||logits_eng[t] - logits_ref[t]|| / ||logits_ref[t]||
+
+Noise floor, measured in the same run: the reference again in a finer dtype (float32 -> float64).
+That is the size of float32 rounding for this model on these tokens; a different engine computing
+the same function in float32 (other kernels, other summation order) lands within a few of it —
+as long as the engine itself keeps float32 (its KV cache too: llama.cpp's default f16 cache alone
+costs ~1e-4). The error is judged as a ratio to that floor (FAIL above FAIL_RATIO x).
+
+Shape of the error, which names the cause:
+- grows with position from 1: zero at position 0 (a token that sees only itself cannot feel a
+  relative position encoding) and there from the first token that sees another: RoPE base, rotary
+  pairing layout, scaling.
+- starts at a length N > 1: exact up to N, then wrong: a window, context or scaling boundary; N is
+  matched against the boundaries both sides declare (sliding_window, original context, context).
+- uniform from position 0: already wrong for a token that sees only itself: weights, norm,
+  activation, embedding scale.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from posdiag.errors import PosdiagError
+from posdiag.model.subject import Subject
+from posdiag.options import RunOptions
+from posdiag.results import CheckResult, Status, Table
+from posdiag.tools.compare import DEFAULT_SEQ_LEN, original_context
+from posdiag.tools.compare.helpers import name_of
+from posdiag.tools.compare.measuring import UNIFORM_START_FRACTION, LayerProfile, per_position_error, rel_error
+from posdiag.tools.compare.running import finer_run, run_stack
+from posdiag.tools.compare.verdict import Comparison, bucketed
+from posdiag.tools.engines import Engine
+from posdiag.verdict import FAIL_RATIO, noise_floor
+
+BOUNDARY_SLACK = 2
+"""An onset within this many positions after a declared boundary is that boundary."""
+
+
+def compare_engine(reference: Subject, engine: Engine, options: RunOptions | None = None, *,
+                   long: bool = False) -> Comparison:
+    """Compare a logits-only ENGINE with REFERENCE on the same ids. Never prints; raises
+    PosdiagError on inputs that cannot be compared."""
+    options = options or RunOptions()
+    if reference.kind != "causal":
+        raise PosdiagError(f"an engine is compared with a causal (decoder-only) reference, not a {reference.kind} one")
+    boundaries = declared_boundaries(reference, engine)
+    length, info = probe_length(reference, options, long, boundaries)
+    if options.token_ids is not None:
+        ids = torch.tensor(options.token_ids, dtype=torch.long)
+    else:
+        ids = reference.sample_ids(1, length, options.seed)[0].cpu()
+    before = reference.forward_count
+    stack = reference.stacks[-1]
+    ref = run_stack(reference, ids, stack, "reference").logits
+    if ref is None:
+        raise PosdiagError("the reference gives no logits (a language-model head is needed to compare with an engine)")
+    ref = ref[0].double().cpu()
+    fine, floor_source = finer_run(reference, ids, stack)
+    dtype = name_of(reference.dtype)
+    floor = noise_floor(rel_error(ref, fine.logits[0]) if fine is not None else 0.0, dtype)
+    tolerance = FAIL_RATIO * floor
+
+    covered = min(length, engine.context_length) if engine.context_length else length
+    cand = engine.run(ids[:covered].tolist())
+    notes: list[str] = []
+    if cand.shape[1] != ref.shape[1]:
+        if cand.shape[1] < ref.shape[1]:
+            raise PosdiagError(f"the engine returns {cand.shape[1]} logits per position; the reference {ref.shape[1]}")
+        notes.append(f"engine vocabulary {cand.shape[1]} > reference {ref.shape[1]}: the first {ref.shape[1]} compared")
+        cand = cand[:, : ref.shape[1]]
+    per = torch.full((length,), math.nan, dtype=torch.float64)
+    per[:covered] = per_position_error(ref[:covered], cand)
+    error = rel_error(ref[:covered], cand)
+    shape = classify(per, tolerance, boundaries)
+    profile = LayerProfile("logits", None, None, error, floor, tolerance, error / floor, tuple(per.tolist()), shape)
+    crossed = {k: v for k, v in boundaries.items() if v < length}
+    details: dict[str, Any] = {
+        **info, "seq_len": length, "compared_dtype": dtype, "floor_source": floor_source,
+        "reference": reference.info.to_dict(), "candidate": engine_info(engine, dtype),
+        "engine": {"name": engine.name, **engine.settings}, "boundaries": boundaries,
+        "boundaries_crossed": crossed, "covered_positions": covered, "notes": notes,
+        "profile": bucketed([profile], length),
+        "layers": [{"name": "logits", "error": error, "noise_floor": floor, "ratio": error / floor, **shape}],
+    }
+    result = _verdict(profile, engine, length, details, reference.forward_count - before)
+    return Comparison(result, (profile,), length)
+
+
+def declared_boundaries(reference: Subject, engine: Engine) -> dict[str, int]:
+    """Every length either side declares, by name: where a port's behaviour may change."""
+    out: dict[str, int] = {}
+    if reference.sliding_window:
+        out["sliding_window"] = int(reference.sliding_window)
+    original, declared = original_context(reference), reference.max_positions
+    if original and declared and original < declared:
+        out["original_context"] = int(original)
+    if declared:
+        out["context"] = int(declared)
+    for name, value in engine.boundaries.items():
+        if out.get(name) != value:
+            out[f"engine {name}"] = int(value)
+    if engine.context_length and engine.context_length != declared:
+        out["engine context"] = int(engine.context_length)
+    return out
+
+
+def probe_length(reference: Subject, options: RunOptions, long: bool,
+                 boundaries: dict[str, int]) -> tuple[int, dict[str, Any]]:
+    """Past the sliding window by default; past the original context with `long`; never past
+    the reference's declared context unless asked with `long`."""
+    declared = reference.max_positions
+    original = original_context(reference)
+    info = {"declared_context": declared, "original_context": original, "long": long}
+    windows = [v for k, v in boundaries.items() if "sliding_window" in k]
+    if options.token_ids is not None:
+        length = len(options.token_ids)
+    elif options.seq_len is not None:
+        length = options.seq_len
+    elif long:
+        if original is None:
+            raise PosdiagError("--long needs an original context length and the reference declares none")
+        length = 2 * original if not declared or declared <= original else max(declared, original + 1)
+    else:
+        length = min([DEFAULT_SEQ_LEN] + ([declared] if declared else []))
+        if windows and max(windows) >= length:  # past the window when the context allows it
+            length = min([2 * max(windows)] + ([declared] if declared else []))
+    if length < 4:
+        raise PosdiagError(f"--seq-len {length} is too short: the comparison needs at least 4 tokens")
+    if not long and declared and length > declared:
+        raise PosdiagError(f"--seq-len {length} exceeds the reference's declared context of {declared} tokens "
+                           "(add --long to run past it)")
+    return length, info
+
+
+def classify(e: torch.Tensor, tolerance: float, boundaries: dict[str, int]) -> dict[str, Any]:
+    """The shape of a per-position error profile (NaN = a position the engine did not cover)."""
+    n = e.numel()
+    finite = torch.isfinite(e)
+    above = ~finite | (e > tolerance)
+    if not bool(above.any()):
+        return {"pattern": "none"}
+    onset = int(above.nonzero()[0])
+    covered = int(finite.sum())
+    start = float(e[0])
+    rest = e[1:covered]
+    median = float(rest.median()) if rest.numel() else 0.0
+    out: dict[str, Any] = {"onset_position": onset, "position0_error": start, "median_error_after_0": median,
+                           "start_ratio": start / median if median > 0 else 0.0, "boundary": None}
+    named = [k for k, v in boundaries.items() if v <= onset <= v + BOUNDARY_SLACK]
+    if named:
+        out["boundary"] = ", ".join(f"{k} {boundaries[k]}" for k in named)
+    if onset >= covered:
+        out["pattern"] = "step at a length"
+        out["why"] = (f"exact up to position {covered - 1}; the engine's context ends there, positions {covered}-{n - 1} "
+                      f"not covered: a context boundary")
+        return out
+    late = rest[-max(1, rest.numel() // 4):].mean().item() if rest.numel() else 0.0
+    out["late_error"] = late
+    if onset == 0 and out["start_ratio"] >= UNIFORM_START_FRACTION:
+        out["pattern"] = "uniform from position 0"
+        out["why"] = (f"already {start:.2g} at position 0 (a token that sees only itself), {out['start_ratio']:.2g}x the "
+                      "median elsewhere: weights, norm, activation or embedding, not positions")
+    elif onset <= 1:
+        out["pattern"] = "grows with position"
+        first = float(e[1]) if n > 1 else start
+        out["why"] = (f"{start:.2g} at position 0, {first:.2g} at position 1, {late:.2g} late: the error comes with "
+                      "relative position (RoPE base, rotary pairing layout, scaling)")
+    else:
+        out["pattern"] = "step at a length"
+        where = f" = {out['boundary']}" if out["boundary"] else " (no declared boundary there)"
+        out["why"] = (f"at the floor up to position {onset - 1}, then {float(e[onset]):.2g} at {onset}{where}, "
+                      f"{late:.2g} late: a window, context or scaling boundary")
+    return out
+
+
+def engine_info(engine: Engine, dtype: str) -> dict[str, Any]:
+    """The candidate line of the report, in the shape ModelInfo.to_dict gives the reference."""
+    weights = engine.settings.get("weights", engine.quantization or "as the engine stores them")
+    return {"id": engine.name, "family": engine.settings.get("architecture", "engine"), "kind": "causal",
+            "position_kind": "logits only", "dtype": str(weights), "device": engine.settings.get("device", "engine"),
+            "notes": []}
+
+
+def _verdict(profile: LayerProfile, engine: Engine, length: int, details: dict[str, Any], passes: int) -> CheckResult:
+    shape = profile.pattern
+    kv = engine.settings.get("kv_cache")
+    where = f"{length} tokens" + (f", KV cache {kv}" if kv else "")
+    crossed = details["boundaries_crossed"]
+    if crossed:
+        where += ", past " + ", ".join(f"{k} {v}" for k, v in crossed.items())
+    metrics: dict[str, Any] = {"error": profile.error, "noise_floor": profile.floor, "tolerance": profile.tolerance,
+                               "ratio": profile.ratio, "onset_position": shape.get("onset_position"),
+                               "position0_error": profile.per_position[0]}
+    row = ("logits", f"{profile.error:.3e}", f"{profile.floor:.2e}", f"{profile.ratio:.3g}",
+           f"{profile.per_position[0]:.2e}", shape.get("pattern", "") if shape.get("pattern") != "none" else "")
+    table = Table("error at the logits (relative L2; position 0 shown apart)",
+                  ("layer", "error", "noise floor", "ratio", "at position 0", "pattern"), (row,))
+    if shape.get("pattern") == "none":
+        status = Status.PASS
+        summary = (f"same function within float32 rounding: logits error {profile.error:.3g} = {profile.ratio:.3g}x "
+                   f"noise floor (tolerance {FAIL_RATIO:g}x) at every position ({where})")
+    else:
+        details.update({"first_layer": "logits", "pattern": shape["pattern"], "pattern_why": shape.get("why"),
+                        "onset_position": shape.get("onset_position"), "boundary": shape.get("boundary")})
+        lead = {"grows with position": f"error grows with position from {shape['onset_position']}",
+                "step at a length": f"error starts at position {shape['onset_position']}",
+                "uniform from position 0": "error uniform from position 0"}[shape["pattern"]]
+        status = Status.FAIL
+        if engine.quantization:
+            status = Status.WARN
+            lead = (f"inconclusive: {engine.quantization} weights, and no tolerance measured for that quantisation; "
+                    + lead)
+        summary = (f"{lead}: {shape.get('why', '')}; logits error {profile.error:.3g} = {profile.ratio:.3g}x noise "
+                   f"floor ({where})")
+    return CheckResult("compare", status, summary, metrics, details, (table,), forward_passes=passes)
