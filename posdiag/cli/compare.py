@@ -37,8 +37,9 @@ from posdiag.cli.options import (
     load_options,
 )
 
-CandidateArg = Annotated[str, typer.Argument(help="The port to check: hub id, directory, or module.path:factory.",
-                                             show_default=False)]
+CandidateArg = Annotated[str, typer.Argument(
+    help="The port to check: hub id, directory, a .gguf file (llama.cpp), or module.path:factory returning a "
+         "torch.nn.Module or an engine (an object with logits(ids) -> [T, V]).", show_default=False)]
 ReferenceArg = Annotated[str, typer.Argument(help="The trusted model: hub id, directory, or module.path:factory.",
                                              show_default=False)]
 
@@ -70,6 +71,18 @@ def compare(
 
     Same token ids, same dtype (unless --candidate-dtype). A position bug shows as error that is
     zero at position 0 and grows with position; a weight or norm bug is there at every position.
+
+    Ports outside PyTorch (engines) are compared on their logits, position by position, against the
+    reference's own float32-vs-float64 rounding. The engine protocol: an object with
+
+      logits(ids: list[int]) -> array [T, V]   (numpy or torch; the logits of every position)
+
+    and optionally name, settings (dict), context_length, boundaries (dict), quantization. A
+    module.path:factory candidate is an engine when the factory returns such an object, and a
+    PyTorch model when it returns a torch.nn.Module. A .gguf candidate runs in llama.cpp
+    (pip install 'posdiag[gguf]'): all-position logits, float32 KV cache, the reference's token ids,
+    the context the file declares. By default the probe runs past the reference's sliding window;
+    --long runs past the original context of scaled RoPE.
     """
     settings = Settings(  # the reference's; the candidate's differ only where the candidate options say
         model=reference, revision=revision, trust_remote_code=trust_remote_code, dtype=dtype.value, device=device.value,
@@ -130,8 +143,29 @@ def _load_both(reference: Settings, candidate: Settings):
     with err.status(f"loading {reference.model}…"):
         ref = guarded(lambda: load_subject(reference.model, ref_opts), reference.debug)
     with err.status(f"loading {candidate.model}…"):
-        cand = guarded(lambda: load_subject(candidate.model, cand_opts), reference.debug)
+        cand = guarded(lambda: _load_candidate(candidate.model, cand_opts), reference.debug)
     return ref, cand
+
+
+def _load_candidate(spec: str, options):
+    """A .gguf file -> llama.cpp engine; module:factory -> engine or PyTorch model by what it returns."""
+    from posdiag.model.loading import from_factory_model, load_subject, looks_like_factory
+    from posdiag.tools.engines import as_engine, call_factory, is_engine, is_gguf
+
+    if is_gguf(spec):
+        from posdiag.tools.gguf_engine import load_gguf
+
+        return load_gguf(spec)
+    if looks_like_factory(spec) and not options.device_map:
+        import torch
+
+        obj = call_factory(spec)
+        if is_engine(obj):
+            return as_engine(obj, spec)
+        if isinstance(obj, torch.nn.Module):
+            return from_factory_model(obj, spec, options)
+        return as_engine(obj, f"factory '{spec}'")  # neither: the one-line protocol error
+    return load_subject(spec, options)
 
 
 def _compare(ref, cand, settings: Settings, long: bool, mapping):
@@ -141,14 +175,20 @@ def _compare(ref, cand, settings: Settings, long: bool, mapping):
     from posdiag.errors import PosdiagError
     from posdiag.options import RunOptions
     from posdiag.tools.compare import compare_subjects
+    from posdiag.tools.engines import Engine
+    from posdiag.tools.port_compare import compare_engine
 
     def run():
         token_ids = None
         if settings.text:
             token_ids = tokenize(settings.model, settings.text, settings.revision, settings.trust_remote_code)
-            if max(token_ids) >= min(ref.vocab_size, cand.vocab_size):
+            if max(token_ids) >= min(ref.vocab_size, getattr(cand, "vocab_size", ref.vocab_size)):
                 raise PosdiagError("the tokenizer produced ids outside a model's vocabulary")
         options = RunOptions(seq_len=settings.seq_len, seed=settings.seed, token_ids=token_ids)
+        if isinstance(cand, Engine):
+            if mapping:
+                raise PosdiagError("--layer-map aligns hidden states; an engine candidate gives only logits")
+            return compare_engine(ref, cand, options, long=long)
         return compare_subjects(ref, cand, options, long=long, layer_map=mapping)
 
     with Console(stderr=True).status("comparing…"):

@@ -147,6 +147,11 @@ def _load_factory(spec: str, options: LoadOptions) -> Subject:
         raise PosdiagError(f"factory '{spec}' raised {type(exc).__name__}: {one_line(exc)}") from None
     if not isinstance(model, torch.nn.Module):
         raise PosdiagError(f"factory '{spec}' returned {type(model).__name__}, not a torch.nn.Module")
+    return from_factory_model(model, spec, options)
+
+
+def from_factory_model(model: torch.nn.Module, spec: str, options: LoadOptions) -> Subject:
+    """A model a `module:factory` returned, placed on the device and dtype the options ask for."""
     device = resolve_device(options.device)
     dtype = None if options.dtype == "auto" else DTYPES[options.dtype]
     model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)

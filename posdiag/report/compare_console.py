@@ -43,6 +43,13 @@ def render_compare(report: Report, console: Console, *, quiet: bool = False) -> 
         console.print(Text(
             f"{details['seq_len']} tokens · original context {ctx if ctx else 'unknown'} · "
             f"compared in {details.get('compared_dtype', '?')} · floor: {details.get('floor_source', '?')}", style="dim"))
+    if details.get("engine"):
+        settings = " · ".join(f"{k} {v}" for k, v in details["engine"].items() if k != "name")
+        console.print(Text(f"engine: {settings or 'no settings reported'}", style="dim"))
+    if "boundaries" in details:
+        crossed, bounds = details.get("boundaries_crossed", {}), details["boundaries"]
+        parts = [f"{k} {v} ({'crossed' if k in crossed else 'not crossed'})" for k, v in bounds.items()]
+        console.print(Text("boundaries: " + ("; ".join(parts) or "none declared"), style="dim"))
     for note in details.get("notes", ()) or ():
         console.print(Text(f"note: {note}", style="yellow"))
     print_line(console, Text.assemble(status_text(check.status), f" compare: {check.summary}"))

@@ -183,9 +183,9 @@ def classify(e: torch.Tensor, tolerance: float, boundaries: dict[str, int]) -> d
 
 def engine_info(engine: Engine, dtype: str) -> dict[str, Any]:
     """The candidate line of the report, in the shape ModelInfo.to_dict gives the reference."""
-    weights = engine.settings.get("weights", engine.quantization or "as the engine stores them")
+    weights = engine.settings.get("weights") or engine.settings.get("dtype") or engine.quantization or "dtype not reported"
     return {"id": engine.name, "family": engine.settings.get("architecture", "engine"), "kind": "causal",
-            "position_kind": "logits only", "dtype": str(weights), "device": engine.settings.get("device", "engine"),
+            "position_kind": "logits only", "dtype": str(weights), "device": engine.settings.get("device", "its own device"),
             "notes": []}
 
 

@@ -1,0 +1,54 @@
+"""Engines for `posdiag compare` tests and docs: a tiny Llama reference (module:factory returning a
+torch.nn.Module) and candidates that follow the engine protocol (objects with logits(ids) -> [T, V]),
+wrapping a copy of the same model: healthy, with q/k rows in the other rotary layout (a position
+bug), with a wrong norm epsilon (a weight/norm bug), and with a wrong return shape."""
+
+from __future__ import annotations
+
+import torch
+
+from posdiag.testing import zoo
+
+from plants_compare import copy_of, interleave_qk, wrong_norm_eps
+
+
+class TorchEngine:
+    """The protocol over a PyTorch model: numpy logits [T, V] for a list of ids."""
+
+    def __init__(self, model: torch.nn.Module, name: str):
+        self.model = model
+        self.name = name
+        self.settings = {"engine": "transformers (wrapped as an engine)", "dtype": "float32"}
+
+    def logits(self, ids: list[int]):
+        with torch.no_grad():
+            return self.model(torch.tensor([ids])).logits[0].numpy()
+
+
+def reference() -> torch.nn.Module:
+    return zoo.tiny_model("llama", init="strong")
+
+
+def healthy() -> TorchEngine:
+    return TorchEngine(copy_of(reference()), "healthy engine")
+
+
+def rotary_layout() -> TorchEngine:
+    return TorchEngine(interleave_qk(reference()), "engine with q/k in the interleaved layout")
+
+
+def norm_eps() -> TorchEngine:
+    return TorchEngine(wrong_norm_eps(reference(), 1e-2), "engine with norm epsilon 1e-2")
+
+
+class _Flat:
+    def logits(self, ids):
+        return [0.0] * len(ids)
+
+
+def wrong_shape() -> _Flat:
+    return _Flat()
+
+
+def not_an_engine() -> dict:
+    return {}
