@@ -9,7 +9,10 @@ import torch
 
 from posdiag.testing import zoo
 
-from plants_compare import copy_of, interleave_qk, wrong_norm_eps
+try:  # under pytest, tests/ is on the path; from the repository root, tests is a package path
+    from plants_compare import copy_of, interleave_qk, wrong_norm_eps
+except ImportError:
+    from tests.plants_compare import copy_of, interleave_qk, wrong_norm_eps
 
 
 class TorchEngine:

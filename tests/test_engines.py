@@ -1,0 +1,122 @@
+"""posdiag compare against engines (logits-only candidates), through the protocol and the factory adapter.
+
+No llama.cpp needed: the engines wrap PyTorch models behind `logits(ids) -> [T, V]`. Planted bugs
+must FAIL with the right shape, their healthy twins PASS; bad engines are one-line errors (exit 2).
+"""
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from engines_demo import TorchEngine
+from plants_compare import copy_of, interleave_qk, wrong_norm_eps
+from posdiag.cli import app
+from posdiag.errors import PosdiagError
+from posdiag.model.loading import from_module
+from posdiag.options import RunOptions
+from posdiag.results import Status
+from posdiag.testing import zoo
+from posdiag.tools.engines import as_engine, is_engine
+from posdiag.tools.port_compare import classify, compare_engine
+
+
+def run(ref, engine, **kw):
+    return compare_engine(from_module(ref, name="reference"), as_engine(engine, "engine"), RunOptions(**kw))
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return zoo.tiny_model("llama", init="strong")
+
+
+def test_healthy_engine_passes(llama):
+    result = run(llama, TorchEngine(copy_of(llama), "copy")).result
+    assert result.status is Status.PASS, result.summary
+    assert "within float32 rounding" in result.summary
+
+
+def test_position_bug_grows_from_position_1(llama):
+    comparison = run(llama, TorchEngine(interleave_qk(llama), "interleaved"))
+    result, profile = comparison.result, comparison.profiles[0]
+    assert result.status is Status.FAIL
+    assert result.details["pattern"] == "grows with position" and result.details["onset_position"] == 1
+    assert profile.per_position[0] <= profile.tolerance < profile.per_position[1]
+    assert "error grows with position from 1" in result.summary
+
+
+def test_weight_bug_is_uniform_from_position_0(llama):
+    result = run(llama, TorchEngine(wrong_norm_eps(llama, 1e-2), "eps")).result
+    assert result.status is Status.FAIL
+    assert result.details["pattern"] == "uniform from position 0"
+    assert result.metrics["position0_error"] > result.metrics["tolerance"]
+
+
+def test_dropped_sliding_window_is_a_step_at_the_window():
+    ref = zoo.tiny_model("qwen2", init="strong")
+    no_window = zoo.tiny_model("qwen2", init="strong", use_sliding_window=False)
+    no_window.load_state_dict(ref.state_dict())
+    comparison = run(ref, TorchEngine(no_window, "no window"))
+    result = comparison.result
+    assert result.status is Status.FAIL
+    assert result.details["pattern"] == "step at a length"
+    assert result.details["onset_position"] == zoo.SLIDING_WINDOW
+    assert result.details["boundary"] == f"sliding_window {zoo.SLIDING_WINDOW}"
+    assert result.details["boundaries_crossed"]["sliding_window"] == zoo.SLIDING_WINDOW
+    # the healthy twin: the same model with its window
+    assert run(ref, TorchEngine(copy_of(ref), "copy")).result.status is Status.PASS
+
+
+class ShortContext(TorchEngine):
+    context_length = 64
+
+
+def test_engine_context_shorter_than_the_reference_is_a_step(llama):
+    result = run(llama, ShortContext(copy_of(llama), "short")).result
+    assert result.status is Status.FAIL
+    assert result.details["onset_position"] == 64 and result.details["covered_positions"] == 64
+    assert "engine context 64" in result.details["boundary"]
+
+
+def test_default_length_runs_past_the_window():
+    ref = zoo.tiny_model("qwen2", init="strong", max_position_embeddings=4096, sliding_window=600)
+    engine = TorchEngine(copy_of(ref), "copy")
+    comparison = compare_engine(from_module(ref), as_engine(engine, "e"), RunOptions())
+    assert comparison.seq_len > 600 and "sliding_window" in comparison.result.details["boundaries_crossed"]
+
+
+def test_classify_shapes_on_synthetic_profiles():
+    tol = 1e-6
+    grows = torch.tensor([0.0] + [1e-3 * t for t in range(1, 64)], dtype=torch.float64)
+    assert classify(grows, tol, {})["pattern"] == "grows with position"
+    step = torch.tensor([1e-8] * 32 + [1e-2] * 32, dtype=torch.float64)
+    out = classify(step, tol, {"original_context": 32})
+    assert out["pattern"] == "step at a length" and out["boundary"] == "original_context 32"
+    assert classify(torch.full((64,), 1e-2, dtype=torch.float64), tol, {})["pattern"] == "uniform from position 0"
+    assert classify(torch.full((64,), 1e-8, dtype=torch.float64), tol, {})["pattern"] == "none"
+
+
+def test_protocol_accepts_torch_and_numpy_and_rejects_others(llama):
+    class Torchy:
+        def logits(self, ids):
+            return torch.zeros(1, len(ids), 256)
+
+    assert as_engine(Torchy(), "t").run([1, 2, 3]).shape == (3, 256)
+    assert is_engine(Torchy()) and not is_engine(llama) and not is_engine(object())
+    with pytest.raises(PosdiagError, match="protocol"):
+        as_engine(type("Flat", (), {"logits": lambda self, ids: np.zeros(len(ids))})(), "f").run([1, 2])
+    with pytest.raises(PosdiagError, match="an engine is"):
+        as_engine(llama, "module")
+
+
+def test_cli_engine_factories(monkeypatch):
+    runner = CliRunner()
+    healthy = runner.invoke(app, ["compare", "engines_demo:reference", "engines_demo:healthy", "-q"])
+    assert healthy.exit_code == 0, healthy.output
+    bug = runner.invoke(app, ["compare", "engines_demo:reference", "engines_demo:rotary_layout", "-q"])
+    assert bug.exit_code == 1 and "error grows with position from 1" in bug.output
+    for bad in ("engines_demo:wrong_shape", "engines_demo:not_an_engine"):
+        out = runner.invoke(app, ["compare", "engines_demo:reference", bad])
+        assert out.exit_code == 2 and "Traceback" not in out.output
+    help_text = runner.invoke(app, ["compare", "--help"], env={"COLUMNS": "200"}).output
+    assert "logits(ids" in help_text and ".gguf" in help_text
