@@ -146,3 +146,20 @@ def _gpt2(sd: dict, cfg, kv: _Keys) -> dict[str, np.ndarray]:
             out[f"{b}{name}.weight"] = sd[f"{p}{hf}.weight"].T  # Conv1D [in, out] -> [out, in]
             out[f"{b}{name}.bias"] = sd[f"{p}{hf}.bias"]
     return out
+
+
+def main(out_dir: str) -> None:
+    """Write the demo files the docs use: tiny Llama (strong init) healthy, and with two plants."""
+    from posdiag.testing import zoo
+
+    model = zoo.tiny_model("llama", init="strong")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for plant in (None, "qk_hf_layout", "norm_eps"):
+        print(write_gguf(model, out / f"llama-tiny-{plant or 'healthy'}.gguf", plant=plant))
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1] if len(sys.argv) > 1 else "gguf-demo")

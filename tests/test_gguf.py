@@ -1,0 +1,89 @@
+"""posdiag compare against llama.cpp: tiny HF models converted to GGUF here (tests/gguf_convert.py), run
+through llama-cpp-python with all-position logits and an f32 KV cache. Healthy conversions PASS; each
+planted port bug FAILs with its shape and, for a boundary, the boundary's name. Needs the `gguf` package
+(the converter) and llama-cpp-python (the engine); without them these tests skip with the reason.
+"""
+
+import pytest
+
+from gguf_convert import write_gguf
+from posdiag.model.loading import from_module
+from posdiag.options import RunOptions
+from posdiag.results import Status
+from posdiag.testing import zoo
+
+gguf = pytest.importorskip("gguf", reason="the GGUF converter needs the gguf package: pip install 'posdiag[gguf]'")
+llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'posdiag[gguf]' "
+                                                    "builds it from source, several minutes)")
+
+from posdiag.tools.gguf_engine import load_gguf  # noqa: E402
+from posdiag.tools.port_compare import compare_engine  # noqa: E402
+
+LINEAR = {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 32}
+
+
+def compare(tmp_path, model, plant=None, **kw):
+    path = write_gguf(model, tmp_path / f"{model.config.model_type}-{plant or 'healthy'}.gguf", plant=plant)
+    return compare_engine(from_module(model, name="reference"), load_gguf(str(path)), RunOptions(**kw)).result
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return zoo.tiny_model("llama", init="strong")
+
+
+@pytest.mark.parametrize("family,overrides", [
+    ("llama", {}),
+    ("qwen2", {"use_sliding_window": False}),  # window declared, not used: as released Qwen2 configs
+    ("gemma2", {}),                              # sliding window 8 on layer 0, crossed by the probe
+    ("gpt2", {}),                                # learned position table
+    ("llama", {"rope_parameters": LINEAR}),      # linear RoPE scaling, past the original context
+])
+def test_healthy_conversion_passes(tmp_path, family, overrides):
+    result = compare(tmp_path, zoo.tiny_model(family, init="strong", **overrides))
+    assert result.status is Status.PASS, result.summary
+    assert result.details["engine"]["kv_cache"] == "f32"
+    assert result.metrics["ratio"] <= 10
+    if family == "gemma2":
+        assert "sliding_window" in result.details["boundaries_crossed"]
+
+
+@pytest.mark.parametrize("plant", ["qk_hf_layout", "freq_base"])
+def test_position_bugs_grow_from_position_1(tmp_path, llama, plant):
+    result = compare(tmp_path, llama, plant)
+    assert result.status is Status.FAIL, result.summary
+    assert result.details["pattern"] == "grows with position" and result.details["onset_position"] == 1
+    assert result.metrics["position0_error"] <= result.metrics["tolerance"]
+
+
+def test_weight_bug_is_uniform_from_position_0(tmp_path, llama):
+    result = compare(tmp_path, llama, "norm_eps")
+    assert result.status is Status.FAIL
+    assert result.details["pattern"] == "uniform from position 0"
+
+
+def test_missing_rope_scaling_key_grows_from_position_1(tmp_path):
+    result = compare(tmp_path, zoo.tiny_model("llama", init="strong", rope_parameters=LINEAR), "no_rope_scaling")
+    assert result.status is Status.FAIL and result.details["pattern"] == "grows with position"
+    assert "original_context" in result.details["boundaries_crossed"]
+
+
+def test_short_context_is_a_step_at_the_declared_context(tmp_path, llama):
+    result = compare(tmp_path, llama, "short_context")
+    assert result.status is Status.FAIL and result.details["pattern"] == "step at a length"
+    assert result.details["onset_position"] == 64 and "engine context 64" in result.details["boundary"]
+
+
+def test_dropped_sliding_window_is_a_step_at_the_window(tmp_path):
+    result = compare(tmp_path, zoo.tiny_model("gemma2", init="strong"), "no_sliding_window")
+    assert result.status is Status.FAIL and result.details["pattern"] == "step at a length"
+    assert result.details["onset_position"] == zoo.SLIDING_WINDOW
+    assert result.details["boundary"] == f"sliding_window {zoo.SLIDING_WINDOW}"
+
+
+def test_llama_cpp_qwen2_has_no_sliding_window(tmp_path):
+    """A finding about the engine, not a plant: llama.cpp's qwen2 graph attends to every key, so a
+    Qwen2 that uses its window (use_sliding_window=True) differs from the window on."""
+    result = compare(tmp_path, zoo.tiny_model("qwen2", init="strong"))
+    assert result.status is Status.FAIL and result.details["pattern"] == "step at a length"
+    assert result.details["boundary"] == f"sliding_window {zoo.SLIDING_WINDOW}"
