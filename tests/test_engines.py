@@ -7,10 +7,10 @@ must FAIL with the right shape, their healthy twins PASS; bad engines are one-li
 import numpy as np
 import pytest
 import torch
-from typer.testing import CliRunner
-
 from engines_demo import TorchEngine
 from plants_compare import copy_of, interleave_qk, wrong_norm_eps
+from typer.testing import CliRunner
+
 from posdiag.cli import app
 from posdiag.errors import PosdiagError
 from posdiag.model.loading import from_module

@@ -5,8 +5,8 @@ planted port bug FAILs with its shape and, for a boundary, the boundary's name. 
 """
 
 import pytest
-
 from gguf_convert import write_gguf
+
 from posdiag.model.loading import from_module
 from posdiag.options import RunOptions
 from posdiag.results import Status

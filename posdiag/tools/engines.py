@@ -56,7 +56,8 @@ class Engine:
             raise
         except Exception as exc:
             text = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
-            raise PosdiagError(f"the engine {self.name} failed on {len(ids)} tokens: {type(exc).__name__}: {text}") from None
+            raise PosdiagError(f"the engine {self.name} failed on {len(ids)} tokens: "
+                               f"{type(exc).__name__}: {text}") from None
         out = raw.detach().to("cpu", torch.float64) if isinstance(raw, torch.Tensor) else \
             torch.from_numpy(np.asarray(raw, dtype=np.float64))
         if out.ndim == 3 and out.shape[0] == 1:

@@ -65,7 +65,8 @@ def load_gguf(path: str, *, kv_cache: str = "f32", threads: int | None = None) -
         try:
             llm = llama_cpp.Llama(**kwargs)
         except Exception as exc:
-            raise PosdiagError(f"llama.cpp could not load '{path}': {type(exc).__name__}: {str(exc).strip()[:200]}") from None
+            raise PosdiagError(f"llama.cpp could not load '{path}': "
+                               f"{type(exc).__name__}: {str(exc).strip()[:200]}") from None
         settings["kv_cache"] = "f16 (engine default" + (f"; f32 refused: {refused})" if refused else ")")
     settings["n_ctx"] = llm.n_ctx()
     settings["n_batch"] = llm.n_batch

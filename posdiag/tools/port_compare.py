@@ -159,15 +159,15 @@ def classify(e: torch.Tensor, tolerance: float, boundaries: dict[str, int]) -> d
         out["boundary"] = ", ".join(f"{k} {boundaries[k]}" for k in named)
     if onset >= covered:
         out["pattern"] = "step at a length"
-        out["why"] = (f"exact up to position {covered - 1}; the engine's context ends there, positions {covered}-{n - 1} "
-                      f"not covered: a context boundary")
+        out["why"] = (f"within tolerance up to position {covered - 1}, where the engine's context ends; positions "
+                      f"{covered}-{n - 1} not covered: a context boundary")
         return out
     late = rest[-max(1, rest.numel() // 4):].mean().item() if rest.numel() else 0.0
     out["late_error"] = late
     if onset == 0 and out["start_ratio"] >= UNIFORM_START_FRACTION:
         out["pattern"] = "uniform from position 0"
-        out["why"] = (f"already {start:.2g} at position 0 (a token that sees only itself), {out['start_ratio']:.2g}x the "
-                      "median elsewhere: weights, norm, activation or embedding, not positions")
+        out["why"] = (f"already {start:.2g} at position 0 (a token that sees only itself), {out['start_ratio']:.2g}x "
+                      "the median elsewhere: weights, norm, activation or embedding, not positions")
     elif onset <= 1:
         out["pattern"] = "grows with position"
         first = float(e[1]) if n > 1 else start
@@ -183,9 +183,10 @@ def classify(e: torch.Tensor, tolerance: float, boundaries: dict[str, int]) -> d
 
 def engine_info(engine: Engine, dtype: str) -> dict[str, Any]:
     """The candidate line of the report, in the shape ModelInfo.to_dict gives the reference."""
-    weights = engine.settings.get("weights") or engine.settings.get("dtype") or engine.quantization or "dtype not reported"
-    return {"id": engine.name, "family": engine.settings.get("architecture", "engine"), "kind": "causal",
-            "position_kind": "logits only", "dtype": str(weights), "device": engine.settings.get("device", "its own device"),
+    settings = engine.settings
+    weights = settings.get("weights") or settings.get("dtype") or engine.quantization or "dtype not reported"
+    return {"id": engine.name, "family": settings.get("architecture", "engine"), "kind": "causal",
+            "position_kind": "logits only", "dtype": str(weights), "device": settings.get("device", "its own device"),
             "notes": []}
 
 
