@@ -14,6 +14,9 @@ the reference's). It may also carry, all optional:
                             covered instead of being asked for
     boundaries: dict        other declared lengths, e.g. {"sliding_window": 4096}
     quantization: str       the weights' storage type when it is coarser than float32 (e.g. "Q8_0")
+    approximations: tuple   documented approximations the engine makes on purpose; known:
+                            "gelu_f16" (GELU through a float16 table, as llama.cpp's CPU backend):
+                            its size is measured on the reference and added to the floor
 
 Two adapters produce one: `posdiag.tools.gguf_engine` (llama.cpp through llama-cpp-python, for a
 `.gguf` file) and `load_factory_engine` (a user's `module.path:factory`). The rule that keeps the
@@ -48,6 +51,7 @@ class Engine:
     context_length: int | None = None
     boundaries: dict[str, int] = field(default_factory=dict)
     quantization: str | None = None
+    approximations: tuple[str, ...] = ()
 
     def run(self, ids: list[int]) -> torch.Tensor:
         try:
@@ -79,7 +83,8 @@ def as_engine(obj: Any, name: str) -> Engine:
                   settings=dict(getattr(obj, "settings", None) or {}),
                   context_length=int(context) if isinstance(context, int) and context > 0 else None,
                   boundaries={k: int(v) for k, v in (getattr(obj, "boundaries", None) or {}).items() if v},
-                  quantization=getattr(obj, "quantization", None))
+                  quantization=getattr(obj, "quantization", None),
+                  approximations=tuple(getattr(obj, "approximations", None) or ()))
 
 
 def is_engine(obj: Any) -> bool:

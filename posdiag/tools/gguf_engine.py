@@ -80,7 +80,8 @@ def load_gguf(path: str, *, kv_cache: str = "f32", threads: int | None = None) -
         boundaries["sliding_window"] = window
     return Engine(impl=LlamaCppRunner(llm, llm.n_vocab()), name=path, settings=settings,
                   context_length=int(context) if context else None, boundaries=boundaries,
-                  quantization="/".join(quantised) or None)
+                  quantization="/".join(quantised) or None,
+                  approximations=("gelu_f16",))  # ggml-cpu/vec.h defines GGML_GELU_FP16: GELU by a float16 table
 
 
 def read_metadata(path: str) -> dict[str, Any]:

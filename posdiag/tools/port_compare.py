@@ -66,6 +66,9 @@ def compare_engine(reference: Subject, engine: Engine, options: RunOptions | Non
     fine, floor_source = finer_run(reference, ids, stack)
     dtype = name_of(reference.dtype)
     floor = noise_floor(rel_error(ref, fine.logits[0]) if fine is not None else 0.0, dtype)
+    approx = approximation_floor(reference, ids, stack, engine, ref)
+    if approx is not None and approx[0] > floor:
+        floor, floor_source = approx[0], f"{floor_source}; raised to {approx[0]:.2g} by {approx[1]}"
     tolerance = FAIL_RATIO * floor
 
     covered = min(length, engine.context_length) if engine.context_length else length
@@ -92,6 +95,29 @@ def compare_engine(reference: Subject, engine: Engine, options: RunOptions | Non
     }
     result = _verdict(profile, engine, length, details, reference.forward_count - before)
     return Comparison(result, (profile,), length)
+
+
+def approximation_floor(reference: Subject, ids: torch.Tensor, stack: str, engine: Engine,
+                        ref: torch.Tensor) -> tuple[float, str] | None:
+    """The size of an engine's documented approximation, measured on the reference: the reference
+    run again with that approximation applied, against itself. None when none applies."""
+    if "gelu_f16" not in engine.approximations:
+        return None
+    gelus = [m for m in reference.model.modules() if "gelu" in type(m).__name__.lower()]
+    if not gelus:
+        return None
+
+    def to_f16(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(torch.float16).to(tensor.dtype)
+
+    handles = [m.register_forward_pre_hook(lambda _m, args: (to_f16(args[0]), *args[1:])) for m in gelus]
+    handles += [m.register_forward_hook(lambda _m, _args, out: to_f16(out)) for m in gelus]
+    try:
+        approx = run_stack(reference, ids, stack, "reference").logits[0].double().cpu()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return rel_error(ref, approx), f"the engine's float16 GELU table, measured on the reference ({len(gelus)} GELUs)"
 
 
 def declared_boundaries(reference: Subject, engine: Engine) -> dict[str, int]:
