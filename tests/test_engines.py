@@ -120,3 +120,23 @@ def test_cli_engine_factories(monkeypatch):
         assert out.exit_code == 2 and "Traceback" not in out.output
     help_text = runner.invoke(app, ["compare", "--help"], env={"COLUMNS": "200"}).output
     assert "logits(ids" in help_text and ".gguf" in help_text
+
+
+def test_gguf_converter_writes_what_the_reader_reads(tmp_path, llama):
+    """Runs without llama.cpp: the converter's keys and the q/k row permutation, read back with gguf."""
+    gguf = pytest.importorskip("gguf", reason="the GGUF converter needs the gguf package")
+    from gguf_convert import write_gguf
+
+    from posdiag.tools.gguf_engine import read_metadata
+
+    healthy = write_gguf(llama, tmp_path / "h.gguf")
+    planted = write_gguf(llama, tmp_path / "p.gguf", plant="freq_base")
+    meta = read_metadata(str(healthy))
+    assert meta["llama.context_length"] == 128 and meta["llama.rope.freq_base"] == 10000.0
+    assert meta["tensor_types"] == {"F32": 21}
+    assert read_metadata(str(planted))["llama.rope.freq_base"] == 500000.0
+    q = {t.name: t for t in gguf.GGUFReader(str(healthy)).tensors}["blk.0.attn_q.weight"]
+    hf = llama.model.layers[0].self_attn.q_proj.weight.detach().numpy()
+    data = np.asarray(q.data).reshape(hf.shape)
+    # head 0, rotary pair 1: HF rows 1 and 1 + d/2 become adjacent rows 2 and 3
+    assert np.array_equal(data[2], hf[1]) and np.array_equal(data[3], hf[1 + 8])
