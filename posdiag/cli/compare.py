@@ -77,7 +77,8 @@ def compare(
 
       logits(ids: list[int]) -> array [T, V]   (numpy or torch; the logits of every position)
 
-    and optionally name, settings (dict), context_length, boundaries (dict), quantization. A
+    and optionally name, settings (dict), context_length, boundaries (dict), quantization,
+    approximations (e.g. ("gelu_f16",), measured on the reference and added to the floor). A
     module.path:factory candidate is an engine when the factory returns such an object, and a
     PyTorch model when it returns a torch.nn.Module. A .gguf candidate runs in llama.cpp
     (pip install 'posdiag[gguf]'): all-position logits, float32 KV cache, the reference's token ids,
