@@ -12,8 +12,8 @@ for every aligned layer we measure
 plus, on the logits, relative error, top-1 agreement and KL(ref || cand) per position.
 
 Noise floor, measured in the same run: the model in the coarser dtype (the reference when
-both agree) is run again up-cast in place to a finer dtype (float32 -> float64, bf16/fp16 ->
-float32; exact both ways, so the model is restored bit for bit). That is the reference compared
+both agree) is run again in a finer dtype (float32 -> float64, bf16/fp16 -> float32) through
+posdiag.model.precision (module by module; the model is restored bit for bit). That is the reference compared
 with itself under a trivially different computation: its own rounding error, layer by layer.
 Measured figures (tiny Llama/Qwen2/GPT-2, 128 tokens, fp32): eager vs SDPA 1.3e-7..6.4e-7 at the
 last layer, fp32 vs fp64 1.3e-7..8.2e-7 — the same size, so a different attention kernel is
@@ -21,62 +21,35 @@ judged against the right yardstick. The error is judged as a ratio to that floor
 (`verdict.judge_agreement`, at least one machine epsilon of the coarser dtype); in bf16/fp16 a
 ratio below PASS_RATIO is inconclusive (WARN), never a verdict.
 
-Position pattern (computed at the first layer where the error appears, the layer nearest the
-cause): a relative position encoding (RoPE, ALiBi, a relative bias) cannot change a token that
-sees only itself, so a position bug in a causal stack leaves position 0 at the noise floor and
-the error rises as tokens see more, and more distant, keys. A weight or norm bug acts on every
-token: it is already there at position 0, at the level of the rest.
+Position pattern (tools/profiles.py): an error that is zero at position 0 and grows with position
+is the signature of a position bug; one already there at position 0 is a weight or norm bug.
 """
 
 from __future__ import annotations
 
 import math
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from posdiag.errors import PosdiagError
-from posdiag.options import RunOptions
+from posdiag.model.precision import memory_allows, run_finer, weight_bytes
 from posdiag.model.probe import Row, run_rows
-from posdiag.results import CheckResult, Status, Table
 from posdiag.model.subject import Outputs, Subject
-from posdiag.verdict import FAIL_RATIO, LOW_PRECISION, MACHINE_EPSILON, PASS_RATIO, noise_floor
+from posdiag.options import RunOptions
+from posdiag.results import CheckResult, Status, Table
+from posdiag.tools.profiles import (LayerProfile, estimated_floor, layer_profile, logits_profile, per_position,
+                                    rel)
+from posdiag.verdict import FAIL_RATIO, LOW_PRECISION, MACHINE_EPSILON, PASS_RATIO
 
 TITLE = "Comparison with a reference, position-resolved"
 
 DEFAULT_SEQ_LEN = 512
 """Several hundred tokens: long enough that low-frequency RoPE pairs turn visibly, short enough for CPU."""
 
-# Position pattern. A token at position 0 of a causal stack whose error is within ONSET_RATIO of
-# the typical error elsewhere carries the bug itself (a weight or norm bug; measured 0.27-1.1 for
-# a wrong norm epsilon in Llama/Qwen2/GPT-2 at both inits); a relative-position bug leaves it at
-# the floor (measured exactly 0.0). Between the two (the error at position 0 real but more than
-# 10x below the rest) the data says "grows, but not from zero": reported as such.
-UNIFORM_START_FRACTION = 0.1
-
 _FINER = {torch.float32: torch.float64, torch.bfloat16: torch.float32, torch.float16: torch.float32}
 _BUCKETS = 24
-
-
-@dataclass(frozen=True)
-class LayerProfile:
-    """One aligned layer: overall error, its floor, and the error at every position."""
-
-    name: str
-    ref_index: int | None
-    cand_index: int | None
-    error: float
-    floor: float
-    tolerance: float
-    ratio: float
-    per_position: tuple[float, ...]
-    pattern: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def differs(self) -> bool:
-        return not (self.error <= self.tolerance)  # NaN differs
 
 
 @dataclass(frozen=True)
@@ -186,15 +159,15 @@ def compare_subjects(reference: Subject, candidate: Subject, options: RunOptions
                 notes.append(f"{name}: shapes differ ({tuple(a.shape)} vs {tuple(b.shape)}), not compared")
                 continue
             fi = ci if floor_subject is candidate else ri
-            floor_pos = _per_position(base.hidden[fi][0], out_f.hidden[fi][0]) if out_f is not None else None
-            floor = _rel(base.hidden[fi][0], out_f.hidden[fi][0]) if out_f is not None else _estimated_floor(ri, dtype_name)
-            profiles.append(_profile(name, ri, ci, a, b, floor, floor_pos, dtype_name, reference.kind, stack))
+            floor_pos = per_position(base.hidden[fi][0], out_f.hidden[fi][0]) if out_f is not None else None
+            floor = rel(base.hidden[fi][0], out_f.hidden[fi][0]) if out_f is not None else estimated_floor(ri, dtype_name)
+            profiles.append(layer_profile(name, ri, ci, a, b, floor, floor_pos, dtype_name, reference.kind, stack))
         if out_r.logits is not None and out_c.logits is not None and stack == reference.stacks[-1]:
             if out_r.logits.shape != out_c.logits.shape:
                 notes.append(f"logits: shapes differ ({tuple(out_r.logits.shape)} vs {tuple(out_c.logits.shape)}), not compared")
             else:
                 flog = None if out_f is None else (base.logits[0], out_f.logits[0])
-                prof, logits_stats = _logits(out_r.logits[0], out_c.logits[0], flog, dtype_name, reference.kind, stack)
+                prof, logits_stats = logits_profile(out_r.logits[0], out_c.logits[0], flog, dtype_name, reference.kind, stack)
                 profiles.append(prof)
     passes = reference.forward_count + (candidate.forward_count if candidate is not reference else 0) - passes_before
     return _finish(profiles, logits_stats, length, info, dtype_name, floor_sources, notes, reference, candidate, passes)
@@ -215,7 +188,7 @@ def _run(subject: Subject, ids: torch.Tensor, stack: str, role: str) -> Outputs:
 
 
 def _finer_run(subject: Subject, ids: torch.Tensor, stack: str) -> tuple[Outputs | None, str]:
-    """Run `subject` once more in a finer dtype (in place, restored exactly afterwards)."""
+    """Run `subject` once more in a finer dtype (precision.run_finer; restored exactly afterwards)."""
     dtype = next(iter(subject.model.parameters())).dtype
     finer = _FINER.get(dtype)
     reason = None
@@ -223,145 +196,20 @@ def _finer_run(subject: Subject, ids: torch.Tensor, stack: str) -> tuple[Outputs
         reason = f"{_name(dtype)} has no finer dtype to compare with"
     elif subject.options.device_map:
         reason = "a --device-map model is not re-cast"
-    elif not _memory_allows(subject, finer):
+    elif not memory_allows(subject, weight_bytes(subject, finer), 0.8):
         reason = f"not enough free memory for a {_name(finer)} copy of the weights"
     if reason is None:
+        row = [Row(ids.to(subject.device))]
         try:
-            subject.model.to(finer)
-            try:
-                return run_rows(subject, [Row(ids.to(subject.device))], stack=stack, explicit_mask=False, want_logits=True), \
-                    f"{subject.spec} run in {_name(finer)} vs {_name(dtype)} (its own rounding)"
-            finally:
-                subject.model.to(dtype)
+            got = run_finer(subject, lambda: run_rows(subject, row, stack=stack, explicit_mask=False, want_logits=True),
+                            finer, what="run")
         except Exception as exc:  # some families refuse float64: fall back to the dtype minimum
             reason = f"{_name(finer)} run failed ({type(exc).__name__})"
+        else:
+            if got.ran:
+                return got.value, f"{subject.spec} run in {_name(got.dtype)} vs {_name(dtype)} (its own rounding)"
+            reason = got.reason
     return None, f"estimated: {_name(dtype)} machine epsilon x layer index ({reason})"
-
-
-def _memory_allows(subject: Subject, finer: torch.dtype) -> bool:
-    need = sum(p.numel() for p in subject.model.parameters()) * torch.tensor([], dtype=finer).element_size()
-    if subject.device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(subject.device)
-        return need < 0.8 * free
-    try:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return True
-    return need < 0.8 * free
-
-
-# ------------------------------------------------------------------------------ measuring
-def _rel(expected: torch.Tensor, actual: torch.Tensor) -> float:
-    e, a = expected.detach().double().cpu(), actual.detach().double().cpu()
-    denom = e.norm().item()
-    num = (a - e).norm().item()
-    return (0.0 if num == 0 else float("inf")) if denom == 0 else num / denom
-
-
-def _per_position(expected: torch.Tensor, actual: torch.Tensor) -> torch.Tensor:
-    """||actual[t] - expected[t]|| / ||expected[t]|| for every position t (float64, CPU)."""
-    e, a = expected.detach().double().cpu(), actual.detach().double().cpu()
-    e, a = e.reshape(e.shape[0], -1), a.reshape(a.shape[0], -1)
-    denom = e.norm(dim=-1)
-    tiny = torch.finfo(torch.float64).tiny
-    return (a - e).norm(dim=-1) / denom.clamp_min(tiny)
-
-
-def _estimated_floor(index: int, dtype: str) -> float:
-    return MACHINE_EPSILON.get(dtype, 1.2e-7) * max(1, index)
-
-
-def _profile(name: str, ri: int | None, ci: int | None, a: torch.Tensor, b: torch.Tensor, floor: float,
-             floor_pos: torch.Tensor | None, dtype: str, kind: str, stack: str) -> LayerProfile:
-    error = _rel(a, b)
-    per_pos = _per_position(a, b)
-    floor = noise_floor(floor, dtype)
-    tolerance = FAIL_RATIO * floor
-    ratio = error / floor
-    pattern = _pattern(per_pos, tolerance, causal=(stack == "decoder" and kind != "encoder"))
-    return LayerProfile(name, ri, ci, error, floor, tolerance, ratio, tuple(per_pos.tolist()), pattern)
-
-
-def _logits(ref: torch.Tensor, cand: torch.Tensor, floor_pair: tuple[torch.Tensor, torch.Tensor] | None,
-            dtype: str, kind: str, stack: str) -> tuple[LayerProfile, dict[str, Any]]:
-    ref, cand = ref.double().cpu(), cand.double().cpu()
-    floor_rel = _rel(*floor_pair) if floor_pair is not None else _estimated_floor(1, dtype)
-    prof = _profile("logits", None, None, ref, cand, floor_rel, None, dtype, kind, stack)
-    log_p = torch.log_softmax(ref, dim=-1)
-    log_q = torch.log_softmax(cand, dim=-1)
-    kl = (log_p.exp() * (log_p - log_q)).sum(-1).clamp_min(0.0)
-    top2 = ref.topk(2, dim=-1).values
-    agree = ref.argmax(-1) == cand.argmax(-1)
-    # A top-1 flip counts only where the reference's top two are further apart than the logits'
-    # own tolerance (random tiny models have near-ties that rounding alone can flip).
-    margin = prof.tolerance * ref.pow(2).mean().sqrt()
-    decided = (top2[:, 0] - top2[:, 1]) > margin
-    stats = {
-        "logits_error": prof.error,
-        "top1_agreement": agree.double().mean().item(),
-        "top1_agreement_decided": agree[decided].double().mean().item() if bool(decided.any()) else 1.0,
-        "top1_decided_positions": int(decided.sum()),
-        "kl_mean": kl.mean().item(),
-        "kl_max": kl.max().item(),
-        "kl_first_position": int(kl.argmax()),
-    }
-    if floor_pair is not None:
-        fp, fq = torch.log_softmax(floor_pair[0].double().cpu(), -1), torch.log_softmax(floor_pair[1].double().cpu(), -1)
-        stats["kl_floor"] = (fp.exp() * (fp - fq)).sum(-1).clamp_min(0.0).mean().item()
-    return prof, stats
-
-
-def _pattern(e: torch.Tensor, tolerance: float, causal: bool) -> dict[str, Any]:
-    """How the error depends on position (only meaningful where the layer differs)."""
-    n = e.numel()
-    if n < 4 or not bool(torch.isfinite(e).all()):
-        return {}
-    rest = e[1:]
-    q = max(1, (n - 1) // 4)
-    early, late = rest[:q].mean().item(), rest[-q:].mean().item()
-    above = (e > tolerance).nonzero()
-    onset = int(above[0]) if above.numel() else None
-    level = late
-    half = (e >= 0.5 * level).nonzero() if level > 0 else torch.empty(0)
-    median_rest = rest.median().item()
-    start = e[0].item()
-    out = {
-        "position0_error": start,
-        "median_error_after_0": median_rest,
-        "start_ratio": start / median_rest if median_rest > 0 else (0.0 if start == 0 else math.inf),
-        "late_over_early": late / early if early > 0 else (math.inf if late > 0 else 1.0),
-        "spearman": _spearman(rest),
-        "onset_position": onset,
-        "half_level_position": int(half[0]) if half.numel() else None,
-    }
-    if onset is None:
-        out["pattern"] = "none"
-    elif start <= tolerance and causal:
-        out["pattern"] = "grows with position"
-        out["why"] = (f"zero at position 0 (a token that sees only itself), reaching half its late level by "
-                      f"position {out['half_level_position']}: the signature of a position or attention-score bug")
-    elif start <= tolerance:
-        out["pattern"] = "position-dependent"
-        out["why"] = f"at the floor at position 0, error from position {onset} on"
-    elif out["start_ratio"] >= UNIFORM_START_FRACTION:
-        out["pattern"] = "position-uniform"
-        out["why"] = (f"already at position 0 ({start:.2g}, {out['start_ratio']:.2g}x the median elsewhere): "
-                      "weights, norms or another per-token computation, not positions")
-    else:
-        out["pattern"] = "grows with position"
-        out["why"] = f"present at position 0 but {1 / out['start_ratio']:.3g}x smaller than elsewhere"
-    return out
-
-
-def _spearman(values: torch.Tensor) -> float:
-    n = values.numel()
-    if n < 3:
-        return 0.0
-    ranks = values.argsort().argsort().double()
-    pos = torch.arange(n, dtype=torch.float64)
-    ranks, pos = ranks - ranks.mean(), pos - pos.mean()
-    denom = (ranks.norm() * pos.norm()).item()
-    return (ranks @ pos).item() / denom if denom > 0 else 0.0
 
 
 # ------------------------------------------------------------------------------ verdict
