@@ -125,7 +125,7 @@ def _synthetic(args: dict) -> None:
     if args["heads"] % kv:
         _fail(f"--heads {args['heads']} is not a multiple of --kv-heads {kv}")
 
-    from posdiag.tools.attention import Shape, judge_synthetic, sweep_lengths, synthetic
+    from posdiag.tools.synthetic import Shape, judge_synthetic, sweep_lengths, synthetic
     from posdiag.model.loading import resolve_device
 
     device = _guarded(lambda: resolve_device(args["device"].value), debug)
