@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from posdiag.model.loading import from_module
-from posdiag.model.precision import (WAYS, finer_dtype, memory_allows, reference_dtype, run_finer,
-                                     weight_bytes)
+from posdiag.model.precision import (WAYS, everywhere_at_least, finer_dtype, memory_allows, reference_dtype,
+                                     run_finer, weight_bytes)
 from posdiag.testing import zoo
 
 
@@ -26,7 +26,7 @@ def test_run_finer_is_a_float64_forward_and_restores_the_model():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ids = torch.randint(4, 200, (2, 12))
 
-    got = run_finer(subject, lambda: hidden_states(model, ids))
+    got = run_finer(subject, lambda: hidden_states(model, ids), reached=everywhere_at_least)
 
     assert got.ran and got.dtype == torch.float64 and got.how == WAYS["module"]
     whole = hidden_states(copy.deepcopy(model).to(torch.float64), ids)
@@ -72,3 +72,9 @@ def test_memory_budget_rule():
     assert memory_allows(subject, weight_bytes(subject, torch.float64), 0.4)
     assert not memory_allows(subject, 1 << 62, 0.4)
     assert reference_dtype(subject) == torch.float64
+
+
+def test_everywhere_at_least_walks_nested_outputs():
+    assert everywhere_at_least({"h": [torch.zeros(2, dtype=torch.float64)], "ids": torch.zeros(2, dtype=torch.long)},
+                               torch.float64)
+    assert not everywhere_at_least((torch.zeros(2, dtype=torch.float64), [torch.zeros(2)]), torch.float64)

@@ -71,15 +71,15 @@ def run_finer(subject: Subject, compute: Callable[[], T], preferred: torch.dtype
 
     Tries the conversion ways in order (module, block, whole; only module on a dispatched model).
     A model with an op that has no kernel in `preferred` (RuntimeError/TypeError) falls back to
-    float32 when that is still finer than the run dtype (a bf16 model). `reached(value, dtype)` says
-    whether the conversion reached the computation (default: every floating tensor in the value is at
-    least as precise as dtype). `preferred` equal to the run dtype runs compute() unconverted.
+    float32 when that is still finer than the run dtype (a bf16 model). `reached(value, dtype)`, when
+    given, says whether the conversion reached the computation (else the next way is tried; e.g.
+    everywhere_at_least; none by default: code may cast to float32 on purpose). `preferred` equal to
+    the run dtype runs compute() unconverted.
     `what` names the computation in the reason given when nothing finer runs. An attempt that raised
     stopped at the first op without a kernel: its passes are not counted in subject.forward_count."""
     if preferred == subject.dtype:
         with finite_padding(subject.model, guard_padding and preferred == torch.float64):
             return FinerRun(compute(), preferred, "no conversion")
-    reached = reached or everywhere_at_least
     candidates = [preferred] + [d for d in (torch.float32,) if preferred.itemsize > d.itemsize > subject.dtype.itemsize]
     failure = ""
     for dtype in candidates:
@@ -88,7 +88,7 @@ def run_finer(subject: Subject, compute: Callable[[], T], preferred: torch.dtype
             try:
                 with finer_dtype(subject, dtype, how, guard_padding=guard_padding) as done:
                     value = compute()
-                if reached(value, dtype):
+                if reached is None or reached(value, dtype):
                     return FinerRun(value, dtype, done)
                 failure = f"{dtype_name(dtype)}: the conversion did not reach every module"
             except (RuntimeError, TypeError) as exc:
