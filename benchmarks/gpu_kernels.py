@@ -29,7 +29,7 @@ def say(*parts) -> None:
 
 
 def synthetic_part(device: str, dtypes: list[str], max_len: int, budget_s: float) -> list[dict]:
-    from posdiag.tools.attention import Shape, judge_synthetic, sweep_lengths, synthetic
+    from posdiag.tools.synthetic import Shape, judge_synthetic, sweep_lengths, synthetic
 
     records = []
     start = time.time()

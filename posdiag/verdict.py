@@ -120,6 +120,8 @@ def judge_arbitrated(error: float, measured_floor: float, dtype: str, error64: f
     floor = noise_floor(measured_floor, dtype)
     ratio = error / floor
     both = f"{error:.3g} in {dtype}, {error64:.3g} in {finer}"
+    if error != error:
+        return FloorVerdict(Status.FAIL, error, floor, ratio, f"{both}: non-finite outputs in {dtype}")
     if error64 != error64:
         return FloorVerdict(Status.FAIL, error, floor, ratio, f"{both}: non-finite outputs in {finer}")
     shrink = error / error64 if error64 > 0 else float("inf")

@@ -1,4 +1,4 @@
-"""posdiag.tools.attention: the tiled online-softmax implementation reproduces softmax attention.
+"""posdiag.tools.attention (and tools.synthetic): the tiled online-softmax implementation reproduces softmax attention.
 
 The float64 naive result is the reference. In float64 the tiled algorithm must agree to ~1e-15
 (the derivation is exact; only summation order changes). In float32 and bfloat16 it must obey
@@ -8,8 +8,8 @@ FlashAttention's rule against the same-dtype naive computation: error <= 2x naiv
 import pytest
 import torch
 
-from posdiag.tools.attention import MaskSpec, Shape, judge_synthetic, naive_attention, random_qkv, run_sdpa, \
-    synthetic, tiled_attention
+from posdiag.tools.attention import MaskSpec, naive_attention, run_sdpa, tiled_attention
+from posdiag.tools.synthetic import Shape, judge_synthetic, random_qkv, synthetic
 from posdiag.verdict import MACHINE_EPSILON
 
 CASES = [
@@ -105,7 +105,7 @@ def test_synthetic_report_judges_every_implementation():
 
 def test_memory_grows_quadratically_for_naive_only():
     """Peak extra memory at T and 4T: naive's score matrix grows ~16x, tiled's tiles ~4x (linear)."""
-    from posdiag.tools.attention import peak_memory
+    from posdiag.tools.synthetic import peak_memory
 
     peaks = {}
     for t in (256, 1024):

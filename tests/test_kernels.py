@@ -140,12 +140,12 @@ def test_factory_models_skip():
 
 def test_streamed_reference_restores_the_model_exactly():
     """The higher-precision reference converts one module at a time and back: weights bit-identical after."""
-    from posdiag.checks.kernels import _streamed_dtype
+    from posdiag.model.precision import streamed_dtype
 
     model = zoo.tiny_model("llama")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ids = torch.randint(4, 200, (1, 12))
-    with _streamed_dtype(model, torch.float64), torch.inference_mode():
+    with streamed_dtype(model, torch.float64), torch.inference_mode():
         out = model(ids, output_hidden_states=True)
     assert out.hidden_states[-1].dtype == torch.float64
     after = model.state_dict()
@@ -156,16 +156,16 @@ def test_streamed_reference_restores_the_model_exactly():
 def test_streamed_reference_equals_whole_model_conversion(family, monkeypatch):
     """Embedding outputs converted instead of tables, and linear layers computed from row slices
     (forced here on every linear layer), give the same float64 function as converting the model."""
-    import posdiag.checks.kernels as kernels
+    import posdiag.model.precision as precision
 
-    monkeypatch.setattr(kernels, "_SLICE_BYTES", 64 * 8 * 5)  # slices of a few rows, a ragged last one
+    monkeypatch.setattr(precision, "SLICE_BYTES", 64 * 8 * 5)  # slices of a few rows, a ragged last one
     model = zoo.tiny_model(family)
     ids = torch.randint(4, 200, (2, 12))
-    with kernels._streamed_dtype(model, torch.float64), torch.inference_mode():
+    with precision.streamed_dtype(model, torch.float64), torch.inference_mode():
         streamed = model(ids, output_hidden_states=True).hidden_states
     sliced = [m for m in model.modules() if type(m) is torch.nn.Linear]
     assert sliced and all("forward" not in vars(m) for m in sliced)  # the swap is undone
-    with kernels._as_dtype(model, torch.float64, torch.float32), torch.inference_mode():
+    with precision.as_dtype(model, torch.float64, torch.float32), torch.inference_mode():
         whole = model(ids, output_hidden_states=True).hidden_states
     assert len(streamed) == len(whole)
     for s, w in zip(streamed, whole):
@@ -176,7 +176,7 @@ def test_streamed_reference_equals_whole_model_conversion(family, monkeypatch):
 def test_scratch_buffer_behind_an_output_is_not_reused():
     """A module returning a view of its converted weight keeps that copy: a later module of the same
     shape must not overwrite it."""
-    from posdiag.checks.kernels import _streamed_dtype
+    from posdiag.model.precision import streamed_dtype
 
     class Table(torch.nn.Module):
         def __init__(self, value: float):
@@ -187,7 +187,7 @@ def test_scratch_buffer_behind_an_output_is_not_reused():
             return self.weight[: x.shape[0]]
 
     first, second = Table(1.0), Table(2.0)
-    with _streamed_dtype(torch.nn.Sequential(first, second), torch.float64), torch.inference_mode():
+    with streamed_dtype(torch.nn.Sequential(first, second), torch.float64), torch.inference_mode():
         a = first(torch.zeros(2))
         b = second(torch.zeros(2))
     assert a.dtype == torch.float64 and torch.all(a == 1.0) and torch.all(b == 2.0)
@@ -204,13 +204,14 @@ def saved_llama(tmp_path_factory):
 
 def test_isolated_run_matches_the_same_implementation_in_process(saved_llama):
     """The child reloads the checkpoint with the same options: same weights, same numbers."""
-    from posdiag.checks.kernels import _run_here, _scenarios
     from posdiag.checks.kernels.isolated import run_isolated
+    from posdiag.checks.kernels.running import run_here
+    from posdiag.checks.kernels.scenarios import build_scenarios
     from posdiag.model.loading import load_subject
 
     subject = load_subject(str(saved_llama), LoadOptions())
-    scenarios = _scenarios(subject, RunOptions(seq_len=16))
-    here, there = _run_here(subject, "sdpa", scenarios), run_isolated(subject, "sdpa", scenarios)
+    scenarios = build_scenarios(subject, RunOptions(seq_len=16))
+    here, there = run_here(subject, "sdpa", scenarios), run_isolated(subject, "sdpa", scenarios)
     assert here.runs is not None and there.runs is not None, there.reason
     assert len(there.runs) == len(scenarios)
     for a, b in zip(here.runs, there.runs):
@@ -236,13 +237,13 @@ def test_implementation_killing_its_process_fails_and_report_is_written(saved_ll
 
 def test_toolchain_failure_is_a_skip_and_other_exceptions_fail(monkeypatch):
     """A compiler error of this machine says nothing about the model; any other exception does."""
-    import posdiag.checks.kernels as kernels
+    import posdiag.checks.kernels.running as running
 
     class InductorError(RuntimeError):
         pass
 
     subject = from_module(zoo.tiny_model("llama"))
-    original = kernels._forward
+    original = running.forward
 
     def failing(error):
         def forward(subject, sc):
@@ -251,10 +252,10 @@ def test_toolchain_failure_is_a_skip_and_other_exceptions_fail(monkeypatch):
             return original(subject, sc)
         return forward
 
-    monkeypatch.setattr(kernels, "_forward", failing(InductorError("CppCompileError: C++ compile error")))
+    monkeypatch.setattr(running, "forward", failing(InductorError("CppCompileError: C++ compile error")))
     skipped = run_checks(subject, ["kernels"], RunOptions(seq_len=16)).check("kernels")
     assert skipped.status is Status.SKIP and "could not be compiled" in skipped.summary
-    monkeypatch.setattr(kernels, "_forward", failing(IndexError("index 17 is out of bounds")))
+    monkeypatch.setattr(running, "forward", failing(IndexError("index 17 is out of bounds")))
     failed = run_checks(subject, ["kernels"], RunOptions(seq_len=16)).check("kernels")
     assert failed.status is Status.FAIL and "IndexError" in failed.summary
 

@@ -220,7 +220,7 @@ def arbitrate(subject: Subject, measure: Callable[[], T], measured_floor: float,
     pending = {name: v for name, v in verdicts.items() if needs_arbitration(v, measured_floor, dtype)}
     if not pending:
         return Arbitration()
-    finer = run_finer(subject, measure)
+    finer = run_finer(subject, measure, guard_padding=False, what="re-run")  # never zero a NaN that decides
     if finer.value is None:
         details = {"arbitration": {"ran": False, "reason": finer.reason}}
         if not degenerate_floor(measured_floor, dtype):

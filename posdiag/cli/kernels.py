@@ -154,7 +154,7 @@ def _synthetic(run: SyntheticRun) -> NoReturn:
     from posdiag.model.loading import resolve_device
     from posdiag.report.json_report import format_synthetic_json
     from posdiag.report.synthetic_console import RULE, render_growth, render_synthetic
-    from posdiag.tools.attention import Shape, judge_synthetic, sweep_lengths, synthetic
+    from posdiag.tools.synthetic import Shape, judge_synthetic, sweep_lengths, synthetic
 
     device = guarded(lambda: resolve_device(run.device), debug)  # CPU float16 runs (slowly); kept for completeness
     lengths = [(run.q_len, run.k_len or run.q_len)]

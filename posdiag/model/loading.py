@@ -31,6 +31,7 @@ from posdiag.model.placement import (
     placement_note,
     unreadable_offloaded,
 )
+from posdiag.model.precision import memory_allows, weight_bytes
 from posdiag.model.subject import LoadInfo, Subject
 from posdiag.model.tensors import DTYPES, dtype_name
 from posdiag.options import LoadOptions
@@ -304,12 +305,10 @@ def _maybe_upcast(subject: Subject) -> None:
         subject.notes.append("kept in half precision: a model dispatched by accelerate cannot be re-cast in place "
                              "(--dtype float32 loads it in float32)")
         return
-    if subject.device.type == "cuda":
-        need = sum(p.numel() for p in subject.model.parameters()) * 2  # the extra bytes of fp32
-        free, _ = torch.cuda.mem_get_info(subject.device)
-        if need > 0.8 * free:
-            subject.notes.append("kept in half precision: not enough free GPU memory to upcast")
-            return
+    extra = weight_bytes(subject, torch.float32) - weight_bytes(subject, subject.dtype)
+    if subject.device.type == "cuda" and not memory_allows(subject, extra, 0.8):
+        subject.notes.append("kept in half precision: not enough free GPU memory to upcast")
+        return
     subject.model.to(torch.float32)
     subject.dtype = torch.float32
     subject.notes.append(f"upcast from {dtype_name(subject.load_dtype)} to float32 for the checks (--no-upcast keeps it)")

@@ -18,29 +18,18 @@ import signal
 import subprocess
 import sys
 import tempfile
-from typing import Any
+from posdiag.checks.kernels.running import Outcome, Refused, describe_exception, forward, implementation
+from posdiag.checks.kernels.scenarios import Run, Scenario
+from posdiag.model.subject import Subject
 
 ISOLATED = frozenset({"flex_attention"})  # implementations that run only in a child process
 CHILD_COMMAND = (sys.executable, "-m", "posdiag.checks.kernels.isolated")
 CHILD_TIMEOUT_S = 1800  # compiling flex kernels on a CPU takes minutes; a hang must still end
 
-# Exceptions from torch's compiler stack: the toolchain of this machine failed, not the model.
-TOOLCHAIN_ERRORS = ("InductorError", "CppCompileError", "BackendCompilerFailed", "InvalidCxxCompiler")
 
-
-class Outcome:
-    """What came back: runs (list of kernels.Run), or a reason with a kind:
-    refused (the model does not support it), unavailable (cannot run on this machine), crashed."""
-
-    def __init__(self, runs: list | None = None, note: str = "", kind: str = "", reason: str = ""):
-        self.runs, self.note, self.kind, self.reason = runs, note, kind, reason
-
-
-def run_isolated(subject: Any, name: str, scenarios: list) -> Outcome:
+def run_isolated(subject: Subject, name: str, scenarios: list[Scenario]) -> Outcome:
     """Run `name` on `scenarios` in a child process that loads subject's checkpoint again."""
     import torch
-
-    from posdiag.checks.kernels import Run
 
     if not subject.is_hf or subject.load_info.checkpoint_keys is None:
         return Outcome(kind="unavailable", reason=f"{name} runs in a separate process, which must load the model "
@@ -80,22 +69,11 @@ def _last_line(text: str) -> str:
     return f": {lines[-1][:200]}" if lines else ""
 
 
-def describe_exception(name: str, exc: BaseException) -> tuple[str, str]:
-    """(kind, reason) for an exception raised while running implementation `name`."""
-    text = str(exc).strip().splitlines()
-    first = (text[0] if text else "")[:160]
-    kind = "unavailable" if any(t in type(exc).__name__ or t in first for t in TOOLCHAIN_ERRORS) else "crashed"
-    if kind == "unavailable":
-        return kind, f"{name} could not be compiled on this machine ({type(exc).__name__}); not a finding about the model"
-    return kind, f"{type(exc).__name__}: {first}"
-
-
 def _child(request_path: str, result_path: str) -> None:
     import warnings
 
     import torch
 
-    from posdiag.checks.kernels import Scenario, _forward, _Refused, implementation
     from posdiag.options import LoadOptions
     from posdiag.model.loading import load_subject
 
@@ -112,8 +90,8 @@ def _child(request_path: str, result_path: str) -> None:
                  for sc in request["scenarios"]]
     try:
         with implementation(subject, name) as note:
-            runs = [_forward(subject, sc) for sc in scenarios]
-    except _Refused as exc:
+            runs = [forward(subject, sc) for sc in scenarios]
+    except Refused as exc:
         torch.save({"kind": "refused", "reason": str(exc)}, result_path)
         return
     except Exception as exc:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from posdiag.errors import PosdiagError
+from posdiag.model.precision import memory_allows, run_finer, weight_bytes
 from posdiag.model.probe import Row, run_rows
 from posdiag.model.subject import Outputs, Subject
 from posdiag.tools.compare.helpers import name_of
@@ -28,7 +27,7 @@ def run_stack(subject: Subject, ids: torch.Tensor, stack: str, role: str) -> Out
 
 
 def finer_run(subject: Subject, ids: torch.Tensor, stack: str) -> tuple[Outputs | None, str]:
-    """Run `subject` once more in a finer dtype (in place, restored exactly afterwards)."""
+    """Run `subject` once more in a finer dtype (posdiag.model.precision: module by module, restored exactly)."""
     dtype = next(iter(subject.model.parameters())).dtype
     finer = FINER.get(dtype)
     reason = None
@@ -36,28 +35,17 @@ def finer_run(subject: Subject, ids: torch.Tensor, stack: str) -> tuple[Outputs 
         reason = f"{name_of(dtype)} has no finer dtype to compare with"
     elif subject.options.device_map:
         reason = "a --device-map model is not re-cast"
-    elif not _memory_allows(subject, finer):
+    elif not memory_allows(subject, weight_bytes(subject, finer), 0.8):
         reason = f"not enough free memory for a {name_of(finer)} copy of the weights"
     if reason is None:
+        row = [Row(ids.to(subject.device))]
         try:
-            subject.model.to(finer)
-            try:
-                return run_rows(subject, [Row(ids.to(subject.device))], stack=stack, explicit_mask=False, want_logits=True), \
-                    f"{subject.spec} run in {name_of(finer)} vs {name_of(dtype)} (its own rounding)"
-            finally:
-                subject.model.to(dtype)
+            got = run_finer(subject, lambda: run_rows(subject, row, stack=stack, explicit_mask=False, want_logits=True),
+                            finer, what="run")
         except Exception as exc:  # some families refuse float64: fall back to the dtype minimum
             reason = f"{name_of(finer)} run failed ({type(exc).__name__})"
+        else:
+            if got.ran:
+                return got.value, f"{subject.spec} run in {name_of(got.dtype)} vs {name_of(dtype)} (its own rounding)"
+            reason = got.reason
     return None, f"estimated: {name_of(dtype)} machine epsilon x layer index ({reason})"
-
-
-def _memory_allows(subject: Subject, finer: torch.dtype) -> bool:
-    need = sum(p.numel() for p in subject.model.parameters()) * torch.tensor([], dtype=finer).element_size()
-    if subject.device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(subject.device)
-        return need < 0.8 * free
-    try:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return True
-    return need < 0.8 * free

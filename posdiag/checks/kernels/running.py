@@ -1,0 +1,156 @@
+"""Running the model for the `kernels` check: one forward per input, switching the attention
+implementation (and restoring every config afterwards), and the finer-dtype eager reference
+(posdiag.model.precision)."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any, Iterator
+
+import torch
+
+from posdiag.checks.kernels.scenarios import Run, Scenario
+from posdiag.model.precision import FinerRun, reference_dtype, run_finer
+from posdiag.model.subject import Subject
+
+# Exceptions from torch's compiler stack: the toolchain of this machine failed, not the model.
+TOOLCHAIN_ERRORS = ("InductorError", "CppCompileError", "BackendCompilerFailed", "InvalidCxxCompiler")
+# Which class flag says an implementation is supported (transformers 5.x PreTrainedModel).
+SUPPORT_FLAG = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn",
+                "flash_attention_3": "_supports_flash_attn", "flex_attention": "_supports_flex_attn"}
+
+
+class Refused(Exception):
+    """The model does not support an attention implementation (the message says why)."""
+
+
+class Outcome:
+    """What one implementation gave: runs (one Run per scenario), or a reason with a kind:
+    refused (the model does not support it), unavailable (cannot run on this machine), crashed."""
+
+    def __init__(self, runs: list[Run] | None = None, note: str = "", kind: str = "", reason: str = ""):
+        self.runs, self.note, self.kind, self.reason = runs, note, kind, reason
+
+
+def describe_exception(name: str, exc: BaseException) -> tuple[str, str]:
+    """(kind, reason) for an exception raised while running implementation `name`."""
+    text = str(exc).strip().splitlines()
+    first = (text[0] if text else "")[:160]
+    kind = "unavailable" if any(t in type(exc).__name__ or t in first for t in TOOLCHAIN_ERRORS) else "crashed"
+    if kind == "unavailable":
+        return kind, f"{name} could not be compiled on this machine ({type(exc).__name__}); not a finding about the model"
+    return kind, f"{type(exc).__name__}: {first}"
+
+
+def run_here(subject: Subject, name: str, scenarios: list[Scenario]) -> Outcome:
+    """Every scenario under implementation `name`, in this process."""
+    try:
+        with implementation(subject, name) as note:
+            return Outcome(runs=[forward(subject, sc) for sc in scenarios], note=note)
+    except Refused as exc:
+        return Outcome(kind="refused", reason=str(exc))
+    except Exception as exc:
+        kind, reason = describe_exception(name, exc)
+        return Outcome(kind=kind, reason=reason)
+
+
+def reference_runs(subject: Subject, scenarios: list[Scenario]) -> FinerRun[list[Run]]:
+    """Eager on every scenario in float64 where it fits (precision.reference_dtype), module by
+    module, else per block, else the whole model; float32 for a half-precision model that cannot
+    run float64. Judged reached when every run's last hidden state has the reference dtype."""
+    return run_finer(subject, lambda: [forward(subject, sc) for sc in scenarios], reference_dtype(subject),
+                     reached=lambda runs, dtype: all(r.hidden[-1].dtype == dtype for r in runs), what="reference")
+
+
+def forward(subject: Subject, sc: Scenario) -> Run:
+    """Hidden states of every layer (and the last position's logits) on one scenario."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # past_key_values -> cache rename (5.x)
+        if subject.kind == "seq2seq":
+            return _forward_seq2seq(subject, sc)
+        return _forward_once(subject, sc)
+
+
+def _forward_seq2seq(subject: Subject, sc: Scenario) -> Run:
+    with torch.inference_mode():
+        subject.forward_count += 1
+        out = subject.model(input_ids=sc.ids, attention_mask=sc.mask, decoder_input_ids=sc.ids, use_cache=False,
+                            output_hidden_states=True, return_dict=True)
+        enc, dec = list(out.encoder_hidden_states), list(out.decoder_hidden_states)
+        names = [f"encoder {i}" for i in range(len(enc))] + [f"decoder {i}" for i in range(len(dec))]
+        return Run(enc + dec, out.logits[:, -1].double(), names)
+
+
+def _forward_once(subject: Subject, sc: Scenario) -> Run:
+    model = subject.model
+    with torch.inference_mode():
+        kwargs: dict[str, Any] = {"output_hidden_states": True, "return_dict": True}
+        if subject._takes_logits_to_keep:
+            kwargs["logits_to_keep"] = 1  # only the last position's logits are compared
+        if subject.kind == "causal":
+            kwargs["use_cache"] = sc.prefill > 0
+        if sc.prefill:
+            p = sc.prefill
+            subject.forward_count += 1
+            first = model(input_ids=sc.ids[:, :p], attention_mask=None if sc.mask is None else sc.mask[:, :p],
+                          **({"position_ids": sc.position_ids[:, :p]} if sc.position_ids is not None else {}), **kwargs)
+            kwargs["past_key_values"] = first.past_key_values
+            ids, mask = sc.ids[:, p:], sc.mask  # the chunk sees the whole mask (cache + chunk)
+            pos = None if sc.position_ids is None else sc.position_ids[:, p:]
+        else:
+            ids, mask, pos = sc.ids, sc.mask, sc.position_ids
+        if pos is not None:
+            kwargs["position_ids"] = pos
+        subject.forward_count += 1
+        out = model(input_ids=ids, attention_mask=mask, **kwargs)
+        hidden = list(out.hidden_states if out.hidden_states is not None else (out.last_hidden_state,))
+        logits = getattr(out, "logits", None)
+        names = ["embeddings"] + [f"block {i}" for i in range(1, len(hidden))]
+        return Run(hidden, None if logits is None else logits[:, -1].double(), names)
+
+
+@contextlib.contextmanager
+def implementation(subject: Subject, name: str) -> Iterator[str]:
+    """Switch the model to `name` for the block; restore every config afterwards (a failed switch
+    can leave the shared config changed). Yields a note; raises Refused with the reason."""
+    model = subject.model
+    configs = _configs(model)
+    saved = [(c, c._attn_implementation_internal) for c in configs]
+    note = ""
+    try:
+        if name != "eager" and name == "sdpa" and subject.family.eager_only:
+            raise Refused(f"{subject.family.name} refuses sdpa in transformers 5.x (eager only)")
+        try:
+            model.set_attn_implementation(name)
+        except Exception as exc:
+            text = str(exc).strip().splitlines()
+            raise Refused((text[0] if text else type(exc).__name__)[:200]) from None
+        if model.config._attn_implementation != name:
+            flag = SUPPORT_FLAG.get(name)
+            if flag and getattr(model, flag, False):
+                # The class declares support but cannot switch after init (reads the config at forward: Falcon).
+                for c in configs:
+                    c._attn_implementation_internal = name
+                note = "set on the config (this class cannot switch implementations after loading)"
+            else:
+                raise Refused(f"{type(model).__name__} does not support {name}")
+        yield note
+    finally:
+        for c, value in saved:
+            c._attn_implementation_internal = value
+
+
+def _configs(model: torch.nn.Module) -> list[Any]:
+    seen: dict[int, Any] = {}
+    stack = [m.config for m in model.modules() if getattr(m, "config", None) is not None]
+    while stack:
+        cfg = stack.pop()
+        if id(cfg) in seen or not hasattr(cfg, "_attn_implementation_internal"):
+            continue
+        seen[id(cfg)] = cfg
+        for key in getattr(cfg, "sub_configs", {}) or {}:
+            sub = getattr(cfg, key, None)
+            if sub is not None:
+                stack.append(sub)
+    return list(seen.values())

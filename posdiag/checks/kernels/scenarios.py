@@ -1,0 +1,71 @@
+"""What the `kernels` check compares: which implementations run on this machine, and the inputs.
+
+Inputs (Scenario): an unpadded batch (the model builds no mask: the is_causal path), a left-padded
+batch (the mask handed to the kernel, fully masked padding queries), and, for a causal model that
+can generate, a chunk of several new tokens decoded against a KV cache, unpadded and left-padded
+(causal alignment when q_len != k_len). A Run holds one implementation's outputs on one input.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+
+import torch
+
+from posdiag.model.subject import Subject
+from posdiag.options import RunOptions, probe_ids
+
+
+def default_implementations(subject: Subject) -> tuple[list[str], dict[str, str]]:
+    """(implementations to run, {implementation: why not run}) for this machine."""
+    run, skipped = ["sdpa"], {}
+    cuda = subject.device.type == "cuda"
+    for name, module in (("flash_attention_2", "flash_attn"), ("flash_attention_3", "flash_attn_interface")):
+        if not cuda:
+            skipped[name] = "needs a CUDA device"
+        elif importlib.util.find_spec(module) is None:
+            skipped[name] = f"package {module} is not installed"
+        else:
+            run.append(name)
+    skipped["flex_attention"] = ("not run by default (it compiles its kernels first: minutes on a CPU); "
+                                 "`--impl sdpa,flex_attention` runs it in a separate process")
+    return run, skipped
+
+
+@dataclass
+class Scenario:
+    name: str
+    ids: torch.Tensor
+    mask: torch.Tensor | None  # 2D padding mask (long) or None
+    position_ids: torch.Tensor | None
+    valid: torch.Tensor  # bool [B, T] of the tokens whose outputs are compared
+    prefill: int = 0  # > 0: decode; the first `prefill` tokens go in first, the rest as one chunk
+
+
+@dataclass
+class Run:
+    hidden: list[torch.Tensor] = field(default_factory=list)  # per layer, [B, T, D] (decode: the chunk)
+    logits: torch.Tensor | None = None  # [B, V] at the last position
+    layer_names: list[str] = field(default_factory=list)
+
+
+def build_scenarios(subject: Subject, options: RunOptions) -> list[Scenario]:
+    """The inputs every implementation runs on (see the module docstring)."""
+    ids = probe_ids(subject, options, batch=3)
+    b, t = ids.shape
+    mask = torch.ones(b, t, dtype=torch.long, device=subject.device)
+    mask[1, : t // 4] = 0
+    mask[2, : t // 2] = 0
+    causal = subject.kind == "causal"
+    pos = None
+    if causal and subject.family.takes_position_ids:  # as generate() builds them for left padding
+        pos = subject.position_ids_for((mask.cumsum(-1) - 1).masked_fill(mask == 0, 1))
+    ones = torch.ones(b, t, dtype=torch.bool, device=subject.device)
+    out = [Scenario("unpadded", ids, None, None, ones),
+           Scenario("left-padded", ids, mask, pos, mask.bool())]
+    if causal and getattr(subject.model, "can_generate", lambda: False)() and t >= 8:
+        prefill = t - max(2, t // 4)
+        out.append(Scenario("decode", ids, None, None, ones[:, prefill:], prefill))
+        out.append(Scenario("decode left-padded", ids, mask, pos, mask[:, prefill:].bool(), prefill))
+    return out
