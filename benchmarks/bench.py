@@ -1,6 +1,7 @@
 """posdiag's cost against the bare minimum: from_pretrained + one forward of the same shape.
 
     python benchmarks/bench.py fixtures/llama-tiny --seq-len 64 [--checks shuffle,load] [--device cpu]
+        [--force-arbitration]
 
 Each side runs in its own fresh process, so wall time includes Python + torch + transformers
 imports for both, and peak memory is each process's max RSS (plus CUDA peak when on GPU); per
@@ -24,13 +25,13 @@ BARE = r"""
 import json, resource, sys, time
 t0 = time.perf_counter()
 import torch, transformers
-from posdiag.model.loading import _auto_class
+from posdiag.model.loading import auto_class
 from posdiag.model.families import family_for
 path, seq_len, device = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 transformers.utils.logging.set_verbosity_error(); transformers.utils.logging.disable_progress_bar()
 t1 = time.perf_counter()
 config = transformers.AutoConfig.from_pretrained(path)
-model = _auto_class(config, family_for(config)).from_pretrained(path, attn_implementation="eager").to(device).eval()
+model = auto_class(config, family_for(config)).from_pretrained(path, attn_implementation="eager").to(device).eval()
 t2 = time.perf_counter()
 ids = torch.randint(4, config.vocab_size, (1, seq_len), device=device)
 with torch.inference_mode():
@@ -43,7 +44,7 @@ print(json.dumps({"imports": t1 - t0, "load": t2 - t1, "forward": t3 - t2, "tota
 """
 
 POSDIAG = r"""
-import json, resource, sys, threading, time
+import json, os, resource, sys, threading, time
 t0 = time.perf_counter()
 from typer.testing import CliRunner
 import posdiag.api as api
@@ -75,6 +76,11 @@ def measured(subject, name, options):
                        "cuda_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else 0.0}
         current["name"] = None
 api._run_one = measured
+if os.environ.get("POSDIAG_BENCH_FORCE_ARBITRATION") == "1":
+    # --force-arbitration: every comparison is re-run in float64 as if it had disagreed (the worst case of
+    # "Decide, don't shrug"), to measure its memory; verdicts are unchanged where the float32 ones passed.
+    import posdiag.checks._shared as shared
+    shared.needs_arbitration = lambda verdict, floor, dtype: True
 args = sys.argv[1:]
 result = CliRunner().invoke(app, args)
 t1 = time.perf_counter()
@@ -105,7 +111,11 @@ def main() -> None:
     parser.add_argument("--checks", default=None, help="comma-separated (default: every check)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--force-arbitration", action="store_true",
+                        help="re-run every comparison in float64 (the arbitration's worst case), to measure its cost")
     a = parser.parse_args()
+    if a.force_arbitration:
+        os.environ["POSDIAG_BENCH_FORCE_ARBITRATION"] = "1"
 
     bare = child(BARE, a.model, str(a.seq_len or 64), a.device)
     with tempfile.TemporaryDirectory() as tmp:
