@@ -147,14 +147,28 @@ def test_absolute_positions_removed_keep_their_skip(family):
     assert result.status is Status.SKIP and "no measurable effect" in result.summary, result.summary
 
 
-def test_declared_rope_without_effect_in_bfloat16_is_inconclusive():
-    """In bfloat16 a weak signal and none cannot be told apart: WARN naming the float32 run, never PASS."""
+def test_declared_rope_without_effect_in_bfloat16_is_decided_in_float64():
+    """In bfloat16 a weak signal and none cannot be told apart: the ladder runs again in float64 and decides."""
     from posdiag.options import LoadOptions
 
     model = identity_rotation(zoo.tiny_model("llama").to(torch.bfloat16))
     result = run_checks(from_module(model, options=LoadOptions(upcast=False)), ["shift"]).check("shift")
-    assert result.status is Status.WARN, result.summary
-    assert result.summary.startswith("inconclusive in bfloat16") and "float32" in result.summary
+    assert result.status is Status.FAIL, result.summary
+    assert result.summary.startswith("positions move nothing") and "decided in float64" in result.summary
+
+
+def test_absolute_leak_in_bfloat16_without_upcast_fails():
+    """The bf16 angle-rounding bound is larger than a unit shift of an absolute leak: judged in bf16 the leak
+    passed; decided in float64 it FAILs at shift 1, and the healthy twin PASSes."""
+    from posdiag.options import LoadOptions
+
+    def judged(model):
+        return run_checks(from_module(model, options=LoadOptions(upcast=False)), ["shift"]).check("shift")
+
+    leak = judged(absolute_leak(zoo.tiny_model("llama")).to(torch.bfloat16))
+    assert leak.status is Status.FAIL and "shift 1" in leak.summary, leak.summary
+    assert leak.details["decided_in"] == "float64"
+    assert judged(zoo.tiny_model("llama").to(torch.bfloat16)).status is Status.PASS
 
 
 def test_bfloat16_model_is_upcast_and_passes():

@@ -34,16 +34,17 @@ from attention only, the recurrence still reads it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
 from posdiag.checks._shared import FLOOR_SOURCE, jittered, layer_name
 from posdiag.model.introspect import recurrent_mixers, recurrent_reason
+from posdiag.model.precision import run_finer
 from posdiag.model.probe import Row, fidelity_rows, judge_fidelity, run_rows
 from posdiag.model.subject import Subject
-from posdiag.model.tensors import relative_l2
+from posdiag.model.tensors import dtype_name, relative_l2
 from posdiag.options import RunOptions, probe_length
 from posdiag.results import CheckResult, Status, Table, combine_stacks
 from posdiag.verdict import FAIL_RATIO, LOW_PRECISION, MACHINE_EPSILON, PASS_RATIO, noise_floor
@@ -80,7 +81,35 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
         why = (f"; order enters through {subject.family.name}'s recurrent sequence mixers ({', '.join(recurrent)}), "
                f"which read no position ids") if recurrent else ""
         return CheckResult("shift", Status.SKIP, f"no position mechanism found ({kind}): nothing to shift{why}")
+    if subject.dtype_name in LOW_PRECISION:
+        return _decided_in_float64(subject, options)
     return combine_stacks("shift", [_run_stack(subject, options, stack) for stack in subject.stacks])
+
+
+def _decided_in_float64(subject: Subject, options: RunOptions) -> CheckResult:
+    """In bf16/fp16 the angle-rounding bound is larger than a whole unit shift of an absolute model, so a run
+    there cannot decide (a real absolute-position leak passed under --no-upcast): the ladder runs with the
+    model in float64, module by module, and is judged there. Only when no float64 run is possible does the
+    half-precision run speak, saying so."""
+    half = subject.dtype
+
+    def in_float64() -> CheckResult:
+        subject.dtype = torch.float64  # masks and rounding bounds of the run that decides
+        try:
+            return combine_stacks("shift", [_run_stack(subject, options, stack) for stack in subject.stacks])
+        finally:
+            subject.dtype = half
+
+    finer = run_finer(subject, in_float64, what="shift ladder")
+    name = dtype_name(half)
+    if finer.value is None:
+        result = combine_stacks("shift", [_run_stack(subject, options, stack) for stack in subject.stacks])
+        return replace(result, summary=f"{result.summary} (in {name}; the float64 run that decides could not run: "
+                                       f"{finer.reason})")
+    result = finer.value
+    return replace(result, summary=f"{result.summary} (decided in {dtype_name(finer.dtype)}: a {name} run cannot "
+                                   f"tell a position leak from its own rounding)",
+                   details={**result.details, "decided_in": dtype_name(finer.dtype), "how": finer.how})
 
 
 def _ladder(k_max: int) -> list[int]:
