@@ -70,11 +70,10 @@ def model_part(device: str, dtypes: list[str], seq_lens: list[int], families: li
 
     import transformers
 
-    from posdiag.testing import zoo
     from posdiag.api import run_checks
-    from posdiag.options import RunOptions
-    from posdiag.options import LoadOptions
     from posdiag.model.loading import from_module
+    from posdiag.options import LoadOptions, RunOptions
+    from posdiag.testing import zoo
 
     transformers.utils.logging.set_verbosity_error()
     impls = ["sdpa"]

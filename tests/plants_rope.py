@@ -11,9 +11,9 @@ import types
 
 import torch
 from torch import nn
+from transformers.models.llama import modeling_llama as ml
 
 from posdiag.testing import zoo
-from transformers.models.llama import modeling_llama as ml
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}
 LONG_SHORT = {"short_factor": [1.0, 1.0, 1.1, 1.2, 1.5, 2.0, 2.5, 3.0],

@@ -19,7 +19,7 @@ an always-called forward hook restores), so other models in the same process are
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

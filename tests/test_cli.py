@@ -172,8 +172,8 @@ def test_version():
 def test_interrupt_gives_an_incomplete_report(monkeypatch):
     """Ctrl-C mid-run: the checks that finished are shown, the report says incomplete, exit 2."""
     from posdiag import api
-    from posdiag.testing import zoo
     from posdiag.model.loading import from_module
+    from posdiag.testing import zoo
 
     real = api._run_one
 
@@ -191,9 +191,9 @@ def test_interrupt_gives_an_incomplete_report(monkeypatch):
 def test_out_of_memory_falls_back_to_smaller_batches(monkeypatch):
     import torch
 
-    from posdiag.testing import zoo
     from posdiag.api import run_checks
     from posdiag.model.loading import from_module
+    from posdiag.testing import zoo
 
     subject = from_module(zoo.tiny_model("llama"))
     real = subject._forward_once

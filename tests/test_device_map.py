@@ -15,13 +15,13 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from posdiag.testing import zoo
 from posdiag.api import run_checks
 from posdiag.cli import app
 from posdiag.errors import PosdiagError
-from posdiag.options import LoadOptions
 from posdiag.model.loading import load_subject
 from posdiag.model.placement import parse_max_memory
+from posdiag.options import LoadOptions
+from posdiag.testing import zoo
 
 runner = CliRunner()
 # Every check that runs a tiny Llama (table skips: RoPE has no table); kernels has its own tests.

@@ -12,15 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from posdiag.testing import zoo
 from posdiag.api import run_checks
-from posdiag.options import RunOptions
-from posdiag.results import Status
-from posdiag.options import LoadOptions
 from posdiag.model.loading import from_module
+from posdiag.options import LoadOptions, RunOptions
+from posdiag.results import Status
+from posdiag.testing import zoo
 
 sys.path.insert(0, str(Path(__file__).parent))
-import plants_kernels as plants  # noqa: E402
+import plants_kernels as plants
 
 EAGER_ONLY = {"gemma2", "gpt_neo", "bloom", "mpt"}
 

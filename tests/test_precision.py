@@ -10,8 +10,15 @@ import pytest
 import torch
 
 from posdiag.model.loading import from_module
-from posdiag.model.precision import (WAYS, everywhere_at_least, finer_dtype, memory_allows, reference_dtype,
-                                     run_finer, weight_bytes)
+from posdiag.model.precision import (
+    WAYS,
+    everywhere_at_least,
+    finer_dtype,
+    memory_allows,
+    reference_dtype,
+    run_finer,
+    weight_bytes,
+)
 from posdiag.testing import zoo
 
 

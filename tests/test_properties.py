@@ -9,11 +9,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from posdiag import checks
-from posdiag.testing import zoo
 from posdiag.api import run_checks
+from posdiag.model.loading import from_module
 from posdiag.options import RunOptions
 from posdiag.results import Status
-from posdiag.model.loading import from_module
+from posdiag.testing import zoo
 
 HEALTHY_NEVER_FAIL = ["shuffle", "shift", "positions", "batch", "causal"]
 

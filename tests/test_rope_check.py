@@ -8,14 +8,13 @@ import pytest
 import torch
 
 from posdiag import api
-from posdiag.testing import zoo
-from posdiag.options import RunOptions
-from posdiag.results import Status
-from posdiag.options import LoadOptions
 from posdiag.model.loading import from_module
+from posdiag.options import LoadOptions, RunOptions
+from posdiag.results import Status
+from posdiag.testing import zoo
 
 sys.path.insert(0, str(Path(__file__).parent))
-import plants_rope as P  # noqa: E402
+import plants_rope as P
 
 
 def rope(model, **check_options):

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from posdiag.api import run_checks
-from posdiag.results import Status
 from posdiag.model.loading import from_module
+from posdiag.results import Status
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "T5GemmaForConditionalGeneration"):

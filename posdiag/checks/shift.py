@@ -34,8 +34,8 @@ from attention only, the recurrence still reads it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -31,7 +31,7 @@ class Device(str, enum.Enum):
 
 
 ModelArg = Annotated[str, typer.Argument(metavar="MODEL", help="Hub id, local checkpoint directory, or module.path:factory.", show_default=False)]
-OptionalModelArg = Annotated[str | None, typer.Argument(metavar="MODEL", 
+OptionalModelArg = Annotated[str | None, typer.Argument(metavar="MODEL",
     help="Hub id, local checkpoint directory, or module.path:factory (default: `model` in the config file).",
     show_default=False)]
 RevisionOpt = Annotated[str | None, typer.Option("--revision", metavar="REV", help="Hub revision (branch, tag or commit).")]

@@ -31,7 +31,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from typing import Any, Callable, Generic, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar
 
 import torch
 

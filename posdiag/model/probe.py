@@ -7,8 +7,9 @@ call (split only by --max-batch), so a check pays for one pass, not one per vari
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

@@ -19,8 +19,9 @@ and `position_ids` [B, T] (long) as keyword arguments, and returns either a tens
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 

@@ -22,8 +22,8 @@ import math
 import torch
 
 from posdiag.model.probe import Row, run_rows
-from posdiag.results import CheckResult, Status, Table
 from posdiag.model.subject import Subject
+from posdiag.results import CheckResult, Status, Table
 
 ROWS_PER_LENGTH = 16
 Z_SIGNIFICANT = 3.0

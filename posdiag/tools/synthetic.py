@@ -9,8 +9,9 @@ reference, with time and peak memory; `judge_synthetic` applies FlashAttention's
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+
 from posdiag.checks.kernels.running import Outcome, Refused, describe_exception, forward, implementation
 from posdiag.checks.kernels.scenarios import Run, Scenario
 from posdiag.model.subject import Subject
@@ -74,8 +75,8 @@ def _child(request_path: str, result_path: str) -> None:
 
     import torch
 
-    from posdiag.options import LoadOptions
     from posdiag.model.loading import load_subject
+    from posdiag.options import LoadOptions
 
     warnings.simplefilter("ignore")
     request = torch.load(request_path, weights_only=True)

@@ -29,7 +29,7 @@ class Finding:
     def failed(self) -> bool:
         return not (self.ratio <= FAIL_RATIO)  # NaN fails
 
-    def labelled(self, label: str) -> "Finding":
+    def labelled(self, label: str) -> Finding:
         self.probe = label
         return self
 
@@ -66,7 +66,7 @@ class Finding:
                 f"(error {self.error:.3g}, {self.ratio:.3g}x the tolerance {self.tolerance:.3g})")
 
 
-def severity(f: "Finding") -> tuple:
+def severity(f: Finding) -> tuple:
     """Failures first, then those that say where (layer/position), then by ratio (NaN counts as worst)."""
     located = f.position is not None or f.layer is not None
     ratio = f.ratio if f.ratio == f.ratio else float("inf")
