@@ -116,7 +116,8 @@ def main() -> None:
         if a.checks:
             args += ["--only", a.checks]
         run = child(POSDIAG, *args)
-        report = json.load(open(report_path))
+        with open(report_path) as f:
+            report = json.load(f)
 
     checks = report["checks"]
     load_and_imports = bare["imports"] + bare["load"]
@@ -147,7 +148,8 @@ def main() -> None:
     for r in rows:
         print("| " + " | ".join(r) + " |")
     if a.json:
-        json.dump({"bare": bare, "posdiag": run, "checks": checks}, open(a.json, "w"), indent=2)
+        with open(a.json, "w") as f:
+            json.dump({"bare": bare, "posdiag": run, "checks": checks}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import torch
 
 OUT = Path(os.environ.get("OUT") or Path(__file__).parent / "out")
 OUT.mkdir(parents=True, exist_ok=True)
-LOG = open(OUT / "gpu_kernels.txt", "a")
+LOG = open(OUT / "gpu_kernels.txt", "a")  # noqa: SIM115 - the log stays open for the whole script, flushed per line
 
 
 def say(*parts) -> None:

@@ -70,7 +70,9 @@ def test_factory_models(fixtures_dir):
 def test_same_seed_same_numbers(fixtures_dir):
     a = invoke("shuffle", fixtures_dir / "llama-tiny", "--seed", "3", "--json", "-", "-q").stdout
     b = invoke("shuffle", fixtures_dir / "llama-tiny", "--seed", "3", "--json", "-", "-q").stdout
-    strip = lambda s: [c["metrics"] for c in json.loads(s[s.index("{"):])["checks"]]
+    def strip(s):
+        return [c["metrics"] for c in json.loads(s[s.index("{"):])["checks"]]
+
     assert strip(a) == strip(b)
 
 

@@ -167,7 +167,7 @@ def test_streamed_reference_equals_whole_model_conversion(family, monkeypatch):
     with precision.as_dtype(model, torch.float64, torch.float32), torch.inference_mode():
         whole = model(ids, output_hidden_states=True).hidden_states
     assert len(streamed) == len(whole)
-    for s, w in zip(streamed, whole):
+    for s, w in zip(streamed, whole, strict=True):
         assert s.dtype == torch.float64
         torch.testing.assert_close(s, w, rtol=1e-13, atol=1e-13)
 
@@ -213,9 +213,9 @@ def test_isolated_run_matches_the_same_implementation_in_process(saved_llama):
     here, there = run_here(subject, "sdpa", scenarios), run_isolated(subject, "sdpa", scenarios)
     assert here.runs is not None and there.runs is not None, there.reason
     assert len(there.runs) == len(scenarios)
-    for a, b in zip(here.runs, there.runs):
+    for a, b in zip(here.runs, there.runs, strict=True):
         assert a.layer_names == b.layer_names
-        for x, y in zip(a.hidden, b.hidden):
+        for x, y in zip(a.hidden, b.hidden, strict=True):
             torch.testing.assert_close(x, y, rtol=0, atol=1e-6)
 
 

@@ -38,7 +38,7 @@ def test_run_finer_is_a_float64_forward_and_restores_the_model():
     assert got.ran and got.dtype == torch.float64 and got.how == WAYS["module"]
     whole = hidden_states(copy.deepcopy(model).to(torch.float64), ids)
     assert len(got.value) == len(whole)
-    for finer, reference in zip(got.value, whole):
+    for finer, reference in zip(got.value, whole, strict=True):
         assert finer.dtype == torch.float64
         torch.testing.assert_close(finer, reference, rtol=1e-12, atol=1e-12)
     after = model.state_dict()

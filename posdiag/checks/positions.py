@@ -169,7 +169,7 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
         "floor_source": FLOOR_SOURCE if has_jitter else f"{dtype} machine epsilon (no token embedding found to jitter)",
         "consistent_error_per_permutation": consistent[-1],
         "variants": {n: [int(v) for v in p.tolist()] for n, p in variants},
-        "residual_per_variant": dict(zip([n for n, _ in variants], moved[-1])),
+        "residual_per_variant": dict(zip([n for n, _ in variants], moved[-1], strict=True)),
     }
     metrics: dict = {}
 

@@ -191,7 +191,7 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
     final = layers - 1
     # Errors at each rung and layer; the probe sits at offset k in prefix rows.
     errors = [[relative_l2(take(l, r, k if probe.prefix else 0, (k + span) if probe.prefix else None), take(l, probe.base))
-               for r, k in zip(probe.shifted, probe.ladder)] for l in range(layers)]
+               for r, k in zip(probe.shifted, probe.ladder, strict=True)] for l in range(layers)]
     gap_start = half + 1 if probe.prefix else half
     delta1 = relative_l2(take(final, probe.gap, gap_start, gap_start + span - half), take(final, probe.base, half))
     measured_floor = 0.0
@@ -236,13 +236,13 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
 
     predicted = [delta1 * eps * (k + span) for k in probe.ladder]  # (P_k + 1) with P_k = k + span - 1
     tolerance = [FAIL_RATIO * (floor + p) for p in predicted]
-    ratio = [e / (floor + p) for e, p in zip(errors[final], predicted)]
+    ratio = [e / (floor + p) for e, p in zip(errors[final], predicted, strict=True)]
     breaks = next((i for i, r in enumerate(ratio) if not r <= FAIL_RATIO), None)
     table = Table(
         f"error by offset ({stack})" if subject.kind == "seq2seq" else "error by offset",
         ("k", "max position", "error", "rounding term", "tolerance", "ratio", ""),
         tuple((k, k + span - 1, f"{e:.3e}", f"{p:.2e}", f"{t:.2e}", f"{r:.3g}", "ok" if r <= FAIL_RATIO else "BREAKS")
-              for k, e, p, t, r in zip(probe.ladder, errors[final], predicted, tolerance, ratio)),
+              for k, e, p, t, r in zip(probe.ladder, errors[final], predicted, tolerance, ratio, strict=True)),
     )
     details["errors"] = errors[final]
     details["tolerances"] = tolerance

@@ -170,7 +170,7 @@ def _synthetic(run: SyntheticRun) -> NoReturn:
                       causal=run.causal, alignment=run.alignment, padding=run.padding, window=run.window,
                       dtype=dtype, device=str(device))
         with without_profiler_noise():
-            results = guarded(lambda: synthetic(shape, seed=run.seed, memory=run.memory, repeats=run.repeats), debug)
+            results = guarded(lambda shape=shape: synthetic(shape, seed=run.seed, memory=run.memory, repeats=run.repeats), debug)
         verdicts = judge_synthetic(results, dtype)
         any_fail |= any(v.startswith("FAIL") for v in verdicts.values())
         records.append({"shape": {k: getattr(shape, k) for k in shape.__dataclass_fields__},

@@ -36,7 +36,7 @@ def weight_files(spec: str, options: LoadOptions, is_local: bool) -> dict[str, A
         for f in files:
             try:
                 with safe_open(str(f), framework="pt") as handle:
-                    for key in handle.keys():
+                    for key in handle.keys():  # noqa: SIM118 - safetensors handles have keys(), not iteration
                         keys.append(key)
                         stored = handle.get_slice(key).get_dtype()
                         counts[stored] = counts.get(stored, 0) + 1

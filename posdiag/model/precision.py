@@ -261,7 +261,7 @@ class _Streamer:
         stack = self.saved.get(id(module))
         if stack:
             kept = _storages(out)
-            for t, original in zip(self.own(module), stack.pop()):
+            for t, original in zip(self.own(module), stack.pop(), strict=True):
                 self.scratch.give(t.data, reusable=t.data.untyped_storage().data_ptr() not in kept)
                 t.data = original
 

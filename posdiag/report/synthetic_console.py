@@ -50,7 +50,7 @@ def render_growth(out: Console, records: list[dict[str, Any]]) -> None:
         for rec in records:
             r = next((x for x in rec["results"] if x["name"] == name), None)
             peaks.append(r["peak_bytes"] if r and r["status"] == "ok" else None)
-        known = [(rec["shape"]["q_len"], p) for rec, p in zip(records, peaks) if p]
+        known = [(rec["shape"]["q_len"], p) for rec, p in zip(records, peaks, strict=True) if p]
         slope = "-"
         if len(known) >= 2 and known[0][1] > 0:
             slope = f"{math.log(known[-1][1] / known[0][1]) / math.log(known[-1][0] / known[0][0]):.2f}"

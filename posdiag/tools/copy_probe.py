@@ -36,7 +36,7 @@ def run(subject: Subject, lengths: list[int], seed: int = 0) -> CheckResult:
     prefix = [bos] if isinstance(bos, int) and 0 <= bos < subject.vocab_size else []
     ordinary = subject.vocab_size - len(subject.special_ids() | set(range(min(4, subject.vocab_size))))
     plan = []  # (length asked, copy distance n)
-    for length in sorted(set(int(x) for x in lengths)):
+    for length in sorted({int(x) for x in lengths}):
         n = (length - len(prefix)) // 2
         if n < 2:
             return CheckResult("copy", Status.SKIP, f"length {length} is too short to copy (needs at least {len(prefix) + 4})")

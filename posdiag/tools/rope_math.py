@@ -17,6 +17,7 @@ target length N:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -118,10 +119,8 @@ def rope_parameters(config: Any) -> dict[str, Any] | None:
     config = text_config(config)
     standardize = getattr(config, "standardize_rope_params", None)
     if callable(standardize):
-        try:
+        with contextlib.suppress(Exception):
             standardize()
-        except Exception:
-            pass
     params = getattr(config, "rope_parameters", None)
     return dict(params) if isinstance(params, dict) and params else None
 

@@ -135,7 +135,7 @@ def _judge_input(ev: Evidence, name: str, si: int, g: Run, atol: float, rows: _R
     errs = [rel(g.hidden[i], r.hidden[i], valid_for(g, sc, i)) for i in range(len(g.hidden))]
     base = [rel(e.hidden[i], r.hidden[i], valid_for(g, sc, i)) for i in range(len(g.hidden))]
     tols = [FACTOR * b + atol for b in base]
-    ratios = [x / t for x, t in zip(errs, tols)]
+    ratios = [x / t for x, t in zip(errs, tols, strict=True)]
     worst = max(range(len(errs)), key=lambda i: ratios[i])
     crossing = next((g.layer_names[i] for i in range(len(errs)) if errs[i] > tols[i]), None)
     nt = next_token(r.logits, g.logits) if ev.subject.kind != "encoder" else None

@@ -62,7 +62,7 @@ def probe_applied(subject: Subject, layer_spec, refs, positions: np.ndarray, tok
     if recurrent:
         return (findings + factors, [], False, f"{recurrent} (the same token gives a different q/k at each position)",
                 factors, no_factor)
-    rows = [(int(p), float(r)) for p, r in zip(positions, by_pos)]
+    rows = [(int(p), float(r)) for p, r in zip(positions, by_pos, strict=True)]
     return findings + factors, rows, True, "", factors, no_factor
 
 

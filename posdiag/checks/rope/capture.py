@@ -46,7 +46,7 @@ class Capture:
             q_in = args[0] if len(args) > 0 else kwargs.get("q")
             k_in = args[1] if len(args) > 1 else kwargs.get("k")
             plain = None
-            if all(isinstance(t, torch.Tensor) and t.shape == o.shape for t, o in zip((q_in, k_in), out)):
+            if all(isinstance(t, torch.Tensor) and t.shape == o.shape for t, o in zip((q_in, k_in), out, strict=True)):
                 plain = (q_in.detach().clone(), k_in.detach().clone())
             if not record:
                 self.pending = None if plain is None else (*plain, out[0].detach().clone(), out[1].detach().clone())
