@@ -162,7 +162,8 @@ def test_factory_that_raises(tmp_path, monkeypatch):
 
 
 def test_help_does_not_import_torch():
-    code = "import sys; from posdiag.cli import app; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
+    code = ("import sys; from posdiag.cli import app; "
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

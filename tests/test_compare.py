@@ -23,7 +23,8 @@ DYNAMIC = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}
 
 
 def compare(ref, cand, cand_options=None, **kw):
-    return compare_subjects(from_module(ref, name="reference"), from_module(cand, name="candidate", options=cand_options),
+    return compare_subjects(from_module(ref, name="reference"),
+                            from_module(cand, name="candidate", options=cand_options),
                             RunOptions(), **kw)
 
 

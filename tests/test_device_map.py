@@ -45,7 +45,8 @@ def digest(path: Path) -> str:
 def one_line_error(result) -> str:
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert result.exit_code == 2, result.output
-    assert len(lines) == 1 and lines[0].startswith("posdiag: error:") and "Traceback" not in result.output, result.output
+    assert len(lines) == 1 and lines[0].startswith("posdiag: error:"), result.output
+    assert "Traceback" not in result.output, result.output
     return lines[0]
 
 
@@ -88,7 +89,8 @@ def test_bad_offload_options_exit_2_with_one_line(fixtures_dir, args, says):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_gpu_budget_without_a_gpu_exits_2(fixtures_dir):
-    line = one_line_error(invoke("check", fixtures_dir / "llama-tiny", "--device-map", "auto", "--max-memory", "0=1GiB"))
+    line = one_line_error(invoke("check", fixtures_dir / "llama-tiny", "--device-map", "auto",
+                                 "--max-memory", "0=1GiB"))
     assert "GPU 0 is not on this machine" in line
 
 

@@ -225,7 +225,8 @@ def test_implementation_killing_its_process_fails_and_report_is_written(saved_ll
     import posdiag.checks.kernels.isolated as isolated
     from posdiag.model.loading import load_subject
 
-    monkeypatch.setattr(isolated, "CHILD_COMMAND", (sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"))
+    monkeypatch.setattr(isolated, "CHILD_COMMAND",
+                        (sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"))
     monkeypatch.setattr(isolated, "ISOLATED", frozenset({"sdpa"}))
     monkeypatch.setattr(kernels, "ISOLATED", frozenset({"sdpa"}))
     subject = load_subject(str(saved_llama), LoadOptions())
@@ -261,7 +262,9 @@ def test_toolchain_failure_is_a_skip_and_other_exceptions_fail(monkeypatch):
 
 def test_isolated_implementation_on_an_in_memory_model_says_why():
     subject = from_module(zoo.tiny_model("llama"))
-    result = run_checks(subject, ["kernels"], RunOptions(seq_len=16, check_options={"kernels": {"implementations": ["flex_attention"]}})).check("kernels")
+    result = run_checks(subject, ["kernels"],
+                        RunOptions(seq_len=16,
+                                   check_options={"kernels": {"implementations": ["flex_attention"]}})).check("kernels")
     assert result.status is Status.SKIP and "in-memory model" in result.summary
 
 

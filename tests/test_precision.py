@@ -70,7 +70,8 @@ def test_nothing_finer_says_why():
     subject = from_module(model)
     got = run_finer(subject, lambda: hidden_states(model, torch.randint(4, 200, (1, 8))), what="reference")
     assert not got.ran and got.value is None
-    assert got.reason.startswith("no reference more precise than float32 runs on this model: float64: no float64 kernel")
+    assert got.reason.startswith("no reference more precise than float32 runs on this model: "
+                                 "float64: no float64 kernel")
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 

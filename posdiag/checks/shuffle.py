@@ -53,7 +53,8 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
     if causal:
         ok, why = subject.explicit_mask_supported
         if not ok:
-            return CheckResult("shuffle", Status.SKIP, f"cannot permute the causal mask: {why}", details={"stack": stack})
+            return CheckResult("shuffle", Status.SKIP, f"cannot permute the causal mask: {why}",
+                               details={"stack": stack})
 
     if attention_free(subject.model):
         return CheckResult("shuffle", Status.SKIP,
@@ -105,7 +106,8 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
                            details={"stack": stack, "first_non_finite_layer": layer_name(bad)})
 
     layers = len(base)
-    residual = [[relative_l2(out.hidden[l][first_perm + i], base[l][p]) for i, p in enumerate(perms)] for l in range(layers)]
+    residual = [[relative_l2(out.hidden[l][first_perm + i], base[l][p]) for i, p in enumerate(perms)]
+                for l in range(layers)]
     floor = [[relative_l2(out.hidden[l][first_consistent + i], base[l][p]) for i, p in enumerate(perms)]
              if consistent else [relative_l2(out.hidden[l][jitter_row], base[l]) if has_jitter else 0.0]
              for l in range(layers)]

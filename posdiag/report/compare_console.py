@@ -42,7 +42,8 @@ def render_compare(report: Report, console: Console, *, quiet: bool = False) -> 
         ctx = details.get("original_context")
         console.print(Text(
             f"{details['seq_len']} tokens · original context {ctx if ctx else 'unknown'} · "
-            f"compared in {details.get('compared_dtype', '?')} · floor: {details.get('floor_source', '?')}", style="dim"))
+            f"compared in {details.get('compared_dtype', '?')} · floor: {details.get('floor_source', '?')}",
+            style="dim"))
     if details.get("engine"):
         settings = " · ".join(f"{k} {v}" for k, v in details["engine"].items() if k != "name")
         console.print(Text(f"engine: {settings or 'no settings reported'}", style="dim"))

@@ -22,8 +22,8 @@ def render_synthetic(out: Console, shape, results: list, verdicts: dict[str, str
             out.print(f"T={tq}/{tk} {r.name}: {r.status} err {r.error:.2e} {verdicts.get(r.name, '')}")
         return
     device_type = str(shape.device).split(":")[0]
-    title = (f"{device_type} {shape.dtype}  B={shape.batch} H={shape.heads}/{shape.kv_heads} q={tq} k={tk} d={shape.head_dim}"
-             f"{' causal ' + shape.alignment if shape.causal else ''}"
+    title = (f"{device_type} {shape.dtype}  B={shape.batch} H={shape.heads}/{shape.kv_heads} q={tq} k={tk} "
+             f"d={shape.head_dim}{' causal ' + shape.alignment if shape.causal else ''}"
              f"{f' pad={shape.padding}' if shape.padding else ''}{f' window={shape.window}' if shape.window else ''}")
     table = Table(title=title, title_justify="left")
     for col in ("implementation", "error vs fp64", "max |Δ|", "time ms", "peak MiB", "empty rows", "verdict", "note"):

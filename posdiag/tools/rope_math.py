@@ -147,7 +147,8 @@ def rope_specs(config: Any) -> list[RopeSpec]:
     for layer_type, block in blocks:
         partial = float(block.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0)
         rope_type = str(block.get("rope_type", block.get("type", "default")))
-        original = block.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
+        original = (block.get("original_max_position_embeddings")
+                    or getattr(config, "original_max_position_embeddings", None))
         factor = block.get("factor")
         specs.append(RopeSpec(
             layer_type=layer_type, rope_type=rope_type, theta=float(block.get("rope_theta", 10000.0)),

@@ -28,7 +28,8 @@ class Capture:
 
     def eager(self, original):
         def wrapped(module, query, key, value, *args, **kwargs):
-            plain = [] if self.pending is None else [(*self.pending[:2], "apply_rotary_pos_emb inputs", *self.pending[2:])]
+            plain = [] if self.pending is None else [(*self.pending[:2], "apply_rotary_pos_emb inputs",
+                                                      *self.pending[2:])]
             self.pending = None
             proj = self.projected.pop(id(module), {})
             if {"q", "k"} <= set(proj):

@@ -34,7 +34,8 @@ class Finding:
         return self
 
     def where(self) -> dict[str, Any]:
-        out = {k: v for k, v in (("kind", self.kind), ("probe", self.probe), ("layer", self.layer), ("tensor", self.tensor),
+        out = {k: v for k, v in (("kind", self.kind), ("probe", self.probe), ("layer", self.layer),
+                                 ("tensor", self.tensor),
                                   ("head", self.head), ("position", self.position), ("dim", self.dim),
                                   ("expected", self.expected), ("actual", self.actual), ("error", self.error),
                                   ("tolerance", self.tolerance), ("ratio", self.ratio)) if v not in (None, "")}
@@ -61,7 +62,8 @@ class Finding:
             f"head {self.head}" if self.head is not None else "",
             f"position {self.position}" if self.position is not None else "",
             f"dim {self.dim}" if self.dim is not None else "") if x)
-        exp = f": expected {self.expected:.6g}, got {self.actual:.6g}" if self.expected is not None and self.actual is not None else ""
+        exp = (f": expected {self.expected:.6g}, got {self.actual:.6g}"
+               if self.expected is not None and self.actual is not None else "")
         return (f"{self.kind} disagrees with the config at {where}{exp} "
                 f"(error {self.error:.3g}, {self.ratio:.3g}x the tolerance {self.tolerance:.3g})")
 
