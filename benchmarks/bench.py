@@ -126,7 +126,8 @@ def main() -> None:
         if a.checks:
             args += ["--only", a.checks]
         run = child(POSDIAG, *args)
-        report = json.load(open(report_path))
+        with open(report_path) as f:
+            report = json.load(f)
 
     checks = report["checks"]
     load_and_imports = bare["imports"] + bare["load"]
@@ -148,8 +149,8 @@ def main() -> None:
     whole = {"rss_mb": run["rss_mb"], "cuda_mb": max((p["cuda_mb"] for p in run["peaks"].values()), default=0.0)}
     rows.append((f"posdiag check, whole run ({len(checks)} checks)", f"{run['total']:.2f}",
                  str(sum(c["forward_passes"] for c in checks)), memory(whole), f"{run['total'] / floor:.2f}"))
-    print(f"model {a.model}, seq-len {a.seq_len or 'default (64; causal sweeps 32)'}, device {a.device}; imports {bare['imports']:.2f}s, "
-          f"load {bare['load']:.2f}s, one forward {bare['forward'] * 1000:.1f}ms")
+    print(f"model {a.model}, seq-len {a.seq_len or 'default (64; causal sweeps 32)'}, device {a.device}; imports "
+          f"{bare['imports']:.2f}s, load {bare['load']:.2f}s, one forward {bare['forward'] * 1000:.1f}ms")
     print(f"startup: posdiag --help {startup('--help'):.2f}s, posdiag --version {startup('--version'):.2f}s")
     print(f"peak memory ratio (posdiag / bare): {run['rss_mb'] / bare['rss_mb']:.2f}\n")
     print("| what | wall s | forwards | peak memory MB (x bare) | time ratio to minimum |")
@@ -157,7 +158,8 @@ def main() -> None:
     for r in rows:
         print("| " + " | ".join(r) + " |")
     if a.json:
-        json.dump({"bare": bare, "posdiag": run, "checks": checks}, open(a.json, "w"), indent=2)
+        with open(a.json, "w") as f:
+            json.dump({"bare": bare, "posdiag": run, "checks": checks}, f, indent=2)
 
 
 if __name__ == "__main__":

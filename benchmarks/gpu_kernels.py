@@ -18,7 +18,7 @@ import torch
 
 OUT = Path(os.environ.get("OUT") or Path(__file__).parent / "out")
 OUT.mkdir(parents=True, exist_ok=True)
-LOG = open(OUT / "gpu_kernels.txt", "a")
+LOG = open(OUT / "gpu_kernels.txt", "a")  # noqa: SIM115 - the log stays open for the whole script, flushed per line
 
 
 def say(*parts) -> None:
@@ -70,11 +70,10 @@ def model_part(device: str, dtypes: list[str], seq_lens: list[int], families: li
 
     import transformers
 
-    from posdiag.testing import zoo
     from posdiag.api import run_checks
-    from posdiag.options import RunOptions
-    from posdiag.options import LoadOptions
     from posdiag.model.loading import from_module
+    from posdiag.options import LoadOptions, RunOptions
+    from posdiag.testing import zoo
 
     transformers.utils.logging.set_verbosity_error()
     impls = ["sdpa"]
@@ -88,7 +87,8 @@ def model_part(device: str, dtypes: list[str], seq_lens: list[int], families: li
         for dtype in dtypes:
             for seq in seq_lens:
                 try:
-                    kw = {"max_position_embeddings": max(seq_lens)} if family not in ("gpt2", "gptj", "mpt", "t5") else {}
+                    kw = {"max_position_embeddings": max(seq_lens)} if family not in ("gpt2",
+                                                                                      "gptj", "mpt", "t5") else {}
                     if family in ("gpt2", "gptj"):
                         kw = {"n_positions": max(seq_lens)}
                     model = zoo.tiny_model(family, dtype=getattr(torch, dtype), **kw).to(device)
@@ -96,8 +96,8 @@ def model_part(device: str, dtypes: list[str], seq_lens: list[int], families: li
                     opts = RunOptions(seq_len=seq, check_options={"kernels": {"implementations": impls}})
                     t0 = time.time()
                     result = run_checks(subject, ["kernels"], opts).check("kernels")
-                    say(f"  {family:12s} {dtype:8s} T={seq:5d} {result.status.value.upper():5s} {time.time() - t0:6.1f}s "
-                        f"{result.summary[:200]}")
+                    say(f"  {family:12s} {dtype:8s} T={seq:5d} {result.status.value.upper():5s} "
+                        f"{time.time() - t0:6.1f}s {result.summary[:200]}")
                     for impl, info in result.details.get("implementations", {}).items():
                         for sc, s in (info.get("scenarios") or {}).items():
                             say(f"      {impl:18s} {sc:20s} err {s['error']:.2e} eager {s['eager_error']:.2e} "
@@ -127,7 +127,8 @@ def main() -> int:
         budget = float(os.environ.get("POSDIAG_SYNTH_BUDGET_S", "150"))
     else:
         say("no CUDA device: CPU smoke test only (short lengths, float32/bfloat16)")
-        device, dtypes, max_len, seq_lens, families, budget = "cpu", ["float32", "bfloat16"], 2048, [64], ["llama", "gpt2"], 60.0
+        device, dtypes, max_len, seq_lens = "cpu", ["float32", "bfloat16"], 2048, [64]
+        families, budget = ["llama", "gpt2"], 60.0
     say("-- model mode (kernels check)")
     models = model_part(device, dtypes, seq_lens, families)
     say("-- synthetic (error vs float64 reference, time, peak memory)")

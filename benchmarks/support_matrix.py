@@ -44,9 +44,9 @@ def main() -> None:
     import transformers
 
     from posdiag import checks
-    from posdiag.testing import zoo
     from posdiag.api import run_checks
     from posdiag.model.loading import from_module
+    from posdiag.testing import zoo
 
     transformers.utils.logging.set_verbosity_error()
     torch.set_num_threads(2)

@@ -10,6 +10,7 @@ Attributes are imported lazily so `import posdiag` stays cheap (no torch until u
 from __future__ import annotations
 
 from posdiag._version import __version__
+
 __all__ = ["check_model", "__version__"]
 
 

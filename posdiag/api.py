@@ -5,8 +5,9 @@ from __future__ import annotations
 import gc
 import time
 import traceback
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from posdiag import checks
 from posdiag.errors import PosdiagError, describe_error
@@ -122,8 +123,8 @@ def check_model(model: Any, checks: Iterable[str] | None = None, *, skip: Iterab
     load_options: fields of `posdiag.model.subject.LoadOptions` (dtype, device, upcast, max_batch...).
     Nothing is printed; the returned Report is data (`report.exit_code`, `report.check(name)`).
     """
-    from posdiag.options import LoadOptions
     from posdiag.model.loading import from_module, load_subject
+    from posdiag.options import LoadOptions
 
     policy = gate_policy(fail_on, require)  # a bad name fails before anything is loaded
     load = LoadOptions(**load_options)

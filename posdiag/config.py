@@ -82,7 +82,8 @@ def read_config(path: Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     return settings, check_options
 
 
-def merge(defaults: dict[str, Any], file_values: dict[str, Any], typed: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+def merge(defaults: dict[str, Any], file_values: dict[str, Any],
+          typed: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     """Effective settings and where each came from."""
     effective, source = {}, {}
     for key, value in defaults.items():

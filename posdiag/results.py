@@ -28,7 +28,7 @@ class Status(str, enum.Enum):
         return _RANK[self]
 
     @staticmethod
-    def worst(statuses: "list[Status]") -> "Status":
+    def worst(statuses: list[Status]) -> Status:
         """The most severe status; an empty list is a SKIP (nothing was judged)."""
         return max(statuses, key=lambda s: s.rank) if statuses else Status.SKIP
 
@@ -84,7 +84,7 @@ class CheckResult:
         }
 
 
-def combine_stacks(name: str, per_stack: "list[CheckResult]") -> CheckResult:
+def combine_stacks(name: str, per_stack: list[CheckResult]) -> CheckResult:
     """One result for a model's stacks (an encoder-decoder has two): the worst verdict, every
     stack's numbers prefixed by its name, the summaries joined. A single stack is returned as is."""
     if len(per_stack) == 1:

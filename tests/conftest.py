@@ -1,9 +1,9 @@
 import os
-
-pytest_plugins = ["pytester"]
 from pathlib import Path
 
 import pytest
+
+pytest_plugins = ["pytester"]
 
 # Tests never touch the network: hub ids resolve from the local cache only (and fail fast).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -15,7 +15,7 @@ returns the hook handles. The bugs are the ones BUGS.md sections A and H describ
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

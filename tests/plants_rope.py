@@ -11,9 +11,9 @@ import types
 
 import torch
 from torch import nn
+from transformers.models.llama import modeling_llama as ml
 
 from posdiag.testing import zoo
-from transformers.models.llama import modeling_llama as ml
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}
 LONG_SHORT = {"short_factor": [1.0, 1.0, 1.1, 1.2, 1.5, 2.0, 2.5, 3.0],
@@ -96,7 +96,8 @@ class _YarnPort:
 
     port_scale, port_apply = 1.0, False
 
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, position_ids=None, **kwargs):
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
+                position_ids=None, **kwargs):
         shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         q, k, v = (p(hidden_states).view(shape).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
         if position_ids is None:
@@ -213,7 +214,8 @@ class _PlantedLlamaAttention(ml.LlamaAttention):
         cos, sin = position_embeddings
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q, k = self.rotate_q(q, cos, sin), self.rotate_k(k, cos, sin)
-        out, weights = eager_attention_forward(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
+        out, weights = eager_attention_forward(self, q, k, v, attention_mask, dropout=0.0,
+                                               scaling=self.scaling, **kwargs)
         return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous()), weights
 
 
@@ -267,7 +269,8 @@ def uninitialised_buffer(garbage: str = "bits") -> nn.Module:
     if garbage == "zeros":
         buf = torch.zeros(8)
     else:
-        buf = torch.tensor([3, 0x7F7FFFFF, 12345, 0x3F800000, 0x00800000, 0x4B000000, 777, 0x1], dtype=torch.int32).view(torch.float32).clone()
+        buf = torch.tensor([3, 0x7F7FFFFF, 12345, 0x3F800000, 0x00800000, 0x4B000000, 777, 0x1],
+                           dtype=torch.int32).view(torch.float32).clone()
     model.model.rotary_emb = _CustomRotary(buf)
     return model
 

@@ -19,7 +19,7 @@ an always-called forward hook restores), so other models in the same process are
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -169,7 +169,8 @@ def bf16_angles(model: torch.nn.Module) -> torch.nn.Module:
 
 def bf16_positions(model: torch.nn.Module) -> torch.nn.Module:
     """Position values rounded to bfloat16 (exact up to 256), angle math in float32 after that."""
-    _recompute_rotary(model, lambda inv_freq, pos: pos.to(torch.bfloat16).float()[:, :, None] * inv_freq.float()[None, None, :])
+    _recompute_rotary(model, lambda inv_freq,
+                      pos: pos.to(torch.bfloat16).float()[:, :, None] * inv_freq.float()[None, None, :])
     return model
 
 

@@ -24,7 +24,7 @@ class _IndexMap(nn.Embedding):
     """Inserted between an embedding class and nn.Embedding: remaps the row index before lookup.
     (BART/OPT/Marian position modules compute their rows, then call super().forward(rows).)"""
 
-    def forward(self, input):  # noqa: A002 - nn.Embedding's own argument name
+    def forward(self, input):  # nn.Embedding's own argument name
         return super().forward(self._posdiag_map(input))
 
 

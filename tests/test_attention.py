@@ -112,8 +112,10 @@ def test_memory_grows_quadratically_for_naive_only():
         shape = Shape(batch=1, heads=2, kv_heads=2, q_len=t, k_len=t, head_dim=16, causal=True)
         q, k, v = random_qkv(shape)
         spec = shape.spec()
-        peaks[t] = (peak_memory(lambda: naive_attention(q, k, v, spec, dtype=torch.float32), torch.device("cpu")),
-                    peak_memory(lambda: tiled_attention(q, k, v, spec, block_q=64, block_k=64), torch.device("cpu")))
+        peaks[t] = (peak_memory(lambda q=q, k=k, v=v, spec=spec: naive_attention(q, k, v, spec, dtype=torch.float32),
+                                torch.device("cpu")),
+                    peak_memory(lambda q=q, k=k, v=v, spec=spec: tiled_attention(q, k, v, spec, block_q=64, block_k=64),
+                                torch.device("cpu")))
     naive_growth = peaks[1024][0] / peaks[256][0]
     tiled_growth = peaks[1024][1] / peaks[256][1]
     assert naive_growth > 10, peaks

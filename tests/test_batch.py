@@ -6,16 +6,15 @@ restart positions, since a constant offset is invisible; and a path that drops t
 (the layers get a plain causal mask; BERT: none) on Llama, GPT-2 and BERT. Healthy twins pass.
 """
 
+import plants_order
 import pytest
 import torch
 
-import plants_order
-from posdiag.testing import zoo
 from posdiag.api import _run_one, run_checks
-from posdiag.options import RunOptions
-from posdiag.results import Status
-from posdiag.options import LoadOptions
 from posdiag.model.loading import from_module
+from posdiag.options import LoadOptions, RunOptions
+from posdiag.results import Status
+from posdiag.testing import zoo
 
 OPTIONS = RunOptions(seq_len=16)
 

@@ -2,16 +2,15 @@
 static caches) must reproduce one full forward. Healthy zoo families PASS or SKIP with a
 reason; planted decode-position and buffer-length bugs FAIL with the step named."""
 
+import plants_cache as plants
 import pytest
 
-from posdiag.testing import zoo
 from posdiag.api import run_checks
 from posdiag.model.families import family_for
+from posdiag.model.loading import from_module
 from posdiag.options import RunOptions
 from posdiag.results import Status
-from posdiag.model.loading import from_module
-
-import plants_cache as plants
+from posdiag.testing import zoo
 
 OPTIONS = RunOptions(seq_len=12, check_options={"cache": {"decode_steps": 4}})
 

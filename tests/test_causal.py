@@ -5,14 +5,14 @@ relative-position leak (query i sees key i + 6, as a mis-gathered relative mask 
 Llama, GPT-2 and T5 — found from the first leaking pair, not from a suffix. Healthy twins pass.
 """
 
+import plants_order
 import pytest
 
-import plants_order
-from posdiag.testing import zoo
 from posdiag.api import _run_one
+from posdiag.model.loading import from_module
 from posdiag.options import RunOptions
 from posdiag.results import Status
-from posdiag.model.loading import from_module
+from posdiag.testing import zoo
 
 OPTIONS = RunOptions(seq_len=16)
 

@@ -7,11 +7,11 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from posdiag.testing import zoo
 from posdiag.cli import app
 from posdiag.report.github import format_github
 from posdiag.report.junit import format_junit
 from posdiag.results import CheckResult, ModelInfo, Report, Status
+from posdiag.testing import zoo
 
 runner = CliRunner()
 MODEL = ModelInfo(id="org/m<&>", family="llama", kind="causal", position_kind="rope", dtype="float32", device="cpu")

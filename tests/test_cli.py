@@ -70,7 +70,9 @@ def test_factory_models(fixtures_dir):
 def test_same_seed_same_numbers(fixtures_dir):
     a = invoke("shuffle", fixtures_dir / "llama-tiny", "--seed", "3", "--json", "-", "-q").stdout
     b = invoke("shuffle", fixtures_dir / "llama-tiny", "--seed", "3", "--json", "-", "-q").stdout
-    strip = lambda s: [c["metrics"] for c in json.loads(s[s.index("{"):])["checks"]]
+    def strip(s):
+        return [c["metrics"] for c in json.loads(s[s.index("{"):])["checks"]]
+
     assert strip(a) == strip(b)
 
 
@@ -160,7 +162,8 @@ def test_factory_that_raises(tmp_path, monkeypatch):
 
 
 def test_help_does_not_import_torch():
-    code = "import sys; from posdiag.cli import app; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
+    code = ("import sys; from posdiag.cli import app; "
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -172,8 +175,8 @@ def test_version():
 def test_interrupt_gives_an_incomplete_report(monkeypatch):
     """Ctrl-C mid-run: the checks that finished are shown, the report says incomplete, exit 2."""
     from posdiag import api
-    from posdiag.testing import zoo
     from posdiag.model.loading import from_module
+    from posdiag.testing import zoo
 
     real = api._run_one
 
@@ -191,9 +194,9 @@ def test_interrupt_gives_an_incomplete_report(monkeypatch):
 def test_out_of_memory_falls_back_to_smaller_batches(monkeypatch):
     import torch
 
-    from posdiag.testing import zoo
     from posdiag.api import run_checks
     from posdiag.model.loading import from_module
+    from posdiag.testing import zoo
 
     subject = from_module(zoo.tiny_model("llama"))
     real = subject._forward_once

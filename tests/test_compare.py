@@ -9,23 +9,22 @@ import json
 
 import pytest
 import torch
+from plants_compare import copy_of, ignore_rope_scaling, interleave_qk, wrong_norm_eps
 from typer.testing import CliRunner
 
+from posdiag.errors import PosdiagError
+from posdiag.model.loading import from_module
+from posdiag.options import LoadOptions, RunOptions
+from posdiag.results import Status
 from posdiag.testing import zoo
 from posdiag.tools.compare import bucket_edges, compare_subjects, original_context, parse_layer_map
-from posdiag.errors import PosdiagError
-from posdiag.options import RunOptions
-from posdiag.results import Status
-from posdiag.options import LoadOptions
-from posdiag.model.loading import from_module
-
-from plants_compare import copy_of, ignore_rope_scaling, interleave_qk, wrong_norm_eps
 
 DYNAMIC = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}
 
 
 def compare(ref, cand, cand_options=None, **kw):
-    return compare_subjects(from_module(ref, name="reference"), from_module(cand, name="candidate", options=cand_options),
+    return compare_subjects(from_module(ref, name="reference"),
+                            from_module(cand, name="candidate", options=cand_options),
                             RunOptions(), **kw)
 
 

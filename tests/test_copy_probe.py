@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from posdiag.tools import copy_probe
-from posdiag.testing import zoo
-from posdiag.results import Status
 from posdiag.model.loading import from_module, load_subject
+from posdiag.results import Status
+from posdiag.testing import zoo
+from posdiag.tools import copy_probe
 
 LENGTHS = [16, 32, 64, 128]
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "rope-copy"

@@ -15,13 +15,13 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from posdiag.testing import zoo
 from posdiag.api import run_checks
 from posdiag.cli import app
 from posdiag.errors import PosdiagError
-from posdiag.options import LoadOptions
 from posdiag.model.loading import load_subject
 from posdiag.model.placement import parse_max_memory
+from posdiag.options import LoadOptions
+from posdiag.testing import zoo
 
 runner = CliRunner()
 # Every check that runs a tiny Llama (table skips: RoPE has no table); kernels has its own tests.
@@ -45,7 +45,8 @@ def digest(path: Path) -> str:
 def one_line_error(result) -> str:
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert result.exit_code == 2, result.output
-    assert len(lines) == 1 and lines[0].startswith("posdiag: error:") and "Traceback" not in result.output, result.output
+    assert len(lines) == 1 and lines[0].startswith("posdiag: error:"), result.output
+    assert "Traceback" not in result.output, result.output
     return lines[0]
 
 
@@ -88,7 +89,8 @@ def test_bad_offload_options_exit_2_with_one_line(fixtures_dir, args, says):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_gpu_budget_without_a_gpu_exits_2(fixtures_dir):
-    line = one_line_error(invoke("check", fixtures_dir / "llama-tiny", "--device-map", "auto", "--max-memory", "0=1GiB"))
+    line = one_line_error(invoke("check", fixtures_dir / "llama-tiny", "--device-map", "auto",
+                                 "--max-memory", "0=1GiB"))
     assert "GPU 0 is not on this machine" in line
 
 

@@ -6,10 +6,10 @@ The support matrix in docs/support.md comes from the same runs on every family
 
 import pytest
 
-from posdiag.testing import zoo
 from posdiag.api import run_checks
-from posdiag.results import Status
 from posdiag.model.loading import from_module
+from posdiag.results import Status
+from posdiag.testing import zoo
 
 QUIRKY = ["roberta", "opt", "gpt_neo", "falcon_alibi", "t5", "modernbert", "gemma3", "mpt"]
 

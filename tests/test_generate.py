@@ -2,16 +2,15 @@
 must agree with the teacher-forced forward of each row alone. Healthy zoo families PASS or
 SKIP with a reason; planted generation/decode position bugs FAIL with the row and step named."""
 
+import plants_cache as plants
 import pytest
+from test_cache import STATIC_CACHE_BUGS
 
-from posdiag.testing import zoo
 from posdiag.api import run_checks
+from posdiag.model.loading import from_module
 from posdiag.options import RunOptions
 from posdiag.results import Status
-from posdiag.model.loading import from_module
-
-import plants_cache as plants
-from test_cache import STATIC_CACHE_BUGS
+from posdiag.testing import zoo
 
 OPTIONS = RunOptions(seq_len=10, check_options={"generate": {"new_tokens": 3}})
 

@@ -13,12 +13,12 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from posdiag.testing import zoo
 from posdiag.api import run_checks
 from posdiag.checks._shared import FLOOR_SOURCE
 from posdiag.model.introspect import recurrent_mixers
-from posdiag.results import Status
 from posdiag.model.loading import from_module
+from posdiag.results import Status
+from posdiag.testing import zoo
 
 OWNED = ["shuffle", "positions", "batch", "shift", "causal"]
 MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,

@@ -12,15 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from posdiag.testing import zoo
 from posdiag.api import run_checks
-from posdiag.options import RunOptions
-from posdiag.results import Status
-from posdiag.options import LoadOptions
 from posdiag.model.loading import from_module
+from posdiag.options import LoadOptions, RunOptions
+from posdiag.results import Status
+from posdiag.testing import zoo
 
 sys.path.insert(0, str(Path(__file__).parent))
-import plants_kernels as plants  # noqa: E402
+import plants_kernels as plants
 
 EAGER_ONLY = {"gemma2", "gpt_neo", "bloom", "mpt"}
 
@@ -168,7 +167,7 @@ def test_streamed_reference_equals_whole_model_conversion(family, monkeypatch):
     with precision.as_dtype(model, torch.float64, torch.float32), torch.inference_mode():
         whole = model(ids, output_hidden_states=True).hidden_states
     assert len(streamed) == len(whole)
-    for s, w in zip(streamed, whole):
+    for s, w in zip(streamed, whole, strict=True):
         assert s.dtype == torch.float64
         torch.testing.assert_close(s, w, rtol=1e-13, atol=1e-13)
 
@@ -214,9 +213,9 @@ def test_isolated_run_matches_the_same_implementation_in_process(saved_llama):
     here, there = run_here(subject, "sdpa", scenarios), run_isolated(subject, "sdpa", scenarios)
     assert here.runs is not None and there.runs is not None, there.reason
     assert len(there.runs) == len(scenarios)
-    for a, b in zip(here.runs, there.runs):
+    for a, b in zip(here.runs, there.runs, strict=True):
         assert a.layer_names == b.layer_names
-        for x, y in zip(a.hidden, b.hidden):
+        for x, y in zip(a.hidden, b.hidden, strict=True):
             torch.testing.assert_close(x, y, rtol=0, atol=1e-6)
 
 
@@ -226,7 +225,8 @@ def test_implementation_killing_its_process_fails_and_report_is_written(saved_ll
     import posdiag.checks.kernels.isolated as isolated
     from posdiag.model.loading import load_subject
 
-    monkeypatch.setattr(isolated, "CHILD_COMMAND", (sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"))
+    monkeypatch.setattr(isolated, "CHILD_COMMAND",
+                        (sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"))
     monkeypatch.setattr(isolated, "ISOLATED", frozenset({"sdpa"}))
     monkeypatch.setattr(kernels, "ISOLATED", frozenset({"sdpa"}))
     subject = load_subject(str(saved_llama), LoadOptions())
@@ -262,7 +262,9 @@ def test_toolchain_failure_is_a_skip_and_other_exceptions_fail(monkeypatch):
 
 def test_isolated_implementation_on_an_in_memory_model_says_why():
     subject = from_module(zoo.tiny_model("llama"))
-    result = run_checks(subject, ["kernels"], RunOptions(seq_len=16, check_options={"kernels": {"implementations": ["flex_attention"]}})).check("kernels")
+    result = run_checks(subject, ["kernels"],
+                        RunOptions(seq_len=16,
+                                   check_options={"kernels": {"implementations": ["flex_attention"]}})).check("kernels")
     assert result.status is Status.SKIP and "in-memory model" in result.summary
 
 

@@ -32,7 +32,8 @@ def imports(name: str) -> list[tuple[str, list[str]]]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
             if not base.startswith("posdiag"):
                 continue
             for alias in node.names:

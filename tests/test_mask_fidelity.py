@@ -4,10 +4,10 @@ from dataclasses import replace
 
 import torch
 
-from posdiag.testing import zoo
 from posdiag.api import run_checks
-from posdiag.results import Status
 from posdiag.model.loading import from_module
+from posdiag.results import Status
+from posdiag.testing import zoo
 
 
 def shuffle_with_family(model, **family_changes):

@@ -8,16 +8,16 @@ from __future__ import annotations
 import warnings
 from dataclasses import replace
 
+import plants_table as P
 import pytest
 import torch
 
-import plants_table as P
-from posdiag.testing import zoo
 from posdiag.api import run_checks
 from posdiag.model.families import GENERIC
+from posdiag.model.loading import from_module
 from posdiag.options import RunOptions
 from posdiag.results import Status
-from posdiag.model.loading import from_module
+from posdiag.testing import zoo
 
 SHORT = RunOptions(seq_len=16)
 

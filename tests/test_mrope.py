@@ -11,8 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from posdiag.cli import app
-from posdiag.tools import mrope, rope_math
 from posdiag.testing.multimodal import small_config
+from posdiag.tools import mrope, rope_math
 
 
 @pytest.fixture(autouse=True)

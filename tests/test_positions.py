@@ -5,15 +5,15 @@ inside); planted "positions rebuilt as arange" (a pre-hook on the rotary module 
 FAIL on Llama-, GPT-2-, GPT-NeoX- and BERT-like models, with the healthy twin passing.
 """
 
+import plants_order
 import pytest
 import torch
 
-import plants_order
-from posdiag.testing import zoo
 from posdiag.api import _run_one
+from posdiag.model.loading import from_module
 from posdiag.options import RunOptions
 from posdiag.results import Status
-from posdiag.model.loading import from_module
+from posdiag.testing import zoo
 
 OPTIONS = RunOptions(seq_len=16, permutations=2)
 

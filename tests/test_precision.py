@@ -10,8 +10,15 @@ import pytest
 import torch
 
 from posdiag.model.loading import from_module
-from posdiag.model.precision import (WAYS, everywhere_at_least, finer_dtype, memory_allows, reference_dtype,
-                                     run_finer, weight_bytes)
+from posdiag.model.precision import (
+    WAYS,
+    everywhere_at_least,
+    finer_dtype,
+    memory_allows,
+    reference_dtype,
+    run_finer,
+    weight_bytes,
+)
 from posdiag.testing import zoo
 
 
@@ -31,7 +38,7 @@ def test_run_finer_is_a_float64_forward_and_restores_the_model():
     assert got.ran and got.dtype == torch.float64 and got.how == WAYS["module"]
     whole = hidden_states(copy.deepcopy(model).to(torch.float64), ids)
     assert len(got.value) == len(whole)
-    for finer, reference in zip(got.value, whole):
+    for finer, reference in zip(got.value, whole, strict=True):
         assert finer.dtype == torch.float64
         torch.testing.assert_close(finer, reference, rtol=1e-12, atol=1e-12)
     after = model.state_dict()
@@ -63,7 +70,8 @@ def test_nothing_finer_says_why():
     subject = from_module(model)
     got = run_finer(subject, lambda: hidden_states(model, torch.randint(4, 200, (1, 8))), what="reference")
     assert not got.ran and got.value is None
-    assert got.reason.startswith("no reference more precise than float32 runs on this model: float64: no float64 kernel")
+    assert got.reason.startswith("no reference more precise than float32 runs on this model: "
+                                 "float64: no float64 kernel")
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 

@@ -9,11 +9,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from posdiag import checks
-from posdiag.testing import zoo
 from posdiag.api import run_checks
+from posdiag.model.loading import from_module
 from posdiag.options import RunOptions
 from posdiag.results import Status
-from posdiag.model.loading import from_module
+from posdiag.testing import zoo
 
 HEALTHY_NEVER_FAIL = ["shuffle", "shift", "positions", "batch", "causal"]
 
@@ -56,14 +56,16 @@ def test_random_rope_configs_never_fail_healthy(case, seed):
     names = [n for n in HEALTHY_NEVER_FAIL if n in checks.available()]
     report = run_checks(from_module(model), names, RunOptions(seq_len=seq_len, seed=seed))
     for result in report.checks:
-        assert result.status is Status.PASS, f"{family} {overrides}: {result.name}: {result.status.value}: {result.summary}"
+        assert result.status is Status.PASS, (
+            f"{family} {overrides}: {result.name}: {result.status.value}: {result.summary}")
 
 
 def test_dynamic_rope_over_one_rotary_pair_is_rejected_by_transformers():
     """The exclusion above, kept honest: if transformers starts building it, the strategy should draw it."""
     with pytest.raises(ZeroDivisionError):
         zoo.tiny_model("gpt_neox", hidden_size=16, num_attention_heads=2,
-                       rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0, "partial_rotary_factor": 0.25})
+                       rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0,
+                                        "partial_rotary_factor": 0.25})
 
 
 @settings(max_examples=6, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -55,7 +55,8 @@ def random_config(seed: int) -> tuple[str, dict]:
     elif rope_type == "yarn":
         rope.update(factor=rng.choice([2.0, 4.0]), original_max_position_embeddings=context // 2)
     elif rope_type == "llama3":
-        rope.update(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=context // 2)
+        rope.update(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=context // 2)
     elif rope_type == "longrope":
         rope.update(short_factor=[1.0 + rng.random() for _ in range(half)],
                     long_factor=[1.0 + 4 * rng.random() for _ in range(half)],

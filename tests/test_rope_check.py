@@ -8,19 +8,19 @@ import pytest
 import torch
 
 from posdiag import api
-from posdiag.testing import zoo
-from posdiag.options import RunOptions
-from posdiag.results import Status
-from posdiag.options import LoadOptions
 from posdiag.model.loading import from_module
+from posdiag.options import LoadOptions, RunOptions
+from posdiag.results import Status
+from posdiag.testing import zoo
 
 sys.path.insert(0, str(Path(__file__).parent))
-import plants_rope as P  # noqa: E402
+import plants_rope as P
 
 
 def rope(model, **check_options):
     subject = from_module(model, options=LoadOptions(upcast=False))
-    report = api.run_checks(subject, ["rope"], RunOptions(check_options={"rope": check_options} if check_options else {}))
+    report = api.run_checks(subject, ["rope"],
+                            RunOptions(check_options={"rope": check_options} if check_options else {}))
     return report.check("rope")
 
 
@@ -169,7 +169,8 @@ def test_attention_factor_never_observed_is_not_a_pass(monkeypatch):
 
 
 def test_unrotated_capture_must_line_up_at_position_zero():
-    """The un-rotated capture is used only when it is the rotated vector's multiple at position 0 (identity rotation)."""
+    """The un-rotated capture is used only when it is the rotated vector's multiple at position 0
+    (identity rotation)."""
     from posdiag.checks.rope.factor import same_vectors
     rng = np.random.default_rng(0)
     u = rng.standard_normal((4, 3, 16))

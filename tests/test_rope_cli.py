@@ -27,7 +27,8 @@ def test_config_json_alone(fixtures_dir):
 def test_config_only_never_loads_weights(fixtures_dir, monkeypatch):
     import posdiag.model.loading
 
-    monkeypatch.setattr(posdiag.model.loading, "load_subject", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    monkeypatch.setattr(posdiag.model.loading, "load_subject", lambda *a,
+                        **k: (_ for _ in ()).throw(AssertionError("loaded")))
     result = invoke(fixtures_dir / "llama-tiny", "--config-only", "--json", "-", "-q")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout[result.stdout.index("{"):])

@@ -87,7 +87,8 @@ def test_per_layer_types_partial_and_gptj():
     {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0},
 ])
 def test_scaled_types_use_transformers_functions(rope):
-    cfg = transformers.LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=4096, rope_parameters=rope)
+    cfg = transformers.LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=4096,
+                                   rope_parameters=rope)
     (spec,) = rm.rope_specs(cfg)
     freqs, scaling = rm.inv_freq(cfg, spec)
     unscaled = rm.unscaled_inv_freq(spec)

@@ -7,13 +7,20 @@ positions rounded to bfloat16 break only once positions pass 256, and the check 
 
 import pytest
 import torch
+from plants_shift import (
+    absolute_leak,
+    bf16_angles,
+    bf16_positions,
+    identity_rotation,
+    keys_never_rotated,
+    layout_mismatch,
+    rotary_ignores_position_ids,
+)
 
-from plants_shift import (absolute_leak, bf16_angles, bf16_positions, identity_rotation, keys_never_rotated,
-                          layout_mismatch, rotary_ignores_position_ids)
-from posdiag.testing import zoo
 from posdiag.api import run_checks
-from posdiag.results import Status
 from posdiag.model.loading import from_module
+from posdiag.results import Status
+from posdiag.testing import zoo
 
 
 def shift(model):

@@ -10,11 +10,11 @@ rotation made the identity, tables zeroed, ALiBi bias zeroed, T5 buckets zeroed)
 import pytest
 import torch
 
-from posdiag.testing import zoo
 from posdiag.api import run_checks
-from posdiag.results import Status
-from posdiag.options import LoadOptions
 from posdiag.model.loading import from_module
+from posdiag.options import LoadOptions
+from posdiag.results import Status
+from posdiag.testing import zoo
 
 
 def shuffle(model, **load):

@@ -7,17 +7,17 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+import plants_table as P
 import pytest
 import torch
 
-import plants_table as P
-from posdiag.testing import zoo
 from posdiag.api import run_checks
 from posdiag.checks import table as table_check
 from posdiag.checks.table import sinusoid_report
+from posdiag.model.loading import from_module, load_subject
 from posdiag.options import RunOptions
 from posdiag.results import Status
-from posdiag.model.loading import from_module, load_subject
+from posdiag.testing import zoo
 
 OFFSET = {"opt": 2, "bart": 2, "roberta": 2}
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from posdiag.api import run_checks
-from posdiag.results import Status
 from posdiag.model.loading import from_module
+from posdiag.results import Status
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "T5GemmaForConditionalGeneration"):
@@ -41,7 +41,8 @@ def test_unknown_encoder_decoder_takes_no_position_ids():
 
 def test_healthy_passes_or_skips_with_a_reason(healthy_report):
     for result in healthy_report.checks:  # measured: only `positions` skips (no position_ids to honour)
-        assert result.status is (Status.SKIP if result.name == "positions" else Status.PASS), (result.name, result.summary)
+        assert result.status is (Status.SKIP if result.name == "positions" else Status.PASS), (result.name,
+                                                                                               result.summary)
     assert "takes no position_ids" in healthy_report.check("positions").summary
     shuffle = healthy_report.check("shuffle")
     assert shuffle.status is Status.PASS and shuffle.summary.count("far above the noise floor") == 2

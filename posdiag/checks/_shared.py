@@ -7,8 +7,9 @@ Checks import from here, never from each other.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, TypeVar
+from typing import Any, TypeVar
 
 import torch
 

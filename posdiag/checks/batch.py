@@ -93,7 +93,8 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
     def padded(x: torch.Tensor, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
         fill = torch.full((pads,), pad, dtype=x.dtype, device=dev)
         ones, zeros = torch.ones(n, dtype=torch.long, device=dev), torch.zeros(pads, dtype=torch.long, device=dev)
-        return (torch.cat([fill, x]), torch.cat([zeros, ones])) if left else (torch.cat([x, fill]), torch.cat([ones, zeros]))
+        return (torch.cat([fill, x]), torch.cat([zeros, ones])) if left else (torch.cat([x, fill]),
+                                                                              torch.cat([ones, zeros]))
 
     def positions(base: torch.Tensor, left: bool) -> torch.Tensor:
         if left:
@@ -137,7 +138,8 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
     verdicts.update(arbitration.verdicts)
     details: dict = {
         "stack": stack, "seq_len": length, "padding": pads, "valid_tokens": n,
-        "floor_source": FLOOR_SOURCE if m.has_jitter else f"{dtype} machine epsilon (no token embedding found to jitter)",
+        "floor_source": FLOOR_SOURCE if m.has_jitter else f"{dtype} machine epsilon (no token embedding found to "
+                                                          "jitter)",
         "path": "2D padding mask + position_ids (model builds its mask)" if subject.is_hf else "explicit 4D mask",
         "error_per_row": m.errors, "first_diverging_token": m.first_token, "notes": notes,
         **({"recurrent_mixers": recurrent} if recurrent else {}),
@@ -215,7 +217,8 @@ def _report(stack: str, kind: str, m: Measured, verdicts: dict, arbitration: Any
         summary = f"row '{worst}': {verdict.reason}"
     else:
         tok = first_token[worst]
-        summary = (f"row '{worst}' differs from the same row alone: error {verdict.residual:.3g} = {verdict.ratio:.3g}x "
+        summary = (f"row '{worst}' differs from the same row alone: error {verdict.residual:.3g} = "
+                   f"{verdict.ratio:.3g}x "
                    f"floor {verdict.noise_floor:.2g}" + (f", from valid token {tok}" if tok is not None else "")
                    + f"{arbitration.clause(worst)}; failing rows: {', '.join(failing)}")
         if all(DEFAULTS in r for r in failing):

@@ -209,7 +209,7 @@ def _judge(path: str, sweep: _Sweep, length: int, dtype: str) -> dict:
     # that leaks: deeper layers compound a leak (query 0 -> key 6 -> key 1 after two layers), the
     # earliest one shows the direct pair.
     per_layer = [(leak_l, floor_l, judge_agreement(float(leak_l.max()), floor_l, dtype))
-                 for leak_l, floor_l in zip(sweep.leaks, sweep.floors)]
+                 for leak_l, floor_l in zip(sweep.leaks, sweep.floors, strict=True)]
     verdict_layer = max(range(len(per_layer)), key=lambda l: per_layer[l][2].ratio)
     if per_layer[verdict_layer][2].status is Status.PASS:
         verdict_layer = len(per_layer) - 1  # report the output's numbers

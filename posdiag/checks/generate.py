@@ -289,7 +289,8 @@ def _first_bad(r: Run, tolerance: float) -> str | None:
     for row, errs in r.errors.items():
         for k, err in enumerate(errs):
             if not (err <= tolerance):
-                text = f"row {row} step {k} logits differ by {err:.3g} = {err / (tolerance / FAIL_RATIO):.3g}x the floor"
+                text = (f"row {row} step {k} logits differ by {err:.3g} = "
+                        f"{err / (tolerance / FAIL_RATIO):.3g}x the floor")
                 if best is None or (k, row) < best[:2]:
                     best = (k, row, text)
                 break
@@ -300,8 +301,8 @@ def _first_bad(r: Run, tolerance: float) -> str | None:
     return None if best is None else best[2]
 
 
-def _reference(subject: Subject, prompts: list[torch.Tensor], done: list[Run], pad: int,
-               seq2seq: bool, start_id: int | None) -> tuple[dict[tuple[str, int], torch.Tensor], list[torch.Tensor], float]:
+def _reference(subject: Subject, prompts: list[torch.Tensor], done: list[Run], pad: int, seq2seq: bool,
+               start_id: int | None) -> tuple[dict[tuple[str, int], torch.Tensor], list[torch.Tensor], float]:
     """Teacher-forced forward logits for each generated row alone, prompt-only logits per prompt,
     and the measured noise floor (max per position over equivalent cache-free paths).
 

@@ -79,8 +79,8 @@ def position_parameters(subject: Subject) -> CheckResult:
                            metrics, details, tables)
     if absent and not sinusoidal:
         return CheckResult("load", Status.FAIL,
-                           f"{len(absent)} position parameter(s) missing from the checkpoint and randomly re-initialised: "
-                           f"{', '.join(absent[:3])}", metrics, details, tables)
+                           f"{len(absent)} position parameter(s) missing from the checkpoint and randomly "
+                           f"re-initialised: {', '.join(absent[:3])}", metrics, details, tables)
     if absent and sinusoidal:
         return CheckResult("load", Status.WARN,
                            f"sinusoidal table not in the checkpoint, recomputed at init: {', '.join(absent[:3])}",

@@ -96,7 +96,8 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
             details={"position_ids": fam.position_ids, "position_kind": subject.position_kind})
     if subject.kind == "seq2seq":
         return CheckResult("positions", Status.SKIP,
-                           "position_ids are not passed to encoder-decoder stacks by posdiag (positions derived inside)")
+                           "position_ids are not passed to encoder-decoder stacks by posdiag "
+                           "(positions derived inside)")
     stack = subject.stacks[0]
     causal = stack == "decoder"
     dtype = subject.dtype_name
@@ -169,7 +170,7 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
         "floor_source": FLOOR_SOURCE if has_jitter else f"{dtype} machine epsilon (no token embedding found to jitter)",
         "consistent_error_per_permutation": consistent[-1],
         "variants": {n: [int(v) for v in p.tolist()] for n, p in variants},
-        "residual_per_variant": dict(zip([n for n, _ in variants], moved[-1])),
+        "residual_per_variant": dict(zip([n for n, _ in variants], moved[-1], strict=True)),
     }
     metrics: dict = {}
 
@@ -191,7 +192,9 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     # moves only 1.8e-5 under the restart (126x floor at 64 tokens), 3.6e-5 under the gaps.
     signal = judge_position_signal(max(moved[-1]), floor, dtype)
     tol = agreement_tolerance(floor, dtype)
-    first_bad = next((l for l in range(layers) if perms and max(consistent[l]) > agreement_tolerance(floors[l] if has_jitter else 0.0, dtype)), None)
+    first_bad = next((l for l in range(layers)
+                      if perms and max(consistent[l]) > agreement_tolerance(floors[l] if has_jitter else 0.0, dtype)),
+                     None)
     strongest = max(range(len(variants)), key=lambda i: moved[-1][i])
     metrics.update({"residual": signal.residual, "noise_floor": agree.noise_floor, "ratio": signal.ratio,
                     "tolerance": tol, **arbitration.metrics})

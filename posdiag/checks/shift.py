@@ -34,8 +34,8 @@ from attention only, the recurrence still reads it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import torch
 
@@ -190,7 +190,8 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
     absolute = subject.position_kind in ABSOLUTE_KINDS
     ok, why = subject.explicit_mask_supported
     if not ok:
-        return CheckResult("shift", Status.SKIP, f"cannot hand the model an explicit mask: {why}", details={"stack": stack})
+        return CheckResult("shift", Status.SKIP, f"cannot hand the model an explicit mask: {why}",
+                           details={"stack": stack})
     probe = _build(subject, options, stack)
     if isinstance(probe, str):
         return CheckResult("shift", Status.SKIP, probe, details={"stack": stack})
@@ -219,8 +220,9 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
     layers = len(out.hidden)
     final = layers - 1
     # Errors at each rung and layer; the probe sits at offset k in prefix rows.
-    errors = [[relative_l2(take(l, r, k if probe.prefix else 0, (k + span) if probe.prefix else None), take(l, probe.base))
-               for r, k in zip(probe.shifted, probe.ladder)] for l in range(layers)]
+    errors = [[relative_l2(take(l, r, k if probe.prefix else 0, (k + span) if probe.prefix else None),
+                           take(l, probe.base))
+               for r, k in zip(probe.shifted, probe.ladder, strict=True)] for l in range(layers)]
     gap_start = half + 1 if probe.prefix else half
     delta1 = relative_l2(take(final, probe.gap, gap_start, gap_start + span - half), take(final, probe.base, half))
     measured_floor = 0.0
@@ -265,13 +267,13 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
 
     predicted = [delta1 * eps * (k + span) for k in probe.ladder]  # (P_k + 1) with P_k = k + span - 1
     tolerance = [FAIL_RATIO * (floor + p) for p in predicted]
-    ratio = [e / (floor + p) for e, p in zip(errors[final], predicted)]
+    ratio = [e / (floor + p) for e, p in zip(errors[final], predicted, strict=True)]
     breaks = next((i for i, r in enumerate(ratio) if not r <= FAIL_RATIO), None)
     table = Table(
         f"error by offset ({stack})" if subject.kind == "seq2seq" else "error by offset",
         ("k", "max position", "error", "rounding term", "tolerance", "ratio", ""),
         tuple((k, k + span - 1, f"{e:.3e}", f"{p:.2e}", f"{t:.2e}", f"{r:.3g}", "ok" if r <= FAIL_RATIO else "BREAKS")
-              for k, e, p, t, r in zip(probe.ladder, errors[final], predicted, tolerance, ratio)),
+              for k, e, p, t, r in zip(probe.ladder, errors[final], predicted, tolerance, ratio, strict=True)),
     )
     details["errors"] = errors[final]
     details["tolerances"] = tolerance
@@ -292,7 +294,8 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
         token = _worst_token(out, final, probe, breaks)
         details.update({"first_layer": layer_name(layer, layers), "worst_token": token})
         if breaks > 0 and not absolute:  # one more forward: where between the last good rung and this one
-            holds_up_to, k = _refine(subject, probe, stack, encoder_ids, probe.ladder[breaks - 1], k, delta1, eps, floor)
+            holds_up_to, k = _refine(subject, probe, stack, encoder_ids, probe.ladder[breaks - 1], k,
+                                     delta1, eps, floor)
             details["refined_between"] = [probe.ladder[breaks - 1], probe.ladder[breaks]]
         details.update({"breaks_at": k, "holds_up_to": holds_up_to})
         metrics["breaks_at"] = k
@@ -304,8 +307,8 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
         if not first > FAIL_RATIO * floor:
             return CheckResult("shift", Status.SKIP,
                                f"absolute positions ({subject.position_kind}) yet a shift of {probe.ladder[0]} changes "
-                               f"the outputs by only {first:.3g} ({first / floor:.3g}x the noise floor): are the position "
-                               f"ids used?", metrics, details, (table,))
+                               f"the outputs by only {first:.3g} ({first / floor:.3g}x the noise floor): are the "
+                               f"position ids used?", metrics, details, (table,))
         return CheckResult("shift", Status.SKIP,
                            f"absolute positions ({subject.position_kind}): outputs change by {first:.3g} under a shift "
                            f"of {probe.ladder[0]} ({first / floor:.3g}x the noise floor), as expected; relative "
@@ -315,15 +318,16 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
         k = details["breaks_at"]
         rung = probe.ladder[breaks]
         where = (f"at shift {k} (max position {k + span - 1})" if holds_up_to is None else
-                 f"between shift {holds_up_to} and {k} (max position {holds_up_to + span - 1} holds, {k + span - 1} breaks)")
+                 f"between shift {holds_up_to} and {k} (max position {holds_up_to + span - 1} holds, {k + span - 1} "
+                 "breaks)")
         summary = (f"relative invariance breaks {where}: at shift {rung} error {errors[final][breaks]:.3g} = "
                    f"{ratio[breaks]:.3g}x (floor {floor:.2g} + rounding term {predicted[breaks]:.2g}), first in "
                    f"{details['first_layer']}, worst at token {details['worst_token']}")
         return CheckResult("shift", Status.FAIL, summary, metrics, details, (table,))
     summary = (f"invariant under shifts up to {probe.ladder[-1]} (max position {probe.ladder[-1] + span - 1}): worst "
                f"error {errors[final][worst_i]:.3g} = {ratio[worst_i]:.3g}x (floor + rounding term) at shift "
-               f"{probe.ladder[worst_i]}; a one-position change moves outputs {delta1:.3g} ({len(probe.ladder)} shifts, "
-               f"{span} tokens)")
+               f"{probe.ladder[worst_i]}; a one-position change moves outputs {delta1:.3g} ({len(probe.ladder)} "
+               f"shifts, {span} tokens)")
     if signal < PASS_RATIO:
         summary += f"; weak position signal ({signal:.3g}x the floor): only breaks larger than that would show"
     return CheckResult("shift", Status.PASS, summary, metrics, details, (table,))

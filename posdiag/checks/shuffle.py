@@ -17,12 +17,13 @@ positions reach its attention layers (`positions`, `shift` and `rope` judge thos
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
 from posdiag.checks._shared import FLOOR_SOURCE, jittered, layer_name
 from posdiag.model.introspect import attention_free, recurrent_mixers, recurrent_reason
+from posdiag.model.precision import run_finer
 from posdiag.model.probe import (
     Row,
     fidelity_rows,
@@ -31,11 +32,9 @@ from posdiag.model.probe import (
     run_rows,
 )
 from posdiag.model.subject import Subject
-from posdiag.model.tensors import relative_l2
+from posdiag.model.tensors import dtype_name, relative_l2
 from posdiag.options import RunOptions, probe_ids
 from posdiag.results import CheckResult, Status, Table, combine_stacks
-from posdiag.model.precision import run_finer
-from posdiag.model.tensors import dtype_name
 from posdiag.verdict import LOW_PRECISION, PASS_RATIO, FloorVerdict, judge_position_signal, noise_floor
 
 TITLE = "Permutation equivariance"
@@ -54,7 +53,8 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
     if causal:
         ok, why = subject.explicit_mask_supported
         if not ok:
-            return CheckResult("shuffle", Status.SKIP, f"cannot permute the causal mask: {why}", details={"stack": stack})
+            return CheckResult("shuffle", Status.SKIP, f"cannot permute the causal mask: {why}",
+                               details={"stack": stack})
 
     if attention_free(subject.model):
         return CheckResult("shuffle", Status.SKIP,
@@ -106,7 +106,8 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
                            details={"stack": stack, "first_non_finite_layer": layer_name(bad)})
 
     layers = len(base)
-    residual = [[relative_l2(out.hidden[l][first_perm + i], base[l][p]) for i, p in enumerate(perms)] for l in range(layers)]
+    residual = [[relative_l2(out.hidden[l][first_perm + i], base[l][p]) for i, p in enumerate(perms)]
+                for l in range(layers)]
     floor = [[relative_l2(out.hidden[l][first_consistent + i], base[l][p]) for i, p in enumerate(perms)]
              if consistent else [relative_l2(out.hidden[l][jitter_row], base[l]) if has_jitter else 0.0]
              for l in range(layers)]

@@ -60,7 +60,8 @@ def tokenize(model: str, text: str, revision: str | None, trust_remote_code: boo
 
         tokenizer = AutoTokenizer.from_pretrained(model, revision=revision, trust_remote_code=trust_remote_code)
     except Exception:
-        raise PosdiagError(f"--text needs a tokenizer, and none loads for '{model}' (drop --text to probe with random ids)") from None
+        raise PosdiagError(f"--text needs a tokenizer, and none loads for '{model}' (drop --text to probe with random "
+                           "ids)") from None
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if len(ids) < 4:
         raise PosdiagError(f"--text gives {len(ids)} tokens; the probes need at least 4")

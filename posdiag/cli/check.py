@@ -45,13 +45,16 @@ from posdiag.cli.options import (
 
 OnlyOpt = Annotated[str | None, typer.Option("--only", metavar="NAMES", help="Comma-separated checks to run.")]
 SkipOpt = Annotated[str | None, typer.Option("--skip", metavar="NAMES", help="Comma-separated checks to leave out.")]
-SaveBaselineOpt = Annotated[str | None, typer.Option("--save-baseline", metavar="PATH", help="Also write the JSON report to PATH as a baseline.")]
+SaveBaselineOpt = Annotated[str | None,
+                            typer.Option("--save-baseline", metavar="PATH",
+                                         help="Also write the JSON report to PATH as a baseline.")]
 BaselineOpt = Annotated[str | None, typer.Option(
     "--baseline", metavar="PATH", help="Fail when a metric regresses against this stored report; a file that does not "
                                        "exist yet is written by a passing run (the first run of a CI gate).")]
 BaselineRequiredOpt = Annotated[bool, typer.Option(
     "--baseline-required", help="A --baseline file that does not exist is a usage error (exit 2) instead of written.")]
-MarginOpt = Annotated[float, typer.Option("--baseline-margin", min=1.0, help="Regression factor allowed against --baseline.")]
+MarginOpt = Annotated[float,
+                      typer.Option("--baseline-margin", min=1.0, help="Regression factor allowed against --baseline.")]
 
 
 def shuffle(

@@ -54,13 +54,16 @@ def compare(
         "--long", help="Run past the original context (rope_parameters.original_max_position_embeddings or "
                        "max_position_embeddings) to expose scaling bugs.")] = False,
     layer_map: Annotated[str | None, typer.Option(
-        "--layer-map", help="Align hidden states as REF:CAND index pairs, e.g. '0:0,1:2,2:4' (0 = embeddings).")] = None,
-    plot: Annotated[str | None, typer.Option("--plot", help="Write a PNG of error vs position (needs matplotlib).")] = None,
+        "--layer-map",
+        help="Align hidden states as REF:CAND index pairs, e.g. '0:0,1:2,2:4' (0 = embeddings).")] = None,
+    plot: Annotated[str | None,
+                    typer.Option("--plot", help="Write a PNG of error vs position (needs matplotlib).")] = None,
     candidate_dtype: Annotated[DType | None, typer.Option(
         "--candidate-dtype", help="Load the candidate in this dtype and run it there, not upcast "
                                   "(e.g. 'is my bf16 deployment the same model?').")] = None,
     candidate_attn: Annotated[str | None, typer.Option(
-        "--candidate-attn-implementation", help="Attention implementation for the candidate (default: as the reference).")] = None,
+        "--candidate-attn-implementation",
+        help="Attention implementation for the candidate (default: as the reference).")] = None,
     revision: RevisionOpt = None, trust_remote_code: TrustOpt = False, dtype: DtypeOpt = DType.auto,
     device: DeviceOpt = Device.auto, device_map: DeviceMapOpt = None, max_memory: MaxMemoryOpt = None,
     offload_folder: OffloadOpt = None, attn_implementation: AttnOpt = "eager",
@@ -115,7 +118,8 @@ def compare(
     if json:
         write_output(json, format_json(report), debug)
     if plot and comparison.profiles:
-        guarded(lambda: write_png(plot, comparison, f"posdiag compare {Path(reference).name} vs {Path(candidate).name}"), debug)
+        guarded(lambda: write_png(plot, comparison,
+                                  f"posdiag compare {Path(reference).name} vs {Path(candidate).name}"), debug)
         out.print(f"plot written to {plot}", style="dim")
     raise typer.Exit(report.exit_code)
 

@@ -39,33 +39,57 @@ from posdiag.cli.options import (
 )
 
 SyntheticOpt = Annotated[bool, typer.Option("--synthetic", help="No model: random q/k/v of the shape below.")]
-ImplOpt = Annotated[str | None, typer.Option("--impl", help="Comma-separated implementations to compare with eager (default: sdpa, and flash_attention_2/3 where installed on a GPU).")]
-KUpcastOpt = Annotated[bool, typer.Option("--upcast/--no-upcast", help="Compare a half-precision model in float32 (default: in its own dtype).")]
+ImplOpt = Annotated[str | None,
+                    typer.Option("--impl",
+                                 help="Comma-separated implementations to compare with eager (default: sdpa, and "
+                                      "flash_attention_2/3 where installed on a GPU).")]
+KUpcastOpt = Annotated[bool,
+                       typer.Option("--upcast/--no-upcast",
+                                    help="Compare a half-precision model in float32 (default: in its own dtype).")]
 BatchOpt = Annotated[int, typer.Option("--batch", min=1, help="Synthetic: batch size.")]
 HeadsOpt = Annotated[int, typer.Option("--heads", min=1, help="Synthetic: query heads.")]
-KvHeadsOpt = Annotated[int | None, typer.Option("--kv-heads", min=1, help="Synthetic: key/value heads (GQA; default = --heads).")]
+KvHeadsOpt = Annotated[int | None,
+                       typer.Option("--kv-heads", min=1, help="Synthetic: key/value heads (GQA; default = --heads).")]
 QLenOpt = Annotated[int, typer.Option("--q-len", min=1, help="Synthetic: query length.")]
 KLenOpt = Annotated[int | None, typer.Option("--k-len", min=1, help="Synthetic: key length (default = --q-len).")]
 HeadDimOpt = Annotated[int, typer.Option("--head-dim", min=1, help="Synthetic: head dimension.")]
 CausalOpt = Annotated[bool, typer.Option("--causal/--no-causal", help="Synthetic: causal mask.")]
-AlignOpt = Annotated[str, typer.Option("--alignment", help="Synthetic: causal alignment when q-len != k-len: bottom_right (KV-cache decode, FlashAttention >= 2.1) or top_left (SDPA is_causal).")]
+AlignOpt = Annotated[str,
+                     typer.Option("--alignment",
+                                  help="Synthetic: causal alignment when q-len != k-len: bottom_right (KV-cache "
+                                       "decode, FlashAttention >= 2.1) or top_left (SDPA is_causal).")]
 PaddingOpt = Annotated[int, typer.Option("--padding", min=0, help="Synthetic: left-padded keys in the last row.")]
-WindowOpt = Annotated[int | None, typer.Option("--window", min=1, help="Synthetic: sliding window (keys visible per query, itself included).")]
-SweepOpt = Annotated[bool, typer.Option("--sweep", help="Synthetic: double the length from --q-len up to --sweep-to and show peak memory by length.")]
-SweepToOpt = Annotated[int | None, typer.Option("--sweep-to", metavar="N", min=2, help="Synthetic: the longest length of --sweep (implies it; default 8 x --q-len).")]
+WindowOpt = Annotated[int | None,
+                      typer.Option("--window", min=1,
+                                   help="Synthetic: sliding window (keys visible per query, itself included).")]
+SweepOpt = Annotated[bool,
+                     typer.Option("--sweep",
+                                  help="Synthetic: double the length from --q-len up to --sweep-to and show peak "
+                                       "memory by length.")]
+SweepToOpt = Annotated[int | None,
+                       typer.Option("--sweep-to", metavar="N", min=2,
+                                    help="Synthetic: the longest length of --sweep (implies it; default 8 x --q-len).")]
 RepeatsOpt = Annotated[int, typer.Option("--repeats", min=1, help="Synthetic: timed repetitions (median reported).")]
-MemoryOpt = Annotated[bool, typer.Option("--memory/--no-memory", help="Synthetic: measure peak memory (CPU: via the torch profiler).")]
-SDtypeOpt = Annotated[str, typer.Option("--dtype", help="Model: load dtype (auto = the checkpoint's). Synthetic: float32, bfloat16, float16 or float64.")]
+MemoryOpt = Annotated[bool,
+                      typer.Option("--memory/--no-memory",
+                                   help="Synthetic: measure peak memory (CPU: via the torch profiler).")]
+SDtypeOpt = Annotated[str,
+                      typer.Option("--dtype",
+                                   help="Model: load dtype (auto = the checkpoint's). Synthetic: float32, bfloat16, "
+                                        "float16 or float64.")]
 
 
 
 
 def kernels(
-    model: Annotated[str | None, typer.Argument(help="Hub id, local checkpoint directory, or module.path:factory (omit with --synthetic).", show_default=False)] = None,
+    model: Annotated[str | None,
+                     typer.Argument(help="Hub id, local checkpoint directory, or module.path:factory (omit with "
+                                         "--synthetic).", show_default=False)] = None,
     synthetic: SyntheticOpt = False, impl: ImplOpt = None,
     batch: BatchOpt = 2, heads: HeadsOpt = 8, kv_heads: KvHeadsOpt = None, q_len: QLenOpt = 256, k_len: KLenOpt = None,
     head_dim: HeadDimOpt = 64, causal: CausalOpt = True, alignment: AlignOpt = "bottom_right", padding: PaddingOpt = 0,
-    window: WindowOpt = None, sweep: SweepOpt = False, sweep_to: SweepToOpt = None, repeats: RepeatsOpt = 3, memory: MemoryOpt = True,
+    window: WindowOpt = None, sweep: SweepOpt = False, sweep_to: SweepToOpt = None, repeats: RepeatsOpt = 3,
+    memory: MemoryOpt = True,
     revision: RevisionOpt = None, trust_remote_code: TrustOpt = False, dtype: SDtypeOpt = "auto",
     device: DeviceOpt = Device.auto, device_map: DeviceMapOpt = None, max_memory: MaxMemoryOpt = None,
     offload_folder: OffloadOpt = None, upcast: KUpcastOpt = False,
@@ -170,7 +194,8 @@ def _synthetic(run: SyntheticRun) -> NoReturn:
                       causal=run.causal, alignment=run.alignment, padding=run.padding, window=run.window,
                       dtype=dtype, device=str(device))
         with without_profiler_noise():
-            results = guarded(lambda: synthetic(shape, seed=run.seed, memory=run.memory, repeats=run.repeats), debug)
+            results = guarded(lambda shape=shape: synthetic(shape, seed=run.seed, memory=run.memory,
+                                                            repeats=run.repeats), debug)
         verdicts = judge_synthetic(results, dtype)
         any_fail |= any(v.startswith("FAIL") for v in verdicts.values())
         records.append({"shape": {k: getattr(shape, k) for k in shape.__dataclass_fields__},

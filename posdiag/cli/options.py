@@ -30,32 +30,58 @@ class Device(str, enum.Enum):
     mps = "mps"
 
 
-ModelArg = Annotated[str, typer.Argument(metavar="MODEL", help="Hub id, local checkpoint directory, or module.path:factory.", show_default=False)]
-OptionalModelArg = Annotated[str | None, typer.Argument(metavar="MODEL", 
+ModelArg = Annotated[str,
+                     typer.Argument(metavar="MODEL", help="Hub id, local checkpoint directory, or module.path:factory.",
+                                    show_default=False)]
+OptionalModelArg = Annotated[str | None, typer.Argument(metavar="MODEL",
     help="Hub id, local checkpoint directory, or module.path:factory (default: `model` in the config file).",
     show_default=False)]
-RevisionOpt = Annotated[str | None, typer.Option("--revision", metavar="REV", help="Hub revision (branch, tag or commit).")]
+RevisionOpt = Annotated[str | None,
+                        typer.Option("--revision", metavar="REV", help="Hub revision (branch, tag or commit).")]
 TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow the checkpoint's own Python code to run.")]
 DtypeOpt = Annotated[DType, typer.Option("--dtype", help="Load dtype (auto = the checkpoint's).")]
 DeviceOpt = Annotated[Device, typer.Option("--device", help="Where to run.")]
-DeviceMapOpt = Annotated[str | None, typer.Option("--device-map", metavar="MAP", help="accelerate device map (e.g. auto) for models larger than one device.")]
+DeviceMapOpt = Annotated[str | None,
+                         typer.Option("--device-map", metavar="MAP",
+                                      help="accelerate device map (e.g. auto) for models larger than one device.")]
 MaxMemoryOpt = Annotated[str | None, typer.Option(
-    "--max-memory", metavar="BUDGET", help="With --device-map: memory per device, e.g. 0=70GiB,1=70GiB,cpu=200GiB; the rest goes to disk.")]
+    "--max-memory", metavar="BUDGET",
+    help="With --device-map: memory per device, e.g. 0=70GiB,1=70GiB,cpu=200GiB; the rest goes to disk.")]
 OffloadOpt = Annotated[str | None, typer.Option(
-    "--offload-folder", metavar="DIR", help="With --device-map: where disk-offloaded weights go (default: a temporary folder, removed "
+    "--offload-folder", metavar="DIR",
+    help="With --device-map: where disk-offloaded weights go (default: a temporary folder, removed "
                              "after the run); never inside the checkpoint.")]
-AttnOpt = Annotated[str, typer.Option("--attn-implementation", metavar="IMPL", help="Attention implementation for the checks (eager honours custom masks).")]
-UpcastOpt = Annotated[bool, typer.Option("--upcast/--no-upcast", help="Run equivariance checks in float32 when the model is half precision.")]
-PickleOpt = Annotated[bool, typer.Option("--allow-pickle", help="Allow loading pickle (.bin) weights, which can execute code.")]
-SeqLenOpt = Annotated[int | None, typer.Option("--seq-len", metavar="N", min=1, help="Probe length in tokens (default min(64, declared context)).")]
+AttnOpt = Annotated[str,
+                    typer.Option("--attn-implementation", metavar="IMPL",
+                                 help="Attention implementation for the checks (eager honours custom masks).")]
+UpcastOpt = Annotated[bool,
+                      typer.Option("--upcast/--no-upcast",
+                                   help="Run equivariance checks in float32 when the model is half precision.")]
+PickleOpt = Annotated[bool,
+                      typer.Option("--allow-pickle",
+                                   help="Allow loading pickle (.bin) weights, which can execute code.")]
+SeqLenOpt = Annotated[int | None,
+                      typer.Option("--seq-len", metavar="N", min=1,
+                                   help="Probe length in tokens (default min(64, declared context)).")]
 SeedOpt = Annotated[int, typer.Option("--seed", metavar="N", help="Seed for probe tokens and permutations.")]
-PermsOpt = Annotated[int, typer.Option("--permutations", metavar="N", min=1, max=64, help="Random permutations per equivariance test.")]
-TextOpt = Annotated[str | None, typer.Option("--text", metavar="TEXT", help="Probe with this text through the model's tokenizer instead of random ids.")]
-MaxBatchOpt = Annotated[int | None, typer.Option("--max-batch", metavar="N", min=1, help="At most this many sequences per forward pass.")]
-JsonOpt = Annotated[str | None, typer.Option("--json", metavar="PATH", help="Write the JSON report to PATH ('-' for stdout).")]
+PermsOpt = Annotated[int,
+                     typer.Option("--permutations", metavar="N", min=1, max=64,
+                                  help="Random permutations per equivariance test.")]
+TextOpt = Annotated[str | None,
+                    typer.Option("--text", metavar="TEXT",
+                                 help="Probe with this text through the model's tokenizer instead of random ids.")]
+MaxBatchOpt = Annotated[int | None,
+                        typer.Option("--max-batch", metavar="N", min=1,
+                                     help="At most this many sequences per forward pass.")]
+JsonOpt = Annotated[str | None,
+                    typer.Option("--json", metavar="PATH", help="Write the JSON report to PATH ('-' for stdout).")]
 JunitOpt = Annotated[str | None, typer.Option("--junit", metavar="PATH", help="Write a JUnit XML report to PATH.")]
-FormatOpt = Annotated[str | None, typer.Option("--format", metavar="console|github", help="console or github (::error annotations; default in GitHub Actions).")]
-ConfigOpt = Annotated[Path | None, typer.Option("--config", metavar="PATH", help="Config file (default: posdiag.toml or [tool.posdiag] in pyproject.toml).")]
+FormatOpt = Annotated[str | None,
+                      typer.Option("--format", metavar="console|github",
+                                   help="console or github (::error annotations; default in GitHub Actions).")]
+ConfigOpt = Annotated[Path | None,
+                      typer.Option("--config", metavar="PATH",
+                                   help="Config file (default: posdiag.toml or [tool.posdiag] in pyproject.toml).")]
 ShowConfigOpt = Annotated[bool, typer.Option("--show-config", help="Print the effective configuration and exit.")]
 FailOnOpt = Annotated[str | None, typer.Option(
     "--fail-on", help="Also fail the gate (exit 1) on these statuses: warn, skip or warn,skip (a FAIL always fails).")]
@@ -108,7 +134,8 @@ class Settings:
     config: Path | None = None  # --config as typed
     show_config: bool = False
     config_file: str | None = None  # the file read (typed or found), None when there is none
-    sources: dict[str, str] = field(default_factory=dict)  # the command's settings, in its order -> where each came from
+    # the command's settings, in its order -> where each came from
+    sources: dict[str, str] = field(default_factory=dict)
 
 
 _NAMES = frozenset(f.name for f in fields(Settings))
@@ -139,7 +166,8 @@ def resolve(ctx: typer.Context, given: Settings) -> Settings:
         allowed = [m.value for m in choices]
         if effective[key] not in allowed:
             raise PosdiagError(f"{key} '{effective[key]}' from the config file is not one of {', '.join(allowed)}")
-    return replace(given, **effective, check_options=check_options, config_file=str(path) if path else None, sources=source)
+    return replace(given, **effective, check_options=check_options, config_file=str(path) if path else None,
+                   sources=source)
 
 
 def load_options(settings: Settings) -> LoadOptions:

@@ -34,10 +34,16 @@ from posdiag.cli.options import (
     UpcastOpt,
 )
 
-TargetOpt = Annotated[int | None, typer.Option("--target-length", min=1, help="Length you intend to run at (default: the declared context).")]
+TargetOpt = Annotated[int | None,
+                      typer.Option("--target-length", min=1,
+                                   help="Length you intend to run at (default: the declared context).")]
 ConfigOnlyOpt = Annotated[bool, typer.Option("--config-only", help="Analyse the config alone; never read weights.")]
-PlotOpt = Annotated[str | None, typer.Option("--plot", help="Write a PNG (wavelength vs dim, probe error vs position) to PATH; needs matplotlib (posdiag[plot]).")]
-ProbeOpt = Annotated[str | None, typer.Option("--probe", help="Extra behavioural probe to run: copy (copy accuracy by position).")]
+PlotOpt = Annotated[str | None,
+                    typer.Option("--plot",
+                                 help="Write a PNG (wavelength vs dim, probe error vs position) to PATH; needs "
+                                      "matplotlib (posdiag[plot]).")]
+ProbeOpt = Annotated[str | None,
+                     typer.Option("--probe", help="Extra behavioural probe to run: copy (copy accuracy by position).")]
 
 PROBES = ("copy",)
 
@@ -123,7 +129,8 @@ def _read_config(model: str, revision: str | None, trust: bool):
     except Exception as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         if "trust_remote_code" in first or "custom code" in first:
-            raise PosdiagError(f"'{model}' needs its own Python code to load; rerun with --trust-remote-code if you trust it") from None
+            raise PosdiagError(f"'{model}' needs its own Python code to load; rerun with --trust-remote-code if you "
+                               "trust it") from None
         where = "read" if path.exists() else "fetch"
         raise PosdiagError(f"cannot {where} the config of '{model}': {first}") from None
 
@@ -132,7 +139,8 @@ def _require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        fail("--plot needs matplotlib, which is not installed: pip install 'posdiag[plot]' (the terminal plots need nothing)")
+        fail("--plot needs matplotlib, which is not installed: pip install 'posdiag[plot]' (the terminal plots need "
+             "nothing)")
 
 
 def _import_copy_probe():
@@ -170,7 +178,8 @@ def _run_probe(settings: Settings, subject: Any, target_length: int | None, copy
     if subject is None:
         with err.status(f"loading {settings.model}…"):
             subject = guarded(lambda: load(settings), debug)
-    options = RunOptions(seed=settings.seed, check_options={"rope": {"target_length": target_length}} if target_length else {})
+    options = RunOptions(seed=settings.seed,
+                         check_options={"rope": {"target_length": target_length}} if target_length else {})
     with err.status("probing the rotation…"):
         report = guarded(lambda: run_checks(subject, ["rope"], options), debug)
     if copy_probe is not None:

@@ -36,12 +36,13 @@ def weight_files(spec: str, options: LoadOptions, is_local: bool) -> dict[str, A
         for f in files:
             try:
                 with safe_open(str(f), framework="pt") as handle:
-                    for key in handle.keys():
+                    for key in handle.keys():  # noqa: SIM118 - safetensors handles have keys(), not iteration
                         keys.append(key)
                         stored = handle.get_slice(key).get_dtype()
                         counts[stored] = counts.get(stored, 0) + 1
             except Exception as exc:
-                raise PosdiagError(f"unreadable safetensors file {f.name}: {one_line(exc)} (re-download or re-save it)") from None
+                raise PosdiagError(f"unreadable safetensors file {f.name}: {one_line(exc)} "
+                                   "(re-download or re-save it)") from None
         floating = {k: n for k, n in counts.items() if k in _SAFETENSORS_FLOATS}
         dtype = _SAFETENSORS_FLOATS[max(floating, key=floating.get)] if floating else None
         return {"keys": tuple(keys), "files": [str(f) for f in files], "source": "safetensors", "dtype": dtype}
@@ -60,7 +61,8 @@ def _hub_weight_files(spec: str, options: LoadOptions) -> tuple[list[Path], list
         root = Path(snapshot_download(spec, revision=options.revision,
                                       allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
     except Exception as exc:
-        raise PosdiagError(f"cannot fetch '{spec}' from the hub: {one_line(exc)} (check the id, the network, or HF_TOKEN)") from None
+        raise PosdiagError(f"cannot fetch '{spec}' from the hub: {one_line(exc)} (check the id, the network, or "
+                           "HF_TOKEN)") from None
     files = sorted(root.glob("*.safetensors"))
     pickles: list[Path] = []
     if not files:

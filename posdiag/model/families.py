@@ -10,8 +10,9 @@ are *measured* (mask fidelity, position_ids effect) before any verdict relies on
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,7 @@ def _bloom_mask(subject: Any, patterns: dict, kwargs: dict) -> Any:
 def _falcon_alibi_mask(subject: Any, patterns: dict, kwargs: dict) -> Any:
     """FalconModel folds alibi/sqrt(head_dim) into the float mask it hands the layers; rebuild that."""
     import math
+
     import torch
     alibi = kwargs["alibi"]
     head_dim = subject.config.hidden_size // subject.config.num_attention_heads

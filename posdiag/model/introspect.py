@@ -43,7 +43,7 @@ _ATTENTION_TYPES = re.compile(r"^(full|sliding|chunked|global|local|sparse|compr
 _ATTENTION_CLASS = re.compile(r"(Attention|Attn)$")
 _LAYER_TYPE_FIELDS = ("layer_types", "layers_block_type", "block_types")
 
-_CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[str, ...]]" = weakref.WeakKeyDictionary()
+_CACHE: weakref.WeakKeyDictionary[torch.nn.Module, tuple[str, ...]] = weakref.WeakKeyDictionary()
 
 
 def _owns_state(module: torch.nn.Module) -> bool:

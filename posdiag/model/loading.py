@@ -51,7 +51,8 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def from_module(model: torch.nn.Module, *, name: str = "in-memory model", options: LoadOptions | None = None) -> Subject:
+def from_module(model: torch.nn.Module, *, name: str = "in-memory model",
+                options: LoadOptions | None = None) -> Subject:
     """Wrap an already-built model (unit tests, the Python API): nothing is loaded or written."""
     options = options or LoadOptions()
     config = getattr(model, "config", None)
@@ -175,7 +176,8 @@ def _load_pretrained(spec: str, options: LoadOptions) -> Subject:
         raise PosdiagError(f"'{spec}' does not exist")
 
     try:
-        config = AutoConfig.from_pretrained(spec, revision=options.revision, trust_remote_code=options.trust_remote_code)
+        config = AutoConfig.from_pretrained(spec, revision=options.revision,
+                                            trust_remote_code=options.trust_remote_code)
     except Exception as exc:
         raise PosdiagError(_explain_config_error(spec, exc, options, is_local)) from None
 
@@ -183,9 +185,8 @@ def _load_pretrained(spec: str, options: LoadOptions) -> Subject:
     auto_cls = auto_class(config, family)
     weights = weight_files(spec, options, is_local)
     if weights["source"] == "pickle" and not options.allow_pickle:
-        raise PosdiagError(
-            f"'{spec}' ships only pickle weights (.bin); unpickling can run code. Convert to safetensors or pass --allow-pickle"
-        )
+        raise PosdiagError(f"'{spec}' ships only pickle weights (.bin); unpickling can run code. "
+                           "Convert to safetensors or pass --allow-pickle")
 
     device = resolve_device(options.device) if not options.device_map else None
     dtype: Any = "auto" if options.dtype == "auto" else DTYPES[options.dtype]
@@ -197,10 +198,8 @@ def _load_pretrained(spec: str, options: LoadOptions) -> Subject:
         # for the float32 size and converts each offloaded tensor as it reads it.
         dtype = torch.float32
     kwargs: dict[str, Any] = dict(
-        revision=options.revision,
-        trust_remote_code=options.trust_remote_code,
-        dtype=dtype,
-        attn_implementation=options.attn_implementation,
+        revision=options.revision, trust_remote_code=options.trust_remote_code,
+        dtype=dtype, attn_implementation=options.attn_implementation,
         output_loading_info=True,
         use_safetensors=weights["source"] != "pickle",
     )
@@ -241,7 +240,8 @@ def _load_pretrained(spec: str, options: LoadOptions) -> Subject:
         checkpoint_keys=weights["keys"],
         missing_keys=tuple(loading_info.get("missing_keys", ()) or ()),
         unexpected_keys=tuple(loading_info.get("unexpected_keys", ()) or ()),
-        mismatched_keys=tuple(str(k[0]) if isinstance(k, tuple) else str(k) for k in (loading_info.get("mismatched_keys", ()) or ())),
+        mismatched_keys=tuple(str(k[0]) if isinstance(k, tuple) else str(k)
+                              for k in (loading_info.get("mismatched_keys", ()) or ())),
         files=tuple(weights["files"]),
         source=weights["source"],
         **shipped_code(config, model, options.trust_remote_code),
@@ -311,7 +311,8 @@ def _maybe_upcast(subject: Subject) -> None:
         return
     subject.model.to(torch.float32)
     subject.dtype = torch.float32
-    subject.notes.append(f"upcast from {dtype_name(subject.load_dtype)} to float32 for the checks (--no-upcast keeps it)")
+    subject.notes.append(f"upcast from {dtype_name(subject.load_dtype)} to float32 for the checks "
+                         "(--no-upcast keeps it)")
 
 
 def shipped_code(config: Any, model: torch.nn.Module, trusted: bool) -> dict[str, Any]:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import contextlib
 import re
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -87,14 +88,15 @@ def device_map_kwargs(spec: str, options: LoadOptions, weights: dict[str, Any], 
         folder = Path(options.offload_folder).expanduser().resolve()
         for root in checkpoint_dirs(spec, weights):
             if folder == root or root in folder.parents:
-                raise PosdiagError(f"--offload-folder {options.offload_folder} is inside the checkpoint directory {root}: "
-                                   "posdiag never writes into the checkpoint; choose a folder elsewhere")
+                raise PosdiagError(f"--offload-folder {options.offload_folder} is inside the checkpoint directory "
+                                   f"{root}: posdiag never writes into the checkpoint; choose a folder elsewhere")
         if folder.exists() and not folder.is_dir():
             raise PosdiagError(f"--offload-folder {options.offload_folder} is a file, not a folder")
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise PosdiagError(f"--offload-folder {options.offload_folder}: cannot create it ({exc.strerror})") from None
+            raise PosdiagError(f"--offload-folder {options.offload_folder}: cannot create it "
+                               f"({exc.strerror})") from None
     else:
         folder = Path(tempfile.mkdtemp(prefix="posdiag-offload-"))
         temporary.append(str(folder))
@@ -126,7 +128,8 @@ def unreadable_offloaded(model: torch.nn.Module) -> list[str]:
         if weights is None:
             continue
         base, prefix = getattr(weights, "dataset", weights), getattr(weights, "prefix", "")
-        known = set(getattr(base, "state_dict", {})) | set(getattr(base, "index", {})) if hasattr(base, "index") else set(base)
+        known = (set(getattr(base, "state_dict", {})) | set(getattr(base, "index", {})) if hasattr(base, "index")
+                 else set(base))
         own = list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False))
         lost += [f"{module_name}.{attr}" if module_name else attr
                  for attr, tensor in own if tensor.device.type == "meta" and prefix + attr not in known]
@@ -158,7 +161,8 @@ def placement_note(model: torch.nn.Module, options: LoadOptions) -> str:
     """Where accelerate put the model (hf_device_map: modules, or single tensors), per device."""
     parts: dict[str, list[str]] = {}
     for name, device in (getattr(model, "hf_device_map", None) or {}).items():
-        parts.setdefault(f"cuda:{device}" if isinstance(device, int) else str(device), []).append(name or "(whole model)")
+        key = f"cuda:{device}" if isinstance(device, int) else str(device)
+        parts.setdefault(key, []).append(name or "(whole model)")
     where = "; ".join(f"{device}: {', '.join(names)}" if len(names) <= 4 else
                       f"{device}: {len(names)} parts ({names[0]}, …, {names[-1]})" for device, names in parts.items())
     text = f"--device-map {options.device_map}: {where}"

@@ -31,7 +31,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from typing import Any, Callable, Generic, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -96,7 +97,8 @@ def run_finer(subject: Subject, compute: Callable[[], T], preferred: torch.dtype
                 failure = f"{dtype_name(dtype)}: {one_line(exc)[:120]}"
     where = ("this offloaded model (run it where the model fits in memory)" if is_dispatched(subject.model)
              else "this model")
-    return FinerRun(None, preferred, reason=f"no {what} more precise than {subject.dtype_name} runs on {where}: {failure}")
+    return FinerRun(None, preferred,
+                    reason=f"no {what} more precise than {subject.dtype_name} runs on {where}: {failure}")
 
 
 def conversion_ways(subject: Subject) -> tuple[str, ...]:
@@ -260,7 +262,7 @@ class _Streamer:
         stack = self.saved.get(id(module))
         if stack:
             kept = _storages(out)
-            for t, original in zip(self.own(module), stack.pop()):
+            for t, original in zip(self.own(module), stack.pop(), strict=True):
                 self.scratch.give(t.data, reusable=t.data.untyped_storage().data_ptr() not in kept)
                 t.data = original
 
@@ -361,7 +363,8 @@ def finite_padding(model: torch.nn.Module, enabled: bool) -> Iterator[None]:
 
     def hook(module, args, output):
         def clean(x):
-            return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+            floating = isinstance(x, torch.Tensor) and x.is_floating_point()
+            return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0) if floating else x
         if isinstance(output, tuple):
             return (clean(output[0]), *output[1:])
         return clean(output)

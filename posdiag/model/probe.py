@@ -7,8 +7,9 @@ call (split only by --max-batch), so a check pays for one pass, not one per vari
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -148,7 +149,8 @@ def judge_fidelity(default: torch.Tensor, explicit: torch.Tensor, blocked: torch
     tolerance = agreement_tolerance(measured_floor, dtype)
     effect_needed = FAIL_RATIO * MACHINE_EPSILON["float32"]
     if reproduces > tolerance:
-        reason = f"explicit causal mask does not reproduce the model's default output (rel. error {reproduces:.2e} > {tolerance:.1e})"
+        reason = (f"explicit causal mask does not reproduce the model's default output "
+                  f"(rel. error {reproduces:.2e} > {tolerance:.1e})")
         return Fidelity(False, reason, reproduces, block_effect, open_effect, tolerance)
     if block_effect < effect_needed:
         reason = f"blocking keys in the explicit mask changes nothing (effect {block_effect:.1e}): the mask is ignored"

@@ -19,8 +19,9 @@ and `position_ids` [B, T] (long) as keyword arguments, and returns either a tens
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -88,9 +89,7 @@ class Subject:
     @property
     def info(self) -> ModelInfo:
         return ModelInfo(
-            id=self.spec,
-            family=self.family.name,
-            kind=self.kind,
+            id=self.spec, family=self.family.name, kind=self.kind,
             position_kind=self.position_kind,
             dtype=dtype_name(self.load_dtype),
             device=str(self.device),
@@ -120,7 +119,7 @@ class Subject:
 
     @property
     def stacks(self) -> tuple[str, ...]:
-        return ("encoder", "decoder") if self.kind == "seq2seq" else (("encoder",) if self.kind == "encoder" else ("decoder",))
+        return {"seq2seq": ("encoder", "decoder"), "encoder": ("encoder",)}.get(self.kind, ("decoder",))
 
     @property
     def vocab_size(self) -> int:
@@ -129,7 +128,8 @@ class Subject:
             emb = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
             size = emb.num_embeddings if emb is not None else None
         if not size:
-            raise PosdiagError("cannot tell the vocabulary size: set config.vocab_size or expose get_input_embeddings()")
+            raise PosdiagError("cannot tell the vocabulary size: set config.vocab_size "
+                               "or expose get_input_embeddings()")
         return int(size)
 
     @property

@@ -42,7 +42,8 @@ def render_compare(report: Report, console: Console, *, quiet: bool = False) -> 
         ctx = details.get("original_context")
         console.print(Text(
             f"{details['seq_len']} tokens · original context {ctx if ctx else 'unknown'} · "
-            f"compared in {details.get('compared_dtype', '?')} · floor: {details.get('floor_source', '?')}", style="dim"))
+            f"compared in {details.get('compared_dtype', '?')} · floor: {details.get('floor_source', '?')}",
+            style="dim"))
     if details.get("engine"):
         settings = " · ".join(f"{k} {v}" for k, v in details["engine"].items() if k != "name")
         console.print(Text(f"engine: {settings or 'no settings reported'}", style="dim"))
@@ -85,7 +86,7 @@ def sparkline(values: list[float], tolerance: float) -> Text:
     out = Text()
     frac, _ = scale(values, tolerance)
     for v in values:
-        if not (v == v):
+        if v != v:  # NaN
             out.append("!", style="bold magenta")
         elif v <= tolerance:
             out.append("·", style="dim green")
@@ -122,7 +123,7 @@ def _bar_plot(name: str, profile: dict[str, Any], width: int = 40) -> RichTable:
     out.add_column("mean error", justify="right")
     out.add_column("", no_wrap=True)
     ends = list(starts[1:]) + [length]
-    for s, e, v in zip(starts, ends, values):
+    for s, e, v in zip(starts, ends, values, strict=True):
         label = f"{s}" if e - s == 1 else f"{s}–{e - 1}"
         if v == v and v > tol:
             bar = Text("█" * max(1, round(frac(v) * width)), style="red")

@@ -28,7 +28,8 @@ def _rope_spec(r) -> dict[str, Any]:
             "head_dim": r.spec.head_dim, "rotary_dim": r.spec.rotary_dim, "params": r.spec.params,
             "attention_scaling": r.attention_scaling, "before": r.before.summary(), "after": r.after.summary(),
             "pairs": [{"pair": i, "freq": float(r.after.freqs[i]), "wavelength": float(r.after.wavelengths[i]),
-                       "turns_training": float(r.after.turns_training[i]), "turns_target": float(r.after.turns_target[i]),
+                       "turns_training": float(r.after.turns_training[i]),
+                       "turns_target": float(r.after.turns_target[i]),
                        "unseen_at_target": bool(r.after.unseen[i])} for i in range(r.after.pairs)],
             "warnings": list(r.warnings), "notes": list(r.notes),
             "mrope_sections": [x.to_dict() for x in r.sections]}

@@ -20,8 +20,10 @@ def write_rope_png(path: str, static: list, report) -> None:
         ax.semilogy(r.before.wavelengths, ".", alpha=0.5, label=f"before scaling{tag}")
         ax.semilogy(r.after.wavelengths, "-", label=f"after scaling{tag}")
     if static:
-        ax.axhline(static[0].after.training_length, color="k", ls="-", lw=0.8, label=f"L={static[0].after.training_length}")
-        ax.axhline(static[0].after.target_length, color="r", ls="--", lw=0.8, label=f"N={static[0].after.target_length}")
+        ax.axhline(static[0].after.training_length, color="k", ls="-", lw=0.8,
+                   label=f"L={static[0].after.training_length}")
+        ax.axhline(static[0].after.target_length, color="r", ls="--", lw=0.8,
+                   label=f"N={static[0].after.target_length}")
     ax.set_xlabel("dim pair")
     ax.set_ylabel("wavelength (tokens)")
     ax.legend(fontsize=7)

@@ -55,7 +55,8 @@ def _side_by_side(b, a) -> Table:
         side.add_column(col, justify="left" if not col else "right")
     side.add_row("training length L", _fmt(b.training_length), _fmt(a.training_length))
     side.add_row("target length N", _fmt(b.target_length), _fmt(a.target_length))
-    side.add_row("critical pair (first λ > L, 0-based)", f"{_fmt(b.critical_pair)} of {b.pairs}", f"{_fmt(a.critical_pair)} of {a.pairs}")
+    side.add_row("critical pair (first λ > L, 0-based)", f"{_fmt(b.critical_pair)} of {b.pairs}",
+                 f"{_fmt(a.critical_pair)} of {a.pairs}")
     side.add_row("longest wavelength", _fmt(b.longest_wavelength), _fmt(a.longest_wavelength))
     side.add_row("pairs meeting unseen phases at N", _fmt(b.unseen_pairs), _fmt(a.unseen_pairs))
     side.add_row(f"alias (s(D) ≥ 1-{a.alias_epsilon:g}, far)",
@@ -67,10 +68,12 @@ def _side_by_side(b, a) -> Table:
 
 def _pair_table(a) -> Table:
     n = a.pairs
-    picks = sorted(set(range(min(n, 4))) | {n - 1} | ({a.critical_pair - 1, a.critical_pair} if a.critical_pair else set())
+    picks = sorted(set(range(min(n, 4))) | {n - 1}
+                   | ({a.critical_pair - 1, a.critical_pair} if a.critical_pair else set())
                    | set(range(0, n, max(1, n // 8))))
     picks = [p for p in picks if 0 <= p < n]
-    t = Table(title=f"per pair ({len(picks)} of {n} shown)", title_justify="left", show_header=True, header_style="bold", box=None)
+    t = Table(title=f"per pair ({len(picks)} of {n} shown)", title_justify="left", show_header=True,
+              header_style="bold", box=None)
     for col in ("pair", "θ", "λ", "turns in L", "turns in N", "unseen at N"):
         t.add_column(col, justify="right")
     for p in picks:
@@ -146,6 +149,6 @@ def error_plot(rows: list, width: int = 48) -> Text:
 def quiet_line(r) -> str:
     """One rotary spec in one line (--quiet without a model probe)."""
     a = r.after
-    return (f"{r.spec.label}: {r.spec.rope_type} θ={r.spec.theta:g} critical pair {_fmt(a.critical_pair)} of {a.pairs}, "
-            f"longest λ {_fmt(a.longest_wavelength)}, unseen pairs at {a.target_length}: {a.unseen_pairs}"
+    return (f"{r.spec.label}: {r.spec.rope_type} θ={r.spec.theta:g} critical pair {_fmt(a.critical_pair)} of "
+            f"{a.pairs}, longest λ {_fmt(a.longest_wavelength)}, unseen pairs at {a.target_length}: {a.unseen_pairs}"
             + (f" — warning: {r.warnings[0]}" if r.warnings else ""))

@@ -22,8 +22,8 @@ def render_synthetic(out: Console, shape, results: list, verdicts: dict[str, str
             out.print(f"T={tq}/{tk} {r.name}: {r.status} err {r.error:.2e} {verdicts.get(r.name, '')}")
         return
     device_type = str(shape.device).split(":")[0]
-    title = (f"{device_type} {shape.dtype}  B={shape.batch} H={shape.heads}/{shape.kv_heads} q={tq} k={tk} d={shape.head_dim}"
-             f"{' causal ' + shape.alignment if shape.causal else ''}"
+    title = (f"{device_type} {shape.dtype}  B={shape.batch} H={shape.heads}/{shape.kv_heads} q={tq} k={tk} "
+             f"d={shape.head_dim}{' causal ' + shape.alignment if shape.causal else ''}"
              f"{f' pad={shape.padding}' if shape.padding else ''}{f' window={shape.window}' if shape.window else ''}")
     table = Table(title=title, title_justify="left")
     for col in ("implementation", "error vs fp64", "max |Δ|", "time ms", "peak MiB", "empty rows", "verdict", "note"):
@@ -50,7 +50,7 @@ def render_growth(out: Console, records: list[dict[str, Any]]) -> None:
         for rec in records:
             r = next((x for x in rec["results"] if x["name"] == name), None)
             peaks.append(r["peak_bytes"] if r and r["status"] == "ok" else None)
-        known = [(rec["shape"]["q_len"], p) for rec, p in zip(records, peaks) if p]
+        known = [(rec["shape"]["q_len"], p) for rec, p in zip(records, peaks, strict=True) if p]
         slope = "-"
         if len(known) >= 2 and known[0][1] > 0:
             slope = f"{math.log(known[-1][1] / known[0][1]) / math.log(known[-1][0] / known[0][0]):.2f}"

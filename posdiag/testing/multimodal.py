@@ -16,7 +16,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from transformers import PretrainedConfig
 
 # The language model's sizes; fields a config does not have are left out.
-TEXT_SIZES: dict[str, Any] = dict(  # noqa: C408
+TEXT_SIZES: dict[str, Any] = dict(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
     intermediate_size=128, intermediate_size_mlp=128, moe_intermediate_size=32, vocab_size=256,
     max_position_embeddings=256, num_local_experts=4, num_experts=4, num_experts_per_tok=2,
@@ -24,7 +24,7 @@ TEXT_SIZES: dict[str, Any] = dict(  # noqa: C408
     encoder_ffn_dim=128, decoder_ffn_dim=128, num_layers=2, num_heads=4, d_ff=128, d_kv=16,
 )  # fmt: skip
 # Vision / audio towers: as small as their patching allows.
-TOWER_SIZES: dict[str, Any] = dict(  # noqa: C408
+TOWER_SIZES: dict[str, Any] = dict(
     hidden_size=32, num_hidden_layers=1, depth=1, num_attention_heads=2, num_heads=2, intermediate_size=64,
     embed_dim=32, image_size=28, patch_size=14, out_hidden_size=64, projector_input_dim=64,
     projector_output_dim=64, vision_output_dim=64, num_layers=1, encoder_layers=1, d_model=32,

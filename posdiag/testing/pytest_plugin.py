@@ -11,7 +11,8 @@ Registered through the `pytest11` entry point, so installing posdiag is enough.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import pytest
 

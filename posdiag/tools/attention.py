@@ -183,8 +183,8 @@ def run_sdpa(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp
              scale: float | None = None) -> torch.Tensor:
     """One SDPA call pinned to one backend. The mask goes in the cheapest form the spec allows:
     none, is_causal (top-left, or Tq == Tk), the lower-right causal bias, else a dense bool mask."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     pinned = {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION,
               "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]

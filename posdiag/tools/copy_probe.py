@@ -22,8 +22,8 @@ import math
 import torch
 
 from posdiag.model.probe import Row, run_rows
-from posdiag.results import CheckResult, Status, Table
 from posdiag.model.subject import Subject
+from posdiag.results import CheckResult, Status, Table
 
 ROWS_PER_LENGTH = 16
 Z_SIGNIFICANT = 3.0
@@ -36,10 +36,11 @@ def run(subject: Subject, lengths: list[int], seed: int = 0) -> CheckResult:
     prefix = [bos] if isinstance(bos, int) and 0 <= bos < subject.vocab_size else []
     ordinary = subject.vocab_size - len(subject.special_ids() | set(range(min(4, subject.vocab_size))))
     plan = []  # (length asked, copy distance n)
-    for length in sorted(set(int(x) for x in lengths)):
+    for length in sorted({int(x) for x in lengths}):
         n = (length - len(prefix)) // 2
         if n < 2:
-            return CheckResult("copy", Status.SKIP, f"length {length} is too short to copy (needs at least {len(prefix) + 4})")
+            return CheckResult("copy", Status.SKIP,
+                               f"length {length} is too short to copy (needs at least {len(prefix) + 4})")
         plan.append((length, n))
     width = max(len(prefix) + 2 * n for _, n in plan)
 
@@ -101,7 +102,8 @@ def run(subject: Subject, lengths: list[int], seed: int = 0) -> CheckResult:
                            f"beyond the declared context was probed", metrics, details, tables)
     z_drop = _two_proportion_z(acc_in, n_in, acc_out, n_out)
     metrics["z_drop"] = z_drop
-    first_bad = next((p for p in outside if _two_proportion_z(acc_in, n_in, p["accuracy"], p["total"]) > Z_SIGNIFICANT), None)
+    first_bad = next((p for p in outside if _two_proportion_z(acc_in, n_in, p["accuracy"], p["total"]) > Z_SIGNIFICANT),
+                     None)
     if z_drop > Z_SIGNIFICANT and first_bad is not None:
         worst = min(outside, key=lambda p: p["accuracy"])
         metrics["degrades_from_length"] = first_bad["length"]

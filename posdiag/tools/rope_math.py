@@ -17,6 +17,7 @@ target length N:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -118,10 +119,8 @@ def rope_parameters(config: Any) -> dict[str, Any] | None:
     config = text_config(config)
     standardize = getattr(config, "standardize_rope_params", None)
     if callable(standardize):
-        try:
+        with contextlib.suppress(Exception):
             standardize()
-        except Exception:
-            pass
     params = getattr(config, "rope_parameters", None)
     return dict(params) if isinstance(params, dict) and params else None
 
@@ -148,7 +147,8 @@ def rope_specs(config: Any) -> list[RopeSpec]:
     for layer_type, block in blocks:
         partial = float(block.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0)
         rope_type = str(block.get("rope_type", block.get("type", "default")))
-        original = block.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
+        original = (block.get("original_max_position_embeddings")
+                    or getattr(config, "original_max_position_embeddings", None))
         factor = block.get("factor")
         specs.append(RopeSpec(
             layer_type=layer_type, rope_type=rope_type, theta=float(block.get("rope_theta", 10000.0)),

@@ -9,8 +9,9 @@ reference, with time and peak memory; `judge_synthetic` applies FlashAttention's
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -89,7 +90,8 @@ def compare_errors(out: torch.Tensor, ref: torch.Tensor, rows: torch.Tensor) -> 
     return err, max_abs, non_finite, what
 
 
-def _measure(fn: Callable[[], torch.Tensor], device: torch.device, memory: bool, repeats: int) -> tuple[torch.Tensor, float, int | None]:
+def _measure(fn: Callable[[], torch.Tensor], device: torch.device, memory: bool,
+             repeats: int) -> tuple[torch.Tensor, float, int | None]:
     out = fn()  # warm-up (and the output)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -157,7 +159,8 @@ def synthetic(shape: Shape, *, seed: int = 0, memory: bool = True, repeats: int 
         ref = naive_attention(q, k, v, spec)
         ref_name = "naive float64"
     else:
-        ref = tiled_attention(q.double(), k.double(), v.double(), spec, block_q=reference_block, block_k=reference_block)
+        ref = tiled_attention(q.double(), k.double(), v.double(), spec, block_q=reference_block,
+                              block_k=reference_block)
         ref_name = "tiled float64"
     rows = spec.rows_with_keys(device)
     run_dtype = q.dtype
@@ -185,7 +188,8 @@ def synthetic(shape: Shape, *, seed: int = 0, memory: bool = True, repeats: int 
                 torch.cuda.empty_cache()
             continue
         err, max_abs, bad, empty = compare_errors(out.reshape(ref.shape), ref, rows)
-        results.append(Measurement(name, "ok", err, max_abs, seconds, peak, empty, note=f"ref: {ref_name}" if ref_name != "naive float64" else "",
+        results.append(Measurement(name, "ok", err, max_abs, seconds, peak, empty,
+                                   note=f"ref: {ref_name}" if ref_name != "naive float64" else "",
                                    valid_non_finite=bad))
         del out
     return results

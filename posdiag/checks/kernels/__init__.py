@@ -40,7 +40,8 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     scenarios = build_scenarios(subject, options)
     base_impl = subject.config._attn_implementation
     if base_impl not in (None, "eager"):
-        return CheckResult("kernels", Status.SKIP, f"the model runs {base_impl}; load it with eager attention to compare")
+        return CheckResult("kernels", Status.SKIP,
+                           f"the model runs {base_impl}; load it with eager attention to compare")
 
     # Reference and the same-dtype eager baseline.
     # The model as it is first: if that cannot run, the check errors; it is not a missing reference.

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+
 from posdiag.checks.kernels.running import Outcome, Refused, describe_exception, forward, implementation
 from posdiag.checks.kernels.scenarios import Run, Scenario
 from posdiag.model.subject import Subject
@@ -45,7 +46,8 @@ def run_isolated(subject: Subject, name: str, scenarios: list[Scenario]) -> Outc
             proc = subprocess.run([*CHILD_COMMAND, request, result],
                                   capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            return Outcome(kind="unavailable", reason=f"{name} did not finish within {CHILD_TIMEOUT_S} s in its process")
+            return Outcome(kind="unavailable",
+                           reason=f"{name} did not finish within {CHILD_TIMEOUT_S} s in its process")
         if proc.returncode < 0:
             try:
                 sig = signal.Signals(-proc.returncode).name
@@ -53,7 +55,8 @@ def run_isolated(subject: Subject, name: str, scenarios: list[Scenario]) -> Outc
                 sig = f"signal {-proc.returncode}"
             return Outcome(kind="crashed", reason=f"{name} killed its process ({sig}){_last_line(proc.stderr)}")
         if proc.returncode != 0 or not os.path.exists(result):
-            return Outcome(kind="unavailable", reason=f"the {name} process failed (exit {proc.returncode}){_last_line(proc.stderr)}")
+            return Outcome(kind="unavailable",
+                           reason=f"the {name} process failed (exit {proc.returncode}){_last_line(proc.stderr)}")
         payload = torch.load(result, weights_only=True)
     if "runs" not in payload:
         return Outcome(kind=payload["kind"], reason=payload["reason"])
@@ -74,8 +77,8 @@ def _child(request_path: str, result_path: str) -> None:
 
     import torch
 
-    from posdiag.options import LoadOptions
     from posdiag.model.loading import load_subject
+    from posdiag.options import LoadOptions
 
     warnings.simplefilter("ignore")
     request = torch.load(request_path, weights_only=True)

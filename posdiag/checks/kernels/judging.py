@@ -62,7 +62,8 @@ def judge(ev: Evidence) -> CheckResult:
     dname, ref_name = ev.subject.dtype_name, dtype_name(ev.ref_dtype)
     untrusted = untrusted_inputs(ev)
     if len(untrusted) == len(ev.scenarios):
-        return CheckResult("kernels", Status.SKIP, "the higher-precision reference is not the same function as eager here "
+        return CheckResult("kernels", Status.SKIP,
+                           "the higher-precision reference is not the same function as eager here "
                            f"(eager is {max(untrusted.values()):.3g} off it): nothing to judge against",
                            {"reference_dtype": ref_name}, {"untrusted_inputs": untrusted})
     atol = MACHINE_EPSILON.get(dname, 1.2e-7) / 2  # unit roundoff of the run dtype (relative)
@@ -135,7 +136,7 @@ def _judge_input(ev: Evidence, name: str, si: int, g: Run, atol: float, rows: _R
     errs = [rel(g.hidden[i], r.hidden[i], valid_for(g, sc, i)) for i in range(len(g.hidden))]
     base = [rel(e.hidden[i], r.hidden[i], valid_for(g, sc, i)) for i in range(len(g.hidden))]
     tols = [FACTOR * b + atol for b in base]
-    ratios = [x / t for x, t in zip(errs, tols)]
+    ratios = [x / t for x, t in zip(errs, tols, strict=True)]
     worst = max(range(len(errs)), key=lambda i: ratios[i])
     crossing = next((g.layer_names[i] for i in range(len(errs)) if errs[i] > tols[i]), None)
     nt = next_token(r.logits, g.logits) if ev.subject.kind != "encoder" else None
@@ -166,11 +167,13 @@ def _deciding_metrics(results: dict[str, dict[str, Any]], compared: list[str], r
     decided = None
     for name in compared or ["eager"]:
         for sc_name, s in results[name]["scenarios"].items():
-            if decided is None or s["ratio"] > decided[2]["ratio"] or (s["non_finite_at"] and not decided[2]["non_finite_at"]):
+            if (decided is None or s["ratio"] > decided[2]["ratio"]
+                    or (s["non_finite_at"] and not decided[2]["non_finite_at"])):
                 decided = (name, sc_name, s)
     if decided:
         name, sc_name, s = decided
-        metrics.update({"implementation": name, "scenario": sc_name, "error": s["error"], "eager_error": s["eager_error"],
+        metrics.update({"implementation": name, "scenario": sc_name, "error": s["error"],
+                        "eager_error": s["eager_error"],
                         "tolerance": s["tolerance"], "ratio": s["ratio"], "worst_layer": s["worst_layer"]})
     for name in compared:
         metrics[f"{name}_ratio"] = max(s["ratio"] for s in results[name]["scenarios"].values())
@@ -187,13 +190,15 @@ def _summary(ev: Evidence, results: dict[str, dict[str, Any]], compared: list[st
         if s["non_finite_at"]:
             return f"{n} gives NaN/Inf at valid positions on the {sn} input ({s['non_finite_at']})"
         return (f"{n} differs from eager on the {sn} input: error {s['error']:.3g} vs eager's {s['eager_error']:.3g} "
-                f"in {dname} = {s['ratio']:.3g}x the tolerance {s['tolerance']:.2g}, from {s['first_layer_over_tolerance']} "
+                f"in {dname} = {s['ratio']:.3g}x the tolerance {s['tolerance']:.2g}, from "
+                f"{s['first_layer_over_tolerance']} "
                 f"(worst {s['worst_layer']})")
     if crashed:
         return f"{', '.join(crashed)} crashed: " + "; ".join(str(ev.runs[n]) for n in crashed)
     name, sc_name, s = decided
     refused = [n for n in ev.runs if isinstance(ev.runs[n], str)]
-    summary = (f"{', '.join(compared)} agree with eager: worst error {s['error']:.3g} vs eager's {s['eager_error']:.3g} "
+    summary = (f"{', '.join(compared)} agree with eager: worst error {s['error']:.3g} vs eager's "
+               f"{s['eager_error']:.3g} "
                f"in {dname} ({s['ratio']:.2g}x the tolerance, {name}, {sc_name}, {s['worst_layer']})")
     if refused:  # asked for and not run: the check as asked is not complete (skip, never pass)
         summary = "not compared: " + "; ".join(f"{n} ({ev.runs[n]})" for n in refused) + ". " + summary

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -39,7 +40,8 @@ def describe_exception(name: str, exc: BaseException) -> tuple[str, str]:
     first = (text[0] if text else "")[:160]
     kind = "unavailable" if any(t in type(exc).__name__ or t in first for t in TOOLCHAIN_ERRORS) else "crashed"
     if kind == "unavailable":
-        return kind, f"{name} could not be compiled on this machine ({type(exc).__name__}); not a finding about the model"
+        return kind, (f"{name} could not be compiled on this machine ({type(exc).__name__}); "
+                      "not a finding about the model")
     return kind, f"{type(exc).__name__}: {first}"
 
 

@@ -171,7 +171,8 @@ def _judged(specs: list[rope_math.RopeSpec], plan: Plan, seen: _Observed, factor
     warnings = [w for r in plan.static for w in r.warnings]
     if warnings:
         return Status.WARN, f"module agrees with the config ({ratio}); {warnings[0]}"
-    spec_text = ", ".join(f"{s.rope_type} θ={s.theta:g}" + (f" ({s.layer_type})" if s.layer_type else "") for s in specs)
+    spec_text = ", ".join(f"{s.rope_type} θ={s.theta:g}" + (f" ({s.layer_type})" if s.layer_type else "")
+                          for s in specs)
     return Status.PASS, (f"applied rotation matches the config ({spec_text}) up to position {max_position}: {ratio}"
                          f"{factor.clause}")
 

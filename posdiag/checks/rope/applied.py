@@ -40,7 +40,8 @@ def probe_applied(subject: Subject, layer_spec, refs, positions: np.ndarray, tok
         arrays = {name: heads(t, len(positions)) for name, t in (("q", q), ("k", k))}
         for name, t in (("q", q), ("k", k)):
             if arrays[name] is None:
-                return [], [], False, f"captured {name} has shape {tuple(t.shape)}, not [batch, heads, positions, dim]", [], []
+                return ([], [], False,
+                        f"captured {name} has shape {tuple(t.shape)}, not [batch, heads, positions, dim]", [], [])
         fits = {}
         for name, arr in arrays.items():
             if not np.isfinite(arr).all():
@@ -48,7 +49,8 @@ def probe_applied(subject: Subject, layer_spec, refs, positions: np.ndarray, tok
                 fits[name] = None
                 continue
             fits[name] = None if recurrent else {
-                lay: _judge_applied(arr, freqs, spec, positions, lay, eps, max(spread, eps), layer, name) for lay in LAYOUTS}
+                lay: _judge_applied(arr, freqs, spec, positions, lay, eps,
+                                    max(spread, eps), layer, name) for lay in LAYOUTS}
             factor = factor_finding(arr, plain, name, freqs, scaling, eps, positions, layer)
             if factor is not None:
                 factors.append(factor)
@@ -62,7 +64,7 @@ def probe_applied(subject: Subject, layer_spec, refs, positions: np.ndarray, tok
     if recurrent:
         return (findings + factors, [], False, f"{recurrent} (the same token gives a different q/k at each position)",
                 factors, no_factor)
-    rows = [(int(p), float(r)) for p, r in zip(positions, by_pos)]
+    rows = [(int(p), float(r)) for p, r in zip(positions, by_pos, strict=True)]
     return findings + factors, rows, True, "", factors, no_factor
 
 
@@ -85,7 +87,8 @@ def _judged_qk(q: torch.Tensor, k: torch.Tensor, plain: list[tuple]) -> tuple[to
     for _q0, _k0, _source, q1, k1 in plain:
         # Something changed q/k between the rotation and attention (HunYuan's q/k norm after RoPE):
         # what attention receives is no pure rotation, so judge the rotation where it is applied.
-        if q1 is not None and q1.shape == q.shape and k1.shape == k.shape and not (torch.equal(q1, q) and torch.equal(k1, k)):
+        if (q1 is not None and q1.shape == q.shape and k1.shape == k.shape
+                and not (torch.equal(q1, q) and torch.equal(k1, k))):
             return q1, k1, "apply_rotary_pos_emb output (q/k change between rotation and attention)"
     return q, k, "attention input"
 
@@ -100,7 +103,8 @@ def _non_finite(arr: np.ndarray, positions: np.ndarray, layer: int, name: str) -
     bad = np.argwhere(~np.isfinite(arr))[0]
     return Finding("non-finite", float("nan"), layer=layer, tensor=name, head=int(bad[0]),
                    position=int(positions[bad[1]]), dim=int(bad[2]),
-                   message=f"non-finite rotated {name} at layer {layer}, position {int(positions[bad[1]])}, dim {int(bad[2])}")
+                   message=f"non-finite rotated {name} at layer {layer}, position {int(positions[bad[1]])}, dim "
+                           f"{int(bad[2])}")
 
 
 def _best_fits(fits: dict, layer: int, spread: float, judged_at: str) -> tuple[list[Finding], np.ndarray]:
@@ -152,7 +156,8 @@ def _judge_applied(arr: np.ndarray, freqs: np.ndarray, spec, positions: np.ndarr
     i = np.unravel_index(int(np.argmax(ratio)), ratio.shape)
     which_a = abs(arr[i[0], i[1], a_idx[i[2]]] - ea[i]) >= abs(arr[i[0], i[1], b_idx[i[2]]] - eb[i])
     d = int(a_idx[i[2]] if which_a else b_idx[i[2]])
-    worst = Finding("applied rotation", float(ratio[i]), error=float(err_pair[i]), tolerance=float(tol_pair[i]), layer=layer,
+    worst = Finding("applied rotation", float(ratio[i]), error=float(err_pair[i]), tolerance=float(tol_pair[i]),
+                    layer=layer,
                     tensor=name, head=int(i[0]), position=int(positions[i[1]]), dim=d,
                     expected=float(ea[i] if which_a else eb[i]), actual=float(arr[i[0], i[1], d]),
                     extra={"pair": int(i[2]), "pair_angle": float(ang[0, i[1], i[2]])})
@@ -165,7 +170,8 @@ def _judge_applied(arr: np.ndarray, freqs: np.ndarray, spec, positions: np.ndarr
         j = np.unravel_index(int(np.argmax(r)), r.shape)
         by_pos = np.maximum(by_pos, r.max(axis=(0, 2)))
         if r[j] > worst.ratio:
-            worst = Finding("pass-through dims", float(r[j]), error=float(err[j]), tolerance=float(tol[j[0], 0, 0]), layer=layer,
+            worst = Finding("pass-through dims", float(r[j]), error=float(err[j]), tolerance=float(tol[j[0], 0, 0]),
+                            layer=layer,
                             tensor=name, head=int(j[0]), position=int(positions[j[1]]), dim=int(rot + j[2]),
                             expected=float(x0[j[0], 0, j[2] + rot]), actual=float(rest[j]),
                             extra={"rotary_dim": rot, "head_dim": dim})

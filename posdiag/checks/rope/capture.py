@@ -28,7 +28,8 @@ class Capture:
 
     def eager(self, original):
         def wrapped(module, query, key, value, *args, **kwargs):
-            plain = [] if self.pending is None else [(*self.pending[:2], "apply_rotary_pos_emb inputs", *self.pending[2:])]
+            plain = [] if self.pending is None else [(*self.pending[:2], "apply_rotary_pos_emb inputs",
+                                                      *self.pending[2:])]
             self.pending = None
             proj = self.projected.pop(id(module), {})
             if {"q", "k"} <= set(proj):
@@ -46,7 +47,7 @@ class Capture:
             q_in = args[0] if len(args) > 0 else kwargs.get("q")
             k_in = args[1] if len(args) > 1 else kwargs.get("k")
             plain = None
-            if all(isinstance(t, torch.Tensor) and t.shape == o.shape for t, o in zip((q_in, k_in), out)):
+            if all(isinstance(t, torch.Tensor) and t.shape == o.shape for t, o in zip((q_in, k_in), out, strict=True)):
                 plain = (q_in.detach().clone(), k_in.detach().clone())
             if not record:
                 self.pending = None if plain is None else (*plain, out[0].detach().clone(), out[1].detach().clone())

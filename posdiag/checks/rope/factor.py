@@ -92,7 +92,8 @@ def factor_summary(factors: list[Finding], expected: list[float], dtype: str) ->
         if trivial:
             return FactorSummary({"attention_factor_probed": False}, rows, note=text + " (the config's factor is 1)")
         return FactorSummary({"attention_factor_probed": False}, rows,
-                              warning=f"{text}; the factor {', '.join(f'{e:.6g}' for e in expected)} is checked on the rotary tables only")
+                              warning=f"{text}; the factor {', '.join(f'{e:.6g}' for e in expected)} is checked on the "
+                                      "rotary tables only")
     worst = max(factors, key=severity)
     metrics = {"attention_factor_probed": True, "attention_factor_expected": worst.expected,
                "attention_factor_measured": worst.extra["measured_factor"], "attention_factor_ratio": worst.ratio,
@@ -100,5 +101,6 @@ def factor_summary(factors: list[Finding], expected: list[float], dtype: str) ->
     if worst.ratio > 1.0 and not worst.failed:
         why = f"inconclusive in {dtype} (rerun in float32)" if dtype in LOW_PRECISION else "inconclusive"
         return FactorSummary(metrics, rows, warning=f"{why}: {factor_sentence(worst)} (FAIL above {FAIL_RATIO:g}x)")
-    clause = "" if trivial else f"; attention factor {worst.extra['measured_factor']:.6g} (expected {worst.expected:.6g})"
+    clause = ("" if trivial else
+              f"; attention factor {worst.extra['measured_factor']:.6g} (expected {worst.expected:.6g})")
     return FactorSummary(metrics, rows, clause=clause)

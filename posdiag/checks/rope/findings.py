@@ -29,12 +29,13 @@ class Finding:
     def failed(self) -> bool:
         return not (self.ratio <= FAIL_RATIO)  # NaN fails
 
-    def labelled(self, label: str) -> "Finding":
+    def labelled(self, label: str) -> Finding:
         self.probe = label
         return self
 
     def where(self) -> dict[str, Any]:
-        out = {k: v for k, v in (("kind", self.kind), ("probe", self.probe), ("layer", self.layer), ("tensor", self.tensor),
+        out = {k: v for k, v in (("kind", self.kind), ("probe", self.probe), ("layer", self.layer),
+                                 ("tensor", self.tensor),
                                   ("head", self.head), ("position", self.position), ("dim", self.dim),
                                   ("expected", self.expected), ("actual", self.actual), ("error", self.error),
                                   ("tolerance", self.tolerance), ("ratio", self.ratio)) if v not in (None, "")}
@@ -61,12 +62,13 @@ class Finding:
             f"head {self.head}" if self.head is not None else "",
             f"position {self.position}" if self.position is not None else "",
             f"dim {self.dim}" if self.dim is not None else "") if x)
-        exp = f": expected {self.expected:.6g}, got {self.actual:.6g}" if self.expected is not None and self.actual is not None else ""
+        exp = (f": expected {self.expected:.6g}, got {self.actual:.6g}"
+               if self.expected is not None and self.actual is not None else "")
         return (f"{self.kind} disagrees with the config at {where}{exp} "
                 f"(error {self.error:.3g}, {self.ratio:.3g}x the tolerance {self.tolerance:.3g})")
 
 
-def severity(f: "Finding") -> tuple:
+def severity(f: Finding) -> tuple:
     """Failures first, then those that say where (layer/position), then by ratio (NaN counts as worst)."""
     located = f.position is not None or f.layer is not None
     ratio = f.ratio if f.ratio == f.ratio else float("inf")

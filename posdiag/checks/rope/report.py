@@ -36,8 +36,10 @@ def static_table(static: list[rope_math.SpecReport]) -> Table:
     rows = []
     for r in static:
         for label, a in (("before scaling", r.before), ("after scaling", r.after)):
-            rows.append((f"{r.spec.label}: {label}", _fmt(a.critical_pair), _fmt(a.longest_wavelength), _fmt(a.unseen_pairs),
-                         _fmt(a.alias_offset) if a.alias_offset else f"none ≤ {a.alias_scanned}", _fmt(a.decay_first_zero)))
+            rows.append((f"{r.spec.label}: {label}", _fmt(a.critical_pair), _fmt(a.longest_wavelength),
+                         _fmt(a.unseen_pairs),
+                         _fmt(a.alias_offset) if a.alias_offset else f"none ≤ {a.alias_scanned}",
+                         _fmt(a.decay_first_zero)))
     return Table("frequencies vs training length (information)",
                  ("where", "critical pair", "longest λ", "unseen pairs @N", "alias", "decay 1st zero"), tuple(rows))
 
@@ -53,7 +55,8 @@ def _fmt(v: Any) -> str:
 def factor_table(factors: list[Finding]) -> Table:
     return Table("attention factor on the applied path (||rotated|| / ||un-rotated|| of the rotary dims)",
                  ("where", "layer", "q/k", "expected", "measured", "worst x bound"),
-                 tuple((f.probe, f.layer, f.tensor, f"{f.expected:.6g}", f"{f.extra['measured_factor']:.6g}", f"{f.ratio:.3g}")
+                 tuple((f.probe, f.layer, f.tensor, f"{f.expected:.6g}", f"{f.extra['measured_factor']:.6g}",
+                        f"{f.ratio:.3g}")
                        for f in factors))
 
 

@@ -61,7 +61,8 @@ def _rotary_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
             if "Rotary" in type(m).__name__ or any(n.endswith("inv_freq") for n in m._buffers)]
 
 
-def _table_candidates(freqs: np.ndarray, scaling: float, positions: np.ndarray) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def _table_candidates(freqs: np.ndarray, scaling: float,
+                      positions: np.ndarray) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     ang = rope_math.reference_angles(freqs, positions)
     c, s = np.cos(ang) * scaling, np.sin(ang) * scaling
     return {
@@ -98,5 +99,6 @@ def _judge_table(a, b, freqs, scaling, positions, eps_out, spec) -> Finding:
     if best is None:
         return Finding("table", float("inf"), tensor=label, message=(
             f"{label}: cos/sin width {a.shape[-1]} fits no layout of the {freqs.shape[0]} pairs the config gives "
-            f"(rotary dims {spec.rotary_dim} of head {spec.head_dim}: partial_rotary_factor {spec.partial_rotary_factor:g})"))
+            f"(rotary dims {spec.rotary_dim} of head {spec.head_dim}: partial_rotary_factor "
+            f"{spec.partial_rotary_factor:g})"))
     return best

@@ -77,7 +77,8 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
 
     # A passing health inspection alone (no zero or duplicate rows) probes nothing: with every probe
     # skipped the check is a SKIP, never a PASS.
-    judged = [p.status for p in parts if p.status is not Status.SKIP and not (p.name == "health" and p.status is Status.PASS)]
+    judged = [p.status for p in parts
+              if p.status is not Status.SKIP and not (p.name == "health" and p.status is Status.PASS)]
     status = Status.worst(judged) if judged else Status.SKIP
     metrics: dict[str, Any] = {}
     details: dict[str, Any] = {"position_kind": kind, "declared_positions": declared,

@@ -47,7 +47,7 @@ def capacity(subject: Subject, settings: dict, stack: str, n: int, token: int, h
     scale = float(h.norm(dim=-1).median()) or 1.0
     floor = max((float((h_all[a] - h_all[b]).norm()) for a, b in floor_pairs), default=0.0) / scale
     outputs = {"h": h, "positions": positions, "scale": scale, "floor": floor}
-    probe = ("position ids, rows of %d" % ROW_TOKENS if honoured
+    probe = (f"position ids, rows of {ROW_TOKENS}" if honoured
              else "one row of the same token (positions derived by the model)")
     part = _judge_capacity(outputs, subject.dtype_name, subject.forward_count - before, probe, n, label, where)
     return part, outputs

@@ -133,7 +133,8 @@ def _marker(subject: Subject, stack: str, t: PositionTable, ids, enc, default, l
     metrics = {"marker_row": row, "marker_positions": hit}
     if hit == [1]:
         return Part("offsets", Status.PASS, f"{label}{t.name}: row {row} is read at position 1 "
-                    f"(offset {fam.position_offset}, as the family says)", metrics, {"where": where}), fam.position_offset
+                    f"(offset {fam.position_offset}, as the family says)", metrics,
+                    {"where": where}), fam.position_offset
     if not hit:
         return Part("offsets", Status.FAIL, f"{label}{t.name}: a marker in row {row} moves no position of "
                     f"0..{len(ids) - 1}: the model does not read this table at offset {fam.position_offset}",
@@ -173,5 +174,6 @@ def _discover(subject: Subject, stack: str, t: PositionTable, ids, enc, default,
                     f"{subject.family.name} has no row in posdiag's family table); row {row} is read at position 1",
                     metrics, {"where": where, "model_offset": offset}), offset
     return Part("offsets", Status.FAIL, f"{label}{t.name}: rows are not read in position order: markers in rows "
-                f"{block[0]}..{block[-1]} moved positions {hit[:6]}, a marker in row {row} moved {single[:6] or 'none'} "
+                f"{block[0]}..{block[-1]} moved positions {hit[:6]}, a marker in row {row} moved "
+                f"{single[:6] or 'none'} "
                 "(position 1 only expected, whatever the offset)", metrics, {"where": where}), None

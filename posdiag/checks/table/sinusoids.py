@@ -23,7 +23,8 @@ def sinusoid_part(t: PositionTable, subject: Subject) -> Part:
     metrics = {k: rep[k] for k in ("formula_error", "formula_floor", "rotation_residual", "rotation_floor", "base")}
     details = {"where": where, "layout": rep["layout"], "table": t.name}
     if rep["status"] is Status.PASS:
-        return Part("sinusoid", Status.PASS, f"{t.name}: {rep['layout']} sin/cos, base {rep['base']:.6g}; formula error "
+        return Part("sinusoid", Status.PASS,
+                    f"{t.name}: {rep['layout']} sin/cos, base {rep['base']:.6g}; formula error "
                     f"{rep['formula_error']:.2g} (floor {rep['formula_floor']:.2g}), PE(p+k)=R_k PE(p) residual "
                     f"{rep['rotation_residual']:.2g}", metrics, details)
     return Part("sinusoid", Status.FAIL, f"{t.name}: not a sinusoid table: {rep['reason']} (overwritten at init?)",
@@ -52,7 +53,8 @@ def sinusoid_report(table: torch.Tensor) -> dict[str, Any]:
     if row0_error > agreement_tolerance(floor, name):
         reason = f"row 0 is not (sin 0, cos 0) = (0, 1) in either layout (off by {row0_error:.2g})"
     elif verdict.status is not Status.PASS:
-        reason = f"differs from the sinusoid formula by {err:.2g} = {verdict.ratio:.3g}x floor {verdict.noise_floor:.2g}"
+        reason = (f"differs from the sinusoid formula by {err:.2g} = {verdict.ratio:.3g}x "
+                  f"floor {verdict.noise_floor:.2g}")
     elif rot_verdict.status is not Status.PASS:
         reason = f"PE(p+k) is not a rotation of PE(p): residual {rot:.2g} = {rot_verdict.ratio:.3g}x floor"
     status = Status.PASS if not reason else Status.FAIL

@@ -86,7 +86,8 @@ def original_context(subject: Subject) -> int | None:
     return min(values) if values else subject.max_positions
 
 
-def choose_length(reference: Subject, candidate: Subject, options: RunOptions, long: bool) -> tuple[int, dict[str, Any]]:
+def choose_length(reference: Subject, candidate: Subject, options: RunOptions,
+                  long: bool) -> tuple[int, dict[str, Any]]:
     """The probe length and why: within both declared contexts (and the original one) by
     default; past the original context with `long`."""
     # Usable positions: a table read with an offset (RoBERTa's pad+1) has that many fewer.
@@ -110,7 +111,8 @@ def choose_length(reference: Subject, candidate: Subject, options: RunOptions, l
     if long and original is not None and length <= original:
         raise PosdiagError(f"--long runs past the original context of {original} tokens; --seq-len {length} does not")
     if not long and cap is not None and length > cap:
-        raise PosdiagError(f"--seq-len {length} exceeds the declared context of {cap} tokens (add --long to run past it)")
+        raise PosdiagError(f"--seq-len {length} exceeds the declared context of {cap} tokens (add --long to run past "
+                           "it)")
     return length, info
 
 
@@ -130,7 +132,8 @@ def compare_subjects(reference: Subject, candidate: Subject, options: RunOptions
     else:
         ids = reference.sample_ids(1, length, options.seed)[0].cpu()
     if int(ids.max()) >= candidate.vocab_size:
-        raise PosdiagError(f"probe ids reach {int(ids.max())}; the candidate's vocabulary has only {candidate.vocab_size} ids")
+        raise PosdiagError(f"probe ids reach {int(ids.max())}; the candidate's vocabulary has only "
+                           f"{candidate.vocab_size} ids")
 
     passes_before = reference.forward_count + (candidate.forward_count if candidate is not reference else 0)
     cmp_dtype = coarser(reference.dtype, candidate.dtype)
@@ -151,7 +154,9 @@ def compare_subjects(reference: Subject, candidate: Subject, options: RunOptions
             bad = first_non_finite(out)
             if bad is not None:
                 status = Status.ERROR if bad_name == "reference" else Status.FAIL
-                return early_result(status, f"non-finite {bad_name} output at {layer_name(bad, len(out.hidden), stack, reference.kind)}",
+                return early_result(status,
+                                    f"non-finite {bad_name} output at "
+                                    f"{layer_name(bad, len(out.hidden), stack, reference.kind)}",
                               length, info, reference, candidate, passes_before)
         pairs, note = layer_pairs(len(out_r.hidden), len(out_c.hidden), layer_map)
         if note:
@@ -164,14 +169,17 @@ def compare_subjects(reference: Subject, candidate: Subject, options: RunOptions
                 continue
             fi = ci if floor_subject is candidate else ri
             floor_pos = per_position_error(base.hidden[fi][0], out_f.hidden[fi][0]) if out_f is not None else None
-            floor = rel_error(base.hidden[fi][0], out_f.hidden[fi][0]) if out_f is not None else estimated_floor(ri, dtype_name)
+            floor = (rel_error(base.hidden[fi][0], out_f.hidden[fi][0]) if out_f is not None
+                     else estimated_floor(ri, dtype_name))
             profiles.append(layer_profile(name, ri, ci, a, b, floor, floor_pos, dtype_name, reference.kind, stack))
         if out_r.logits is not None and out_c.logits is not None and stack == reference.stacks[-1]:
             if out_r.logits.shape != out_c.logits.shape:
-                notes.append(f"logits: shapes differ ({tuple(out_r.logits.shape)} vs {tuple(out_c.logits.shape)}), not compared")
+                notes.append(f"logits: shapes differ ({tuple(out_r.logits.shape)} vs {tuple(out_c.logits.shape)}), not "
+                             "compared")
             else:
                 flog = None if out_f is None else (base.logits[0], out_f.logits[0])
-                prof, logits_stats = logits_profile(out_r.logits[0], out_c.logits[0], flog, dtype_name, reference.kind, stack)
+                prof, logits_stats = logits_profile(out_r.logits[0], out_c.logits[0], flog, dtype_name,
+                                                    reference.kind, stack)
                 profiles.append(prof)
     passes = reference.forward_count + (candidate.forward_count if candidate is not reference else 0) - passes_before
     return finish(profiles, logits_stats, length, info, dtype_name, floor_sources, notes, reference, candidate, passes)

@@ -28,7 +28,8 @@ def layer_pairs(n_ref: int, n_cand: int, layer_map: dict[int, int] | None) -> tu
         for r, c in layer_map.items():
             rr, cc = r % n_ref if -n_ref <= r < n_ref else None, c % n_cand if -n_cand <= c < n_cand else None
             if rr is None or cc is None:
-                raise PosdiagError(f"--layer-map {r}:{c} is out of range ({n_ref} reference and {n_cand} candidate hidden states)")
+                raise PosdiagError(f"--layer-map {r}:{c} is out of range ({n_ref} reference and {n_cand} candidate "
+                                   "hidden states)")
             pairs.append((rr, cc))
         return sorted(pairs), ""
     if n_ref == n_cand:

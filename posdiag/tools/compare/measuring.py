@@ -94,7 +94,8 @@ def logits_profile(ref: torch.Tensor, cand: torch.Tensor, floor_pair: tuple[torc
         "kl_first_position": int(kl.argmax()),
     }
     if floor_pair is not None:
-        fp, fq = torch.log_softmax(floor_pair[0].double().cpu(), -1), torch.log_softmax(floor_pair[1].double().cpu(), -1)
+        fp = torch.log_softmax(floor_pair[0].double().cpu(), -1)
+        fq = torch.log_softmax(floor_pair[1].double().cpu(), -1)
         stats["kl_floor"] = (fp.exp() * (fp - fq)).sum(-1).clamp_min(0.0).mean().item()
     return prof, stats
 

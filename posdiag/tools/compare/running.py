@@ -23,7 +23,8 @@ def run_stack(subject: Subject, ids: torch.Tensor, stack: str, role: str) -> Out
         declared = subject.max_positions
         hint = (f" (past its declared context of {declared}: a position table has no rows there)"
                 if declared and ids.numel() > declared else "")
-        raise PosdiagError(f"the {role} failed on {ids.numel()} tokens: {type(exc).__name__}: {text[:200]}{hint}") from None
+        raise PosdiagError(f"the {role} failed on {ids.numel()} tokens: "
+                           f"{type(exc).__name__}: {text[:200]}{hint}") from None
 
 
 def finer_run(subject: Subject, ids: torch.Tensor, stack: str) -> tuple[Outputs | None, str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -105,6 +106,6 @@ def bucketed(profiles: list[LayerProfile], length: int) -> dict[str, Any]:
     layers = {}
     for p in profiles:
         values = torch.tensor(p.per_position, dtype=torch.float64)
-        layers[p.name] = [values[s:e].mean().item() for s, e in zip(edges[:-1], edges[1:])]
+        layers[p.name] = [values[s:e].mean().item() for s, e in pairwise(edges)]
     return {"bucket_starts": edges[:-1], "length": length, "mean_error": layers,
             "tolerance": {p.name: p.tolerance for p in profiles}}
