@@ -25,7 +25,7 @@ BARE = r"""
 import json, resource, sys, time
 t0 = time.perf_counter()
 import torch, transformers
-from posdiag.model.loading import auto_class
+from posdiag.model.classes import auto_class
 from posdiag.model.families import family_for
 path, seq_len, device = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 transformers.utils.logging.set_verbosity_error(); transformers.utils.logging.disable_progress_bar()

@@ -49,8 +49,9 @@ def run_one(model_type: str) -> None:
     torch.set_num_threads(1)
     from posdiag import checks
     from posdiag.api import run_checks
+    from posdiag.model.classes import auto_class
     from posdiag.model.families import family_for
-    from posdiag.model.loading import auto_class, from_module
+    from posdiag.model.loading import from_module
     from posdiag.options import RunOptions
     from posdiag.testing.multimodal import small_config
 

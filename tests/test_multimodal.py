@@ -13,8 +13,9 @@ import transformers
 from rich.console import Console
 
 from posdiag.api import run_checks
+from posdiag.model.classes import auto_class
 from posdiag.model.families import family_for
-from posdiag.model.loading import auto_class, from_module, load_subject
+from posdiag.model.loading import from_module, load_subject
 from posdiag.options import RunOptions
 from posdiag.report import console as console_report
 from posdiag.results import Status
