@@ -133,7 +133,7 @@ def test_synthetic_and_rope_at_80_columns():
     from posdiag.report.rope_console import render_rope_static
     from posdiag.report.synthetic_console import render_synthetic
     from posdiag.tools import rope_math
-    from posdiag.tools.attention import Shape, judge_synthetic, synthetic
+    from posdiag.tools.synthetic import Shape, judge_synthetic, synthetic
 
     shape = Shape(q_len=16, k_len=16, head_dim=16, heads=2, kv_heads=2, batch=1)
     results = synthetic(shape, memory=False, repeats=1)
