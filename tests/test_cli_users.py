@@ -313,3 +313,14 @@ def test_pytest_plugin_lists_only_the_problems(pytester):
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*posdiag found 1 problem(s)*", "*FAIL shuffle: outputs merely permute*"])
     assert "PASS load" not in result.stdout.str()
+
+
+def test_junit_is_written_when_the_run_ends_before_any_check(fixtures_dir, tmp_path):
+    """--seq-len past the declared context ends the run at once (exit 2), but the JUnit file a CI job uploads is
+    still there, saying why."""
+    junit = tmp_path / "posdiag.xml"
+    result = CliRunner().invoke(app, ["check", str(fixtures_dir / "llama-tiny"), "--seq-len", "100000", "--junit",
+                                      str(junit), "-q"])
+    assert result.exit_code == 2, result.output
+    text = junit.read_text()
+    assert 'name="load"' in text and "UsageOrLoadError" in text and "exceeds the model's declared context" in text

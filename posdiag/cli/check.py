@@ -3,8 +3,11 @@ defaults), load MODEL, run the checks, compare with a baseline, emit the report.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Annotated, NoReturn
+from pathlib import Path
+from typing import Annotated, NoReturn, TypeVar
 
 import typer
 
@@ -42,6 +45,8 @@ from posdiag.cli.options import (
     UpcastOpt,
     resolve,
 )
+
+T = TypeVar("T")
 
 OnlyOpt = Annotated[str | None, typer.Option("--only", metavar="NAMES", help="Comma-separated checks to run.")]
 SkipOpt = Annotated[str | None, typer.Option("--skip", metavar="NAMES", help="Comma-separated checks to leave out.")]
@@ -131,9 +136,9 @@ def run(ctx: typer.Context, given: Settings, fixed_checks: list[str] | None = No
     policy = guarded(lambda: gate_policy(settings.fail_on, settings.require), debug)
     err = Console(stderr=True)
     with err.status(f"loading {settings.model}…"):
-        subject = guarded(lambda: load(settings), debug)
+        subject = guarded(lambda: _junit_if_aborted(settings, lambda: load(settings)), debug)
     try:
-        options = guarded(lambda: run_options(settings, subject), debug)
+        options = guarded(lambda: _junit_if_aborted(settings, lambda: run_options(settings, subject)), debug)
         with err.status("running checks…") as status:
             def progress(name: str) -> None:
                 status.update(f"running {name}…")
@@ -147,6 +152,21 @@ def run(ctx: typer.Context, given: Settings, fixed_checks: list[str] | None = No
         else:
             report, first_baseline = _first_baseline(report, settings.baseline)
     emit(report, settings, baseline=first_baseline)
+
+
+def _junit_if_aborted(settings: Settings, step: Callable[[], T]) -> T:
+    """A load or option error ends the run before any check: the JUnit file asked for is still written
+    (one `load` testcase with the error), so the CI job has a report to upload; the error then goes on."""
+    try:
+        return step()
+    except Exception as exc:
+        if settings.junit and settings.junit != "-":
+            from posdiag.errors import one_line
+            from posdiag.report.junit import format_junit_aborted
+
+            with contextlib.suppress(OSError):
+                Path(settings.junit).write_text(format_junit_aborted(settings.model, one_line(exc)))
+        raise
 
 
 def _with_baseline(report, stored: dict, margin: float):

@@ -72,3 +72,14 @@ def format_junit(report: Report) -> str:
 
 def _fmt(value) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def format_junit_aborted(model: str, message: str) -> str:
+    """The run ended before any check (the model did not load, an option failed against it): one testcase,
+    `load`, with the error, so a CI job that uploads the JUnit file still has one that says why."""
+    suite = ET.Element("testsuite", {"name": "posdiag", "tests": "1", "failures": "0", "errors": "1", "skipped": "0",
+                                     "time": "0.000"})
+    case = ET.SubElement(suite, "testcase", {"classname": _clean(model), "name": "load", "time": "0.000"})
+    node = ET.SubElement(case, "error", {"message": _clean(message), "type": "UsageOrLoadError"})
+    node.text = _clean(f"posdiag: error: {message} (exit code 2: no check ran)")
+    return ET.tostring(ET.ElementTree(suite).getroot(), encoding="unicode", xml_declaration=True) + "\n"
