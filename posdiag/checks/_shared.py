@@ -15,7 +15,7 @@ import torch
 
 from posdiag.model.precision import run_finer
 from posdiag.model.subject import Subject
-from posdiag.model.tensors import dtype_name
+from posdiag.model.tensors import dtype_name, release_freed_memory
 from posdiag.results import Status
 from posdiag.verdict import FloorVerdict, degenerate_floor, judge_arbitrated, needs_arbitration, noise_floor
 
@@ -222,6 +222,7 @@ def arbitrate(subject: Subject, measure: Callable[[], T], measured_floor: float,
     if not pending:
         return Arbitration()
     finer = run_finer(subject, measure, guard_padding=False, what="re-run")  # never zero a NaN that decides
+    release_freed_memory()
     if finer.value is None:
         details = {"arbitration": {"ran": False, "reason": finer.reason}}
         if not degenerate_floor(measured_floor, dtype):

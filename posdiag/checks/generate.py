@@ -29,6 +29,7 @@ import torch
 
 from posdiag.checks._shared import arbitrate, cache_layer_note, cache_support, new_cache, output_of, worst_error
 from posdiag.errors import describe_error
+from posdiag.model.precision import weight_bytes
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import relative_l2
 from posdiag.options import RunOptions, probe_length
@@ -316,19 +317,23 @@ def _reference(subject: Subject, prompts: list[torch.Tensor], done: list[Run], p
     refs: dict[tuple[str, int], torch.Tensor] = {}
     with torch.inference_mode():
         if not seq2seq:
-            stacked, _ = _right_padded([torch.cat([prompts[row], toks[:-1]]) for _, _, row, toks in items], pad,
-                                       subject.device)
-            subject.forward_count += 1
-            out = output_of(model(input_ids=stacked, use_cache=False, return_dict=True))
-            for j, (name, i, _, _) in enumerate(items):
-                refs[(name, i)] = out[j]
+            # Identical generations (dynamic and static caches usually agree) share one reference row.
+            index: dict[tuple, int] = {}
+            seqs: list[torch.Tensor] = []
+            for _, _, row, toks in items:
+                key = (row, tuple(toks.tolist()))
+                if key not in index:
+                    index[key] = len(seqs)
+                    seqs.append(torch.cat([prompts[row], toks[:-1]]))
+            out = _logits(subject, _right_padded(seqs, pad, subject.device)[0])
+            for name, i, row, toks in items:
+                refs[(name, i)] = out[index[(row, tuple(toks.tolist()))]]
             pstack, _ = _right_padded(prompts, pad, subject.device)
-            subject.forward_count += 2
-            pout = output_of(model(input_ids=pstack, use_cache=False, return_dict=True))
+            pout = _logits(subject, pstack)
             # Short prefixes: decode steps run at a small width, and so does this pass (measured on
             # CPU: widths >= 16 reproduce a longer forward bit for bit, widths 1-8 do not).
             short = max(1, min(len(p) for p in prompts) // 2)
-            sout = output_of(model(input_ids=pstack[:, :short], use_cache=False, return_dict=True))
+            sout = _logits(subject, pstack[:, :short])
             floor = max(relative_l2(sout[j, t], refs[(name, i)][t])
                         for j in range(len(prompts)) for name, i, row, _ in items if row == j for t in range(short))
             return refs, [pout[j] for j in range(len(prompts))], floor
@@ -360,3 +365,16 @@ def _right_padded(seqs: list[torch.Tensor], pad: int, device) -> tuple[torch.Ten
     for j, x in enumerate(seqs):
         ids[j, :len(x)], mask[j, :len(x)] = x, 1
     return ids, mask
+
+
+def _logits(subject: Subject, ids: torch.Tensor) -> torch.Tensor:
+    """Cache-free logits of right-padded rows, as few rows per call as keep each call's logits within a tenth of
+    the weights' memory (in float64: the arbitration's re-run), kept in float32 like generate()'s own."""
+    width, vocab = ids.shape[1], subject.vocab_size
+    rows = max(1, weight_bytes(subject, torch.float32) // 10 // (width * vocab * 8))
+    parts = []
+    for start in range(0, ids.shape[0], rows):
+        subject.forward_count += 1
+        parts.append(output_of(subject.model(input_ids=ids[start:start + rows], use_cache=False,
+                                             return_dict=True)).float())
+    return torch.cat(parts)

@@ -44,7 +44,7 @@ from posdiag.model.introspect import recurrent_mixers, recurrent_reason
 from posdiag.model.precision import run_finer
 from posdiag.model.probe import Row, fidelity_rows, judge_fidelity, run_rows
 from posdiag.model.subject import Subject
-from posdiag.model.tensors import dtype_name, relative_l2
+from posdiag.model.tensors import dtype_name, relative_l2, release_freed_memory
 from posdiag.options import RunOptions, probe_length
 from posdiag.results import CheckResult, Status, Table, combine_stacks
 from posdiag.verdict import FAIL_RATIO, LOW_PRECISION, MACHINE_EPSILON, PASS_RATIO, noise_floor
@@ -101,6 +101,7 @@ def _decided_in_float64(subject: Subject, options: RunOptions) -> CheckResult:
             subject.dtype = half
 
     finer = run_finer(subject, in_float64, what="shift ladder")
+    release_freed_memory()
     name = dtype_name(half)
     if finer.value is None:
         result = combine_stacks("shift", [_run_stack(subject, options, stack) for stack in subject.stacks])

@@ -32,7 +32,7 @@ from posdiag.model.probe import (
     run_rows,
 )
 from posdiag.model.subject import Subject
-from posdiag.model.tensors import dtype_name, relative_l2
+from posdiag.model.tensors import dtype_name, relative_l2, release_freed_memory
 from posdiag.options import RunOptions, probe_ids
 from posdiag.results import CheckResult, Status, Table, combine_stacks
 from posdiag.verdict import LOW_PRECISION, PASS_RATIO, FloorVerdict, judge_position_signal, noise_floor
@@ -174,6 +174,7 @@ def _decided_finer(subject: Subject, verdict: FloorVerdict, measure, figures, fl
     """Half precision cannot tell a weak position signal from rounding: re-run the same rows with the model in
     float64 (module by module) and decide there. When no finer run is possible the WARN stays, saying so."""
     finer = run_finer(subject, measure)
+    release_freed_memory()
     if finer.value is None:
         return FloorVerdict(verdict.status, verdict.residual, verdict.noise_floor, verdict.ratio,
                             f"{verdict.reason}; the float64 re-run that decides could not run: {finer.reason}")
