@@ -9,7 +9,10 @@ Noise floor, measured in the same run: the reference again in a finer dtype (flo
 That is the size of float32 rounding for this model on these tokens; a different engine computing
 the same function in float32 (other kernels, other summation order) lands within a few of it —
 as long as the engine itself keeps float32 (its KV cache too: llama.cpp's default f16 cache alone
-costs ~1e-4). The error is judged as a ratio to that floor (FAIL above FAIL_RATIO x).
+costs ~1e-4). The error is judged as a ratio to that floor (FAIL above FAIL_RATIO x). A quantised
+candidate's floor is the quantisation's own error, measured per position (posdiag/tools/quant_floor.py).
+An engine with `logits_continued` is also run as a prefill of the first half plus a continuation, and
+that run is judged the same way, as its own profile.
 
 Shape of the error, which names the cause:
 - grows with position from 1: zero at position 0 (a token that sees only itself cannot feel a
