@@ -1,7 +1,8 @@
 """Engines for `posdiag compare` tests and docs: a tiny Llama reference (module:factory returning a
 torch.nn.Module) and candidates that follow the engine protocol (objects with logits(ids) -> [T, V]),
 wrapping a copy of the same model: healthy, with q/k rows in the other rotary layout (a position
-bug), with a wrong norm epsilon (a weight/norm bug), and with a wrong return shape."""
+bug), with a wrong norm epsilon (a weight/norm bug), whose prefill + continuation restarts positions
+at 0, and with a wrong return shape."""
 
 from __future__ import annotations
 
@@ -27,6 +28,24 @@ class TorchEngine:
         with torch.no_grad():
             return self.model(torch.tensor([ids])).logits[0].numpy()
 
+    def logits_continued(self, ids: list[int], split: int):
+        """Prefill ids[:split] into a transformers cache, then continue it with ids[split:]."""
+        with torch.no_grad():
+            first = self.model(torch.tensor([ids[:split]]), use_cache=True)
+            rest = self.model(torch.tensor([ids[split:]]), cache=first.cache,
+                              position_ids=self.continued_positions(split, len(ids)), use_cache=True)
+        return torch.cat([first.logits[0], rest.logits[0]]).numpy()
+
+    def continued_positions(self, split: int, total: int) -> torch.Tensor:
+        return torch.arange(split, total)[None]
+
+
+class RestartingEngine(TorchEngine):
+    """A port whose continuation restarts positions at 0 (the cache kept): a decode-position bug."""
+
+    def continued_positions(self, split: int, total: int) -> torch.Tensor:
+        return torch.arange(0, total - split)[None]
+
 
 def reference() -> torch.nn.Module:
     return zoo.tiny_model("llama", init="strong")
@@ -42,6 +61,10 @@ def rotary_layout() -> TorchEngine:
 
 def norm_eps() -> TorchEngine:
     return TorchEngine(wrong_norm_eps(reference(), 1e-2), "engine with norm epsilon 1e-2")
+
+
+def restarts_positions() -> RestartingEngine:
+    return RestartingEngine(copy_of(reference()), "engine whose continuation restarts positions at 0")
 
 
 class _Flat:

@@ -140,3 +140,61 @@ def test_gguf_converter_writes_what_the_reader_reads(tmp_path, llama):
     data = np.asarray(q.data).reshape(hf.shape)
     # head 0, rotary pair 1: HF rows 1 and 1 + d/2 become adjacent rows 2 and 3
     assert np.array_equal(data[2], hf[1]) and np.array_equal(data[3], hf[1 + 8])
+
+
+def test_continuation_restarting_positions_fails_at_the_split(llama):
+    from engines_demo import RestartingEngine
+
+    result = run(llama, RestartingEngine(copy_of(llama), "restarts")).result
+    assert result.status is Status.FAIL
+    assert result.summary.startswith("continued from position 64: error starts at position 64")
+    assert result.details["boundary"] == "continuation 64" and result.details["pattern"] == "step at a length"
+    assert result.details["layers"][0]["pattern"] == "none"  # the all-at-once run is healthy
+    # the healthy twin: the same continuation with positions carried on
+    healthy = run(llama, TorchEngine(copy_of(llama), "copy")).result
+    assert healthy.status is Status.PASS and healthy.details["continued_from"] == 64
+    assert "also continued from position 64" in healthy.summary
+
+
+class Quantised(TorchEngine):
+    quantization = "Q8_0"
+
+
+def test_quantised_engine_without_a_file_is_inconclusive_and_says_why(llama):
+    result = run(llama, Quantised(interleave_qk(llama), "q")).result
+    assert result.status is Status.WARN
+    assert "this engine cannot run another file" in result.summary and "grows with position" in result.summary
+
+
+def test_quantised_floor_needs_a_converter_for_the_family():
+    from dataclasses import replace
+
+    ref = zoo.tiny_model("phi3", init="strong")
+    engine = replace(as_engine(Quantised(copy_of(ref), "q"), "q"), tensor_types={"token_embd.weight": "Q8_0"},
+                     twin=lambda path: pytest.fail("no conversion can be written"))
+    result = compare_engine(from_module(ref), engine, RunOptions()).result
+    assert result.status is Status.WARN
+    assert "posdiag has no GGUF converter for model_type 'phi3'" in result.summary
+
+
+def test_classify_per_position_tolerance_and_a_rise_below_it():
+    tol = torch.full((64,), 1e-2, dtype=torch.float64)
+    rise = torch.tensor([1e-3, 5e-3] + [0.2] * 62, dtype=torch.float64)  # above 1/3 of the tolerance at 1
+    out = classify(rise, tol, {})
+    assert out["pattern"] == "grows with position" and out["onset_position"] == 2
+    flat = torch.tensor([1e-3] * 8 + [0.2] * 56, dtype=torch.float64)   # at the floor, then a step
+    assert classify(flat, tol, {})["pattern"] == "step at a length"
+
+
+def test_quantised_writer_types_and_refusals(tmp_path, llama):
+    pytest.importorskip("gguf", reason="the GGUF writer needs the gguf package")
+    from posdiag.tools.gguf_engine import read_metadata
+    from posdiag.tools.gguf_write import ConversionError, convert, write
+
+    meta = read_metadata(str(write(convert(llama), tmp_path / "q.gguf", "Q8_0")))
+    assert meta["tensor_types"] == {"Q8_0": 16, "F32": 5}  # 2-D weights quantised, the 5 norms kept
+    assert meta["tensor_type_by_name"]["blk.0.attn_norm.weight"] == "F32"
+    with pytest.raises(ConversionError, match="Q4_K"):
+        write(convert(llama), tmp_path / "k.gguf", {"token_embd.weight": "Q4_K"})
+    with pytest.raises(ConversionError, match="no GGUF converter"):
+        convert(zoo.tiny_model("phi3"))

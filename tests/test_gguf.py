@@ -87,3 +87,72 @@ def test_llama_cpp_qwen2_has_no_sliding_window(tmp_path):
     result = compare(tmp_path, zoo.tiny_model("qwen2", init="strong"))
     assert result.status is Status.FAIL and result.details["pattern"] == "step at a length"
     assert result.details["boundary"] == f"sliding_window {zoo.SLIDING_WINDOW}"
+
+
+def compare_quantised(tmp_path, model, plant=None, qtype="Q8_0"):
+    path = write_gguf(model, tmp_path / f"{model.config.model_type}-{qtype}-{plant or 'healthy'}.gguf",
+                      plant=plant, qtype=qtype)
+    return compare_engine(from_module(model, name="reference"), load_gguf(str(path)), RunOptions()).result
+
+
+def test_quantised_healthy_conversion_passes_against_the_quantisations_own_error(tmp_path, llama):
+    result = compare_quantised(tmp_path, llama)
+    assert result.status is Status.PASS, result.summary
+    assert "within the quantisation's own error" in result.summary
+    floor = result.details["quantisation_floor"]
+    assert floor["kind"] == "Q8_0" and 1e-3 < floor["median"] <= floor["max"] < 1.0  # measured, not float rounding
+    assert result.details["floor_source"] == (
+        "the quantisation's own error, measured on posdiag's Q8_0 conversion of the reference: "
+        f"{floor['max']:.2g} / {floor['median']:.2g} (per position max/median)")
+    assert result.metrics["tolerance"] == pytest.approx(10 * floor["median"])
+
+
+@pytest.mark.parametrize("plant", ["qk_hf_layout", "freq_base"])
+def test_quantised_position_bug_fails_grows_with_position(tmp_path, llama, plant):
+    result = compare_quantised(tmp_path, llama, plant)
+    assert result.status is Status.FAIL, result.summary
+    assert result.details["pattern"] == "grows with position" and "grows with position" in result.summary
+    assert result.metrics["position0_error"] <= result.details["quantisation_floor"]["per_position"][0] * 10
+    assert result.details["floor_source"].startswith("the quantisation's own error, measured on posdiag's Q8_0")
+
+
+def test_quantisation_too_coarse_for_the_model_is_inconclusive(tmp_path, llama):
+    """Q4_0 on a 64-wide model: its own error is ~0.4 of the logits per position, so 10x of it
+    could never be exceeded; the verdict says so instead of passing."""
+    result = compare_quantised(tmp_path, llama, qtype="Q4_0")
+    assert result.status is Status.WARN and "no bug could stand above it" in result.summary
+
+
+def test_continuation_in_llama_cpp_is_judged_by_position(tmp_path, llama):
+    result = compare(tmp_path, llama)
+    assert result.status is Status.PASS and result.details["continued_from"] == 64
+    continued = result.details["layers"][1]
+    assert continued["name"] == "logits, continued from position 64" and continued["pattern"] == "none"
+    assert "also continued from position 64" in result.summary
+
+
+class FreshContinuation:
+    """llama.cpp with a broken continuation: the tokens after the prefill run as a fresh sequence
+    (positions from 0, the prefill's cache dropped)."""
+
+    def __init__(self, engine):
+        self.runner, self.engine = engine.impl, engine
+
+    def logits(self, ids):
+        return self.runner.logits(ids)
+
+    def logits_continued(self, ids, split):
+        import numpy as np
+
+        return np.concatenate([self.runner.logits(ids[:split]), self.runner.logits(ids[split:])])
+
+
+def test_continuation_restarting_at_0_fails_at_the_split(tmp_path, llama):
+    from dataclasses import replace
+
+    engine = load_gguf(str(write_gguf(llama, tmp_path / "llama.gguf")))
+    result = compare_engine(from_module(llama, name="reference"), replace(engine, impl=FreshContinuation(engine)),
+                            RunOptions()).result
+    assert result.status is Status.FAIL
+    assert result.summary.startswith("continued from position 64: error starts at position 64")
+    assert result.details["boundary"] == "continuation 64"

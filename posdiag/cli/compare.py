@@ -81,11 +81,19 @@ def compare(
       logits(ids: list[int]) -> array [T, V]   (numpy or torch; the logits of every position)
 
     and optionally name, settings (dict), context_length, boundaries (dict), quantization,
-    approximations (e.g. ("gelu_f16",), measured on the reference and added to the floor). A
-    module.path:factory candidate is an engine when the factory returns such an object, and a
+    approximations (e.g. ("gelu_f16",), measured on the reference and added to the floor), and
+
+      logits_continued(ids, split) -> array [T, V]   (prefill, then continue the cache)
+
+    (ids[:split] prefilled, the cache continued with the rest; judged as its own line).
+
+    A module.path:factory candidate is an engine when the factory returns such an object, and a
     PyTorch model when it returns a torch.nn.Module. A .gguf candidate runs in llama.cpp
     (pip install 'posdiag[gguf]'): all-position logits, float32 KV cache, the reference's token ids,
-    the context the file declares. By default the probe runs past the reference's sliding window;
+    the context the file declares, and a continuation from the middle. A quantised .gguf (Q8_0,
+    Q4_0...) is judged per position against 10x the quantisation's own error, measured on posdiag's
+    conversion of the reference at the same tensor types through the same engine (WARN when posdiag
+    cannot write that conversion). By default the probe runs past the reference's sliding window;
     --long runs past the original context of scaled RoPE.
     """
     settings = Settings(  # the reference's; the candidate's differ only where the candidate options say

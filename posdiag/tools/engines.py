@@ -7,6 +7,11 @@ The protocol is one method. An engine is any object with
 returning the logits of every position for the token ids it is given (no tokenizer: the ids are
 the reference's). It may also carry, all optional:
 
+    logits_continued(ids: list[int], split: int) -> array [T, V]
+                            prefill ids[:split] into the engine's cache, then continue that cache
+                            with ids[split:]; the logits of every position of both parts. Judged
+                            by position like `logits`, as its own line ("continued from position N")
+
     name: str               what the report calls it (default: the spec)
     settings: dict          the engine settings that shape its rounding (KV cache type, batch,
                             threads...), printed in the report
@@ -30,6 +35,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,15 +58,30 @@ class Engine:
     boundaries: dict[str, int] = field(default_factory=dict)
     quantization: str | None = None
     approximations: tuple[str, ...] = ()
+    tensor_types: dict[str, str] = field(default_factory=dict)
+    """Storage type by tensor name (GGUF), for a quantised candidate's measured floor."""
+    twin: Callable[[str], Engine] | None = None
+    """Load another file with the same engine and settings (GGUF), for the same measurement."""
+
+    @property
+    def can_continue(self) -> bool:
+        return callable(getattr(self.impl, "logits_continued", None))
 
     def run(self, ids: list[int]) -> torch.Tensor:
+        return self._call(lambda: self.impl.logits(list(ids)), ids, "")
+
+    def run_continued(self, ids: list[int], split: int) -> torch.Tensor:
+        return self._call(lambda: self.impl.logits_continued(list(ids), split), ids,
+                          f" continued from position {split}")
+
+    def _call(self, call: Callable[[], Any], ids: list[int], how: str) -> torch.Tensor:
         try:
-            raw = self.impl.logits(list(ids))
+            raw = call()
         except PosdiagError:
             raise
         except Exception as exc:
             text = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
-            raise PosdiagError(f"the engine {self.name} failed on {len(ids)} tokens: "
+            raise PosdiagError(f"the engine {self.name} failed on {len(ids)} tokens{how}: "
                                f"{type(exc).__name__}: {text}") from None
         out = raw.detach().to("cpu", torch.float64) if isinstance(raw, torch.Tensor) else \
             torch.from_numpy(np.asarray(raw, dtype=np.float64))
@@ -68,7 +89,7 @@ class Engine:
             out = out[0]
         if out.ndim != 2 or out.shape[0] != len(ids):
             raise PosdiagError(f"the engine {self.name} returned logits of shape {tuple(out.shape)} for {len(ids)} "
-                               f"tokens; the protocol is {PROTOCOL}")
+                               f"tokens{how}; the protocol is {PROTOCOL}")
         return out
 
 

@@ -37,6 +37,14 @@ class LlamaCppRunner:
         self.llm.eval(ids)
         return np.array(self.llm.scores[: len(ids), : self.n_vocab], dtype=np.float32)
 
+    def logits_continued(self, ids: list[int], split: int) -> np.ndarray:
+        """Prefill ids[:split], then a second eval of ids[split:] into the same context (its KV cache
+        continued at position split); the logits of every position of both."""
+        self.llm.reset()
+        self.llm.eval(ids[:split])
+        self.llm.eval(ids[split:])
+        return np.array(self.llm.scores[: len(ids), : self.n_vocab], dtype=np.float32)
+
 
 def load_gguf(path: str, *, kv_cache: str = "f32", threads: int | None = None) -> Engine:
     """Open PATH with llama.cpp. PosdiagError (one line) when the file or the engine is missing."""
@@ -72,6 +80,7 @@ def load_gguf(path: str, *, kv_cache: str = "f32", threads: int | None = None) -
     settings["n_batch"] = llm.n_batch
     settings["logits_all"] = True
     types = meta.get("tensor_types", {})
+    by_name = meta.get("tensor_type_by_name", {})
     settings["weights"] = ", ".join(f"{t} x{n}" for t, n in sorted(types.items()))
     quantised = sorted(t for t in types if t not in FLOAT_TYPES)
     boundaries = {}
@@ -80,12 +89,14 @@ def load_gguf(path: str, *, kv_cache: str = "f32", threads: int | None = None) -
         boundaries["sliding_window"] = window
     return Engine(impl=LlamaCppRunner(llm, llm.n_vocab()), name=path, settings=settings,
                   context_length=int(context) if context else None, boundaries=boundaries,
-                  quantization="/".join(quantised) or None,
+                  quantization="/".join(quantised) or None, tensor_types=by_name,
+                  twin=lambda other: load_gguf(other, kv_cache=kv_cache, threads=threads),
                   approximations=("gelu_f16",))  # ggml-cpu/vec.h defines GGML_GELU_FP16: GELU by a float16 table
 
 
 def read_metadata(path: str) -> dict[str, Any]:
-    """Scalar metadata of a GGUF file, plus `tensor_types` (type name -> tensor count)."""
+    """Scalar metadata of a GGUF file, plus `tensor_types` (type name -> tensor count) and
+    `tensor_type_by_name` (tensor name -> type name)."""
     try:
         from gguf import GGUFReader
     except ImportError:
@@ -105,4 +116,5 @@ def read_metadata(path: str) -> dict[str, Any]:
         if isinstance(value, (int, float, str, bool)):
             out[name] = value
     out["tensor_types"] = dict(Counter(t.tensor_type.name for t in reader.tensors))
+    out["tensor_type_by_name"] = {t.name: t.tensor_type.name for t in reader.tensors}
     return out

@@ -9,7 +9,10 @@ Noise floor, measured in the same run: the reference again in a finer dtype (flo
 That is the size of float32 rounding for this model on these tokens; a different engine computing
 the same function in float32 (other kernels, other summation order) lands within a few of it —
 as long as the engine itself keeps float32 (its KV cache too: llama.cpp's default f16 cache alone
-costs ~1e-4). The error is judged as a ratio to that floor (FAIL above FAIL_RATIO x).
+costs ~1e-4). The error is judged as a ratio to that floor (FAIL above FAIL_RATIO x). A quantised
+candidate's floor is the quantisation's own error, measured per position (posdiag/tools/quant_floor.py).
+An engine with `logits_continued` is also run as a prefill of the first half plus a continuation, and
+that run is judged the same way, as its own profile.
 
 Shape of the error, which names the cause:
 - grows with position from 1: zero at position 0 (a token that sees only itself cannot feel a
@@ -32,16 +35,15 @@ from posdiag.errors import PosdiagError
 from posdiag.model.subject import Subject
 from posdiag.options import RunOptions
 from posdiag.results import CheckResult, Status, Table
+from posdiag.tools import quant_floor
 from posdiag.tools.compare import DEFAULT_SEQ_LEN, original_context
 from posdiag.tools.compare.helpers import name_of
-from posdiag.tools.compare.measuring import UNIFORM_START_FRACTION, LayerProfile, per_position_error, rel_error
+from posdiag.tools.compare.measuring import LayerProfile, per_position_error, rel_error
 from posdiag.tools.compare.running import finer_run, run_stack
 from posdiag.tools.compare.verdict import Comparison, bucketed
 from posdiag.tools.engines import Engine
+from posdiag.tools.port_shapes import classify
 from posdiag.verdict import FAIL_RATIO, noise_floor
-
-BOUNDARY_SLACK = 2
-"""An onset within this many positions after a declared boundary is that boundary."""
 
 
 def compare_engine(reference: Subject, engine: Engine, options: RunOptions | None = None, *,
@@ -69,32 +71,72 @@ def compare_engine(reference: Subject, engine: Engine, options: RunOptions | Non
     approx = approximation_floor(reference, ids, stack, engine, ref)
     if approx is not None and approx[0] > floor:
         floor, floor_source = approx[0], f"{floor_source}; raised to {approx[0]:.2g} by {approx[1]}"
-    tolerance = FAIL_RATIO * floor
 
     covered = min(length, engine.context_length) if engine.context_length else length
-    cand = engine.run(ids[:covered].tolist())
+    run_ids = ids[:covered].tolist()
     notes: list[str] = []
-    if cand.shape[1] != ref.shape[1]:
-        if cand.shape[1] < ref.shape[1]:
-            raise PosdiagError(f"the engine returns {cand.shape[1]} logits per position; the reference {ref.shape[1]}")
-        notes.append(f"engine vocabulary {cand.shape[1]} > reference {ref.shape[1]}: the first {ref.shape[1]} compared")
-        cand = cand[:, : ref.shape[1]]
-    per = torch.full((length,), math.nan, dtype=torch.float64)
-    per[:covered] = per_position_error(ref[:covered], cand)
-    error = rel_error(ref[:covered], cand)
-    shape = classify(per, tolerance, boundaries)
-    profile = LayerProfile("logits", None, None, error, floor, tolerance, error / floor, tuple(per.tolist()), shape)
+    cand = _vocab(engine.run(run_ids), ref, notes)
+    floors = torch.full((length,), floor, dtype=torch.float64)
+    inconclusive = None
+    if engine.quantization:
+        with quant_floor.workdir() as tmp:
+            measured = quant_floor.measure(reference, engine, run_ids, ref, tmp)
+        if isinstance(measured, str):
+            inconclusive = measured
+        else:
+            floors[:covered] = measured.per_position.clamp(min=floor)
+            floor, floor_source = measured.error, measured.describe()
+            if float(floors[:covered].median()) * FAIL_RATIO >= 1.0:
+                inconclusive = (f"{measured.kind} weights whose own error, measured on posdiag's {measured.kind} "
+                                f"conversion of the reference (median {float(measured.per_position.median()):.2g} "
+                                f"per position), times {FAIL_RATIO:g} reaches the size of the logits: no bug could "
+                                "stand above it")
+    tolerances = FAIL_RATIO * floors
+    tolerance = float(tolerances[:covered].median())
+    profiles = [_profile("logits", ref, cand, covered, length, floor, tolerances, boundaries)]
+    if engine.can_continue and covered >= 4:
+        split = covered // 2
+        continued = _vocab(engine.run_continued(run_ids, split), ref, [])
+        profiles.append(_profile(f"logits, continued from position {split}", ref, continued, covered, length, floor,
+                                 tolerances, {**boundaries, "continuation": split}))
     crossed = {k: v for k, v in boundaries.items() if v < length}
     details: dict[str, Any] = {
         **info, "seq_len": length, "compared_dtype": dtype, "floor_source": floor_source,
         "reference": reference.info.to_dict(), "candidate": engine_info(engine, dtype),
         "engine": {"name": engine.name, **engine.settings}, "boundaries": boundaries,
         "boundaries_crossed": crossed, "covered_positions": covered, "notes": notes,
-        "profile": bucketed([profile], length),
-        "layers": [{"name": "logits", "error": error, "noise_floor": floor, "ratio": error / floor, **shape}],
+        "profile": bucketed(profiles, length),
+        "layers": [{"name": p.name, "error": p.error, "noise_floor": p.floor, "ratio": p.ratio, **p.pattern}
+                   for p in profiles],
     }
-    result = _verdict(profile, engine, length, details, reference.forward_count - before)
-    return Comparison(result, (profile,), length)
+    if len(profiles) > 1:
+        details["continued_from"] = covered // 2
+    if engine.quantization and inconclusive is None:
+        details["quantisation_floor"] = {"kind": engine.quantization, "per_position": floors[:covered].tolist(),
+                                         "max": float(floors[:covered].max()),
+                                         "median": float(floors[:covered].median())}
+    result = _verdict(profiles, engine, length, details, reference.forward_count - before, inconclusive, tolerance)
+    return Comparison(result, tuple(reversed(profiles)), length)
+
+
+def _vocab(cand: torch.Tensor, ref: torch.Tensor, notes: list[str]) -> torch.Tensor:
+    if cand.shape[1] != ref.shape[1]:
+        if cand.shape[1] < ref.shape[1]:
+            raise PosdiagError(f"the engine returns {cand.shape[1]} logits per position; the reference {ref.shape[1]}")
+        notes.append(f"engine vocabulary {cand.shape[1]} > reference {ref.shape[1]}: the first {ref.shape[1]} compared")
+        cand = cand[:, : ref.shape[1]]
+    return cand
+
+
+def _profile(name: str, ref: torch.Tensor, cand: torch.Tensor, covered: int, length: int, floor: float,
+             tolerances: torch.Tensor, boundaries: dict[str, int]) -> LayerProfile:
+    per = torch.full((length,), math.nan, dtype=torch.float64)
+    per[:covered] = per_position_error(ref[:covered], cand)
+    error = rel_error(ref[:covered], cand)
+    shape = classify(per, tolerances, boundaries)
+    shape["worst_position_ratio"] = float((per[:covered] / (tolerances[:covered] / FAIL_RATIO)).max())
+    return LayerProfile(name, None, None, error, floor, float(tolerances[:covered].median()), error / floor,
+                        tuple(per.tolist()), shape)
 
 
 def approximation_floor(reference: Subject, ids: torch.Tensor, stack: str, engine: Engine,
@@ -166,47 +208,6 @@ def probe_length(reference: Subject, options: RunOptions, long: bool,
     return length, info
 
 
-def classify(e: torch.Tensor, tolerance: float, boundaries: dict[str, int]) -> dict[str, Any]:
-    """The shape of a per-position error profile (NaN = a position the engine did not cover)."""
-    n = e.numel()
-    finite = torch.isfinite(e)
-    above = ~finite | (e > tolerance)
-    if not bool(above.any()):
-        return {"pattern": "none"}
-    onset = int(above.nonzero()[0])
-    covered = int(finite.sum())
-    start = float(e[0])
-    rest = e[1:covered]
-    median = float(rest.median()) if rest.numel() else 0.0
-    out: dict[str, Any] = {"onset_position": onset, "position0_error": start, "median_error_after_0": median,
-                           "start_ratio": start / median if median > 0 else 0.0, "boundary": None}
-    named = [k for k, v in boundaries.items() if v <= onset <= v + BOUNDARY_SLACK]
-    if named:
-        out["boundary"] = ", ".join(f"{k} {boundaries[k]}" for k in named)
-    if onset >= covered:
-        out["pattern"] = "step at a length"
-        out["why"] = (f"within tolerance up to position {covered - 1}, where the engine's context ends; positions "
-                      f"{covered}-{n - 1} not covered: a context boundary")
-        return out
-    late = rest[-max(1, rest.numel() // 4):].mean().item() if rest.numel() else 0.0
-    out["late_error"] = late
-    if onset == 0 and out["start_ratio"] >= UNIFORM_START_FRACTION:
-        out["pattern"] = "uniform from position 0"
-        out["why"] = (f"already {start:.2g} at position 0 (a token that sees only itself), {out['start_ratio']:.2g}x "
-                      "the median elsewhere: weights, norm, activation or embedding, not positions")
-    elif onset <= 1:
-        out["pattern"] = "grows with position"
-        first = float(e[1]) if n > 1 else start
-        out["why"] = (f"{start:.2g} at position 0, {first:.2g} at position 1, {late:.2g} late: the error comes with "
-                      "relative position (RoPE base, rotary pairing layout, scaling)")
-    else:
-        out["pattern"] = "step at a length"
-        where = f" = {out['boundary']}" if out["boundary"] else " (no declared boundary there)"
-        out["why"] = (f"at the floor up to position {onset - 1}, then {float(e[onset]):.2g} at {onset}{where}, "
-                      f"{late:.2g} late: a window, context or scaling boundary")
-    return out
-
-
 def engine_info(engine: Engine, dtype: str) -> dict[str, Any]:
     """The candidate line of the report, in the shape ModelInfo.to_dict gives the reference."""
     settings = engine.settings
@@ -216,35 +217,52 @@ def engine_info(engine: Engine, dtype: str) -> dict[str, Any]:
             "notes": []}
 
 
-def _verdict(profile: LayerProfile, engine: Engine, length: int, details: dict[str, Any], passes: int) -> CheckResult:
-    shape = profile.pattern
+def _verdict(profiles: list[LayerProfile], engine: Engine, length: int, details: dict[str, Any], passes: int,
+             inconclusive: str | None, tolerance: float) -> CheckResult:
+    main = profiles[0]
     kv = engine.settings.get("kv_cache")
     where = f"{length} tokens" + (f", KV cache {kv}" if kv else "")
     crossed = details["boundaries_crossed"]
     if crossed:
         where += ", past " + ", ".join(f"{k} {v}" for k, v in crossed.items())
-    metrics: dict[str, Any] = {"error": profile.error, "noise_floor": profile.floor, "tolerance": profile.tolerance,
-                               "ratio": profile.ratio, "onset_position": shape.get("onset_position"),
-                               "position0_error": profile.per_position[0]}
-    row = ("logits", f"{profile.error:.3e}", f"{profile.floor:.2e}", f"{profile.ratio:.3g}",
-           f"{profile.per_position[0]:.2e}", shape.get("pattern", "") if shape.get("pattern") != "none" else "")
-    table = Table("error at the logits (relative L2; position 0 shown apart)",
-                  ("layer", "error", "noise floor", "ratio", "at position 0", "pattern"), (row,))
-    if shape.get("pattern") == "none":
+    quantised = "quantisation_floor" in details
+    metrics: dict[str, Any] = {"error": main.error, "noise_floor": main.floor, "tolerance": tolerance,
+                               "ratio": main.ratio, "onset_position": main.pattern.get("onset_position"),
+                               "position0_error": main.per_position[0],
+                               "worst_position_ratio": main.pattern["worst_position_ratio"]}
+    rows = tuple((p.name, f"{p.error:.3e}", f"{p.floor:.2e}", f"{p.ratio:.3g}", f"{p.per_position[0]:.2e}",
+                  p.pattern.get("pattern", "") if p.pattern.get("pattern") != "none" else "") for p in profiles)
+    title = "error at the logits (relative L2; position 0 shown apart" + \
+        ("; tolerance per position: 10x the quantisation's own error there)" if quantised else ")")
+    table = Table(title, ("layer", "error", "noise floor", "ratio", "at position 0", "pattern"), rows)
+    failing = [p for p in profiles if p.pattern.get("pattern") != "none"]
+    within = "the quantisation's own error" if quantised else "float32 rounding"
+    if not failing and inconclusive:
+        status, summary = Status.WARN, f"inconclusive: {inconclusive} ({where})"
+    elif not failing:
         status = Status.PASS
-        summary = (f"same function within float32 rounding: logits error {profile.error:.3g} = {profile.ratio:.3g}x "
-                   f"noise floor (tolerance {FAIL_RATIO:g}x) at every position ({where})")
+        summary = (f"same function within {within}: logits error {main.error:.3g} = {main.ratio:.3g}x noise "
+                   f"floor (tolerance {FAIL_RATIO:g}x{' per position' if quantised else ''}) at every position")
+        if len(profiles) > 1:
+            summary += f", also continued from position {details['continued_from']}"
+        summary += f" ({where})"
     else:
-        details.update({"first_layer": "logits", "pattern": shape["pattern"], "pattern_why": shape.get("why"),
+        first = failing[0]
+        shape = first.pattern
+        details.update({"first_layer": first.name, "pattern": shape["pattern"], "pattern_why": shape.get("why"),
                         "onset_position": shape.get("onset_position"), "boundary": shape.get("boundary")})
         lead = {"grows with position": f"error grows with position from {shape['onset_position']}",
                 "step at a length": f"error starts at position {shape['onset_position']}",
                 "uniform from position 0": "error uniform from position 0"}[shape["pattern"]]
+        if first is not main:
+            lead = f"continued from position {details['continued_from']}: {lead}"
         status = Status.FAIL
-        if engine.quantization:
-            status = Status.WARN
-            lead = (f"inconclusive: {engine.quantization} weights, and no tolerance measured for that quantisation; "
-                    + lead)
-        summary = (f"{lead}: {shape.get('why', '')}; logits error {profile.error:.3g} = {profile.ratio:.3g}x noise "
+        if inconclusive:
+            status, lead = Status.WARN, f"inconclusive: {inconclusive}; {lead}"
+        summary = (f"{lead}: {shape.get('why', '')}; logits error {first.error:.3g} = {first.ratio:.3g}x noise "
                    f"floor ({where})")
+        if first is main and len(profiles) > 1:
+            rest = profiles[1].pattern.get("pattern")
+            summary += (f"; continued from position {details['continued_from']}: "
+                        f"{'within tolerance' if rest == 'none' else rest}")
     return CheckResult("compare", status, summary, metrics, details, (table,), forward_passes=passes)
