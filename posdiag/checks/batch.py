@@ -287,6 +287,8 @@ def _forward_hf(subject: Subject, ids: torch.Tensor, mask2d: torch.Tensor, posit
             kwargs["position_ids"] = subject.position_ids_for(positions.to(subject.device))
         if subject.kind != "encoder":
             kwargs["use_cache"] = False
+        if subject.takes_logits_to_keep:  # only hidden states are compared: no [B, T, vocab] logits
+            kwargs["logits_to_keep"] = 1
         out = model(input_ids=ids, attention_mask=mask2d, output_hidden_states=True, return_dict=True, **kwargs)
         hidden = out.hidden_states if out.hidden_states is not None else (out.last_hidden_state,)
         return hidden[-1]

@@ -330,7 +330,7 @@ class Subject:
         return Outputs(hidden, logits)
 
     @property
-    def _takes_logits_to_keep(self) -> bool:
+    def takes_logits_to_keep(self) -> bool:
         import inspect
 
         return "logits_to_keep" in inspect.signature(self.model.forward).parameters
@@ -348,7 +348,7 @@ class Subject:
             # is often the largest activation of a batched probe (147 MB for 9 x 128 tokens of a
             # 32k vocab). The full model still runs (a bug can live in the head class's forward).
 
-            if not want_logits and self._takes_logits_to_keep:
+            if not want_logits and self.takes_logits_to_keep:
                 kwargs["logits_to_keep"] = 1
             if self.kind == "seq2seq":
                 if stack == "encoder":

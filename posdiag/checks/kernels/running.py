@@ -88,7 +88,7 @@ def _forward_once(subject: Subject, sc: Scenario) -> Run:
     model = subject.model
     with torch.inference_mode():
         kwargs: dict[str, Any] = {"output_hidden_states": True, "return_dict": True}
-        if subject._takes_logits_to_keep:
+        if subject.takes_logits_to_keep:
             kwargs["logits_to_keep"] = 1  # only the last position's logits are compared
         if subject.kind == "causal":
             kwargs["use_cache"] = sc.prefill > 0
