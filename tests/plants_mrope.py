@@ -97,3 +97,57 @@ def sections_swapped_between_q_and_k() -> nn.Module:
         layer.self_attn.__class__ = _KeySectionsSwappedAttention
         layer.self_attn.planted_rotary = rotary
     return model
+
+
+# ------------------------------------------------------------- decode positions after an image (cache, generate)
+def with_image(model_type: str) -> nn.Module:
+    """The healthy twin of the decode plants: image placeholder ids inside the small vocabulary."""
+    return tiny_multimodal(model_type, image_tokens_in_vocab=True)
+
+
+def _planted_deltas(model: nn.Module, deltas) -> nn.Module:
+    inner = model.model
+    original = inner.get_rope_index
+
+    def get_rope_index(input_ids, *args, **kwargs):
+        positions, right = original(input_ids, *args, **kwargs)
+        return positions, deltas(right, input_ids)
+
+    inner.get_rope_index = get_rope_index  # an instance attribute: the class is untouched
+    return model
+
+
+def decode_ignoring_rope_deltas(model_type: str) -> nn.Module:
+    """Stored rope_deltas of 0: a manual decode loop numbers new tokens by the token count."""
+    return _planted_deltas(with_image(model_type), lambda d, ids: torch.zeros_like(d))
+
+
+def decode_restarting_at_zero(model_type: str) -> nn.Module:
+    """Stored rope_deltas of -tokens: the first decoded token sits at position 0 again."""
+    return _planted_deltas(with_image(model_type), lambda d, ids: torch.full_like(d, -ids.shape[1]))
+
+
+def _planted_generate(model: nn.Module, rows) -> nn.Module:
+    original = model._update_model_kwargs_for_generation
+
+    def update(*args, **kwargs):
+        out = original(*args, **kwargs)
+        pos = out.get("position_ids")
+        if isinstance(pos, torch.Tensor) and pos.ndim == 3 and pos.shape[0] == 4:
+            pos = pos.clone()
+            pos[1:, :, -1] = rows(pos)
+            out["position_ids"] = pos
+        return out
+
+    model._update_model_kwargs_for_generation = update
+    return model
+
+
+def generate_ignoring_rope_deltas(model_type: str) -> nn.Module:
+    """generate() numbers each new token's t/h/w by its text position (the token count): rope_deltas dropped."""
+    return _planted_generate(with_image(model_type), lambda pos: pos[0, :, -1])
+
+
+def generate_restarting_at_zero(model_type: str) -> nn.Module:
+    """generate() restarts the t/h/w streams at 0 after the prompt."""
+    return _planted_generate(with_image(model_type), lambda pos: pos[0, :, -1] - pos[0, :, -1].min())
