@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from posdiag.checks._image_decode import decode_after_image, with_image_decode
 from posdiag.checks._shared import arbitrate, cache_layer_note, cache_support, new_cache, output_of, worst_error
 from posdiag.errors import describe_error
 from posdiag.model.subject import Subject
@@ -88,7 +89,10 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     arbitration = arbitrate(subject, measure, first.floor, verdicts, dtype,
                             lambda m: (m.floor, {p.name: p.max_error for p in m.paths if not p.crashed}))
     verdicts.update(arbitration.verdicts)
-    return _report(subject, first, verdicts, arbitration, length, dtype)
+    result = _report(subject, first, verdicts, arbitration, length, dtype)
+    steps = int(options.for_check("cache").get("decode_steps", DECODE_STEPS))  # multimodal RoPE: after an image
+    return with_image_decode(result, subject, options.seed, lambda prompt: decode_after_image(
+        subject, prompt, new_cache(subject, "dynamic", max_len=prompt.ids.shape[1] + steps + 1), steps, options.seed))
 
 
 def _measure(subject: Subject, ids: torch.Tensor, schedules: dict[str, list[tuple[int, int]]],

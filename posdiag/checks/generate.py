@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from posdiag.checks._image_decode import generate_after_image, with_image_decode
 from posdiag.checks._shared import arbitrate, cache_layer_note, cache_support, new_cache, output_of, worst_error
 from posdiag.errors import describe_error
 from posdiag.model.precision import weight_bytes
@@ -128,7 +129,9 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     arbitration = arbitrate(subject, measure, first.floor, verdicts, dtype,
                             lambda m: (m.floor, {r.name: r.max_error for r in m.done}))
     verdicts.update(arbitration.verdicts)
-    return _report(subject, first, verdicts, arbitration, lens, new_tokens)
+    result = _report(subject, first, verdicts, arbitration, lens, new_tokens)
+    return with_image_decode(result, subject, options.seed,  # multimodal RoPE: generate() after an image
+                             lambda prompt: generate_after_image(subject, prompt, new_tokens, _pad_id(subject)[0]))
 
 
 @dataclass

@@ -33,8 +33,14 @@ MROPE_SECTION = [4, 2, 2]  # t/h/w pairs of the 8 a 16-dim head rotates (Qwen2-V
 _SUB_CONFIGS = ("text_config", "vision_config", "audio_config", "vision_tower_config", "speech_config")
 
 
-def small_config(model_type: str, **text_overrides: Any) -> PretrainedConfig:
-    """The default config of ``model_type`` with every tower shrunk (``text_overrides`` win for the text model)."""
+SPECIAL_TOKENS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+
+def small_config(model_type: str, *, image_tokens_in_vocab: bool = False, **text_overrides: Any) -> PretrainedConfig:
+    """The default config of ``model_type`` with every tower shrunk (``text_overrides`` win for the text model).
+
+    The image/video placeholder ids keep their (large) defaults, outside the small vocabulary, so random text never
+    holds one; ``image_tokens_in_vocab`` moves them to the top of the vocabulary for prompts with an image."""
     import transformers
 
     config_class = type(transformers.AutoConfig.for_model(model_type))
@@ -46,6 +52,12 @@ def small_config(model_type: str, **text_overrides: Any) -> PretrainedConfig:
             continue
         sizes = {**TEXT_SIZES, **text_overrides} if name == "text_config" else TOWER_SIZES
         kwargs[name] = _shrunk(sub, sizes)
+        if name == "vision_config" and "embed_dim" in kwargs[name] and "hidden_size" in kwargs[name]:
+            # Qwen2-VL's tower: embed_dim is its width, hidden_size the merger's output (the language model's)
+            kwargs[name]["hidden_size"] = text_overrides.get("hidden_size", TEXT_SIZES["hidden_size"])
+    if image_tokens_in_vocab:
+        vocab = text_overrides.get("vocab_size", TEXT_SIZES["vocab_size"])
+        kwargs.update({k: vocab - 1 - i for i, k in enumerate(SPECIAL_TOKENS) if getattr(base, k, None) is not None})
     if not kwargs:  # a text-only config: shrink it directly
         fields = _shrunk(base, {**TEXT_SIZES, **text_overrides})
         fields.pop("model_type")
@@ -78,12 +90,12 @@ def _reads_mrope(config: Any) -> bool:
 
 
 def tiny_multimodal(model_type: str, *, seed: int = 0, attn_implementation: str | None = "eager",
-                    **text_overrides: Any) -> nn.Module:
+                    image_tokens_in_vocab: bool = False, **text_overrides: Any) -> nn.Module:
     """A tiny image-text-to-text model of ``model_type`` (eval mode, default init seeded with ``seed``)."""
     import torch
     import transformers
 
-    config = small_config(model_type, **text_overrides)
+    config = small_config(model_type, image_tokens_in_vocab=image_tokens_in_vocab, **text_overrides)
     torch.manual_seed(seed)
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     return transformers.AutoModelForImageTextToText.from_config(config, **kwargs).eval()

@@ -364,5 +364,10 @@ def reference_angles(freqs: np.ndarray, positions: np.ndarray) -> np.ndarray:
 def angle_tolerance(freqs: np.ndarray, positions: np.ndarray, out_epsilon: float) -> np.ndarray:
     """[P, pairs] bound of an honest implementation: angles rounded in float32 (as transformers computes
     them whatever the model dtype), then cos/sin rounded to the output dtype."""
+    return angle_bound(reference_angles(freqs, positions), out_epsilon)
+
+
+def angle_bound(angles: np.ndarray, out_epsilon: float) -> np.ndarray:
+    """The same bound for given angles (multimodal RoPE: each pair turned by its own stream's position)."""
     eps32 = float(np.finfo(np.float32).eps)
-    return eps32 * (1.0 + np.abs(reference_angles(freqs, positions))) + out_epsilon
+    return eps32 * (1.0 + np.abs(angles)) + out_epsilon

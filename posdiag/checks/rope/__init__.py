@@ -35,6 +35,7 @@ from typing import Any
 from posdiag.checks.rope.applied import probe_applied
 from posdiag.checks.rope.factor import FactorSummary, factor_summary
 from posdiag.checks.rope.findings import Finding, severity
+from posdiag.checks.rope.grid import probe_grid
 from posdiag.checks.rope.planning import Plan, make_plan, restored_rotary_state
 from posdiag.checks.rope.report import factor_table, position_table, spec_dict, static_metrics, static_table
 from posdiag.checks.rope.tables import probe_tables
@@ -53,7 +54,7 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
         return CheckResult("rope", Status.SKIP, skip)
     plan = make_plan(subject, options.for_check("rope"), specs)
     token = int(subject.sample_ids(1, 1, options.seed)[0, 0])
-    seen = _observe(subject, specs, plan, token)
+    seen = _observe(subject, specs, plan, token, options.seed)
     factor = factor_summary(seen.factors, [r.attention_scaling for r in plan.static], subject.dtype_name)
     metrics, details = _evidence(plan, seen, factor)
     status, summary = _verdict(specs, plan, seen, factor, metrics["max_position"])
@@ -89,12 +90,13 @@ class _Observed:
     why_not_applied: str = ""
     not_probed: list[str] = field(default_factory=list)  # what could not be probed, and why (each once)
     no_factor: list[str] = field(default_factory=list)  # "layer L q" whose attention factor was not measured
+    streams: list[str] = field(default_factory=list)  # mRoPE probes with differing t/h/w streams that ran
 
     def skipped(self, reasons: list[str]) -> None:
         self.not_probed += [r for r in reasons if r not in self.not_probed]
 
 
-def _observe(subject: Subject, specs: list[rope_math.RopeSpec], plan: Plan, token: int) -> _Observed:
+def _observe(subject: Subject, specs: list[rope_math.RopeSpec], plan: Plan, token: int, seed: int) -> _Observed:
     """Both probes at each plan's positions, the reference frequencies built for that plan's length."""
     seen = _Observed()
     with restored_rotary_state(subject.model):
@@ -112,6 +114,12 @@ def _observe(subject: Subject, specs: list[rope_math.RopeSpec], plan: Plan, toke
             seen.probe_rows += [(label, *r) for r in a_rows]
             seen.applied_done |= a_done
             seen.why_not_applied = seen.why_not_applied or why
+        if seen.applied_done:  # multimodal RoPE: the streams apart (probe 4), at the last plan's positions
+            label, positions = plan.probes[-1]
+            refs = {id(s): rope_math.inv_freq(subject.config, s, seq_len=int(positions.max()) + 1) for s in specs}
+            g_find, seen.streams, why = probe_grid(subject, plan.layer_spec, refs, positions, token, seed)
+            seen.findings += g_find
+            seen.skipped([why] if why else [])
     if seen.factors and seen.no_factor:  # measured at some layers only (none at all: factor_summary says so)
         seen.skipped([f"attention factor at {', '.join(seen.no_factor)}: no un-rotated q/k lined up with the "
                       "rotated one"])
@@ -127,6 +135,7 @@ def _evidence(plan: Plan, seen: _Observed, factor: FactorSummary) -> tuple[dict[
         "positions_probed": int(sum(len(p) for _, p in plan.probes)),
         "max_position": int(max(int(p.max()) for _, p in plan.probes)), "probes": len(plan.probes),
         "tables_probed": seen.table_done, "applied_probed": seen.applied_done, "fail_ratio": FAIL_RATIO,
+        "mrope_streams_probed": list(seen.streams),
         **static_metrics(plan.static),
     }
     details: dict[str, Any] = {
@@ -173,8 +182,9 @@ def _judged(specs: list[rope_math.RopeSpec], plan: Plan, seen: _Observed, factor
         return Status.WARN, f"module agrees with the config ({ratio}); {warnings[0]}"
     spec_text = ", ".join(f"{s.rope_type} θ={s.theta:g}" + (f" ({s.layer_type})" if s.layer_type else "")
                           for s in specs)
-    return Status.PASS, (f"applied rotation matches the config ({spec_text}) up to position {max_position}: {ratio}"
-                         f"{factor.clause}")
+    streams = f", mRoPE sections with distinct t/h/w streams ({', '.join(seen.streams)})" if seen.streams else ""
+    return Status.PASS, (f"applied rotation matches the config ({spec_text}{streams}) up to position {max_position}: "
+                         f"{ratio}{factor.clause}")
 
 
 def _tables(plan: Plan, seen: _Observed) -> tuple[Table, ...]:

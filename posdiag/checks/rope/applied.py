@@ -33,10 +33,10 @@ def probe_applied(subject: Subject, layer_spec, refs, positions: np.ndarray, tok
     no_factor: list[str] = []  # "layer L q": no un-rotated capture lines up with that q/k
     by_pos = np.zeros(len(positions))
     for layer, (_module, q, k, plain) in enumerate(records):
-        q, k, judged_at = _judged_qk(q, k, plain)
+        q, k, judged_at = judged_qk(q, k, plain)
         spec = layer_spec[min(layer, len(layer_spec) - 1)]
         freqs, scaling = refs[id(spec)]
-        spread = _input_spread(out, layer)
+        spread = input_spread(out, layer)
         arrays = {name: heads(t, len(positions)) for name, t in (("q", q), ("k", k))}
         for name, t in (("q", q), ("k", k)):
             if arrays[name] is None:
@@ -45,11 +45,11 @@ def probe_applied(subject: Subject, layer_spec, refs, positions: np.ndarray, tok
         fits = {}
         for name, arr in arrays.items():
             if not np.isfinite(arr).all():
-                findings.append(_non_finite(arr, positions, layer, name))
+                findings.append(non_finite(arr, positions, layer, name))
                 fits[name] = None
                 continue
             fits[name] = None if recurrent else {
-                lay: _judge_applied(arr, freqs, spec, positions, lay, eps,
+                lay: judge_applied(arr, freqs, spec, positions, lay, eps,
                                     max(spread, eps), layer, name) for lay in LAYOUTS}
             factor = factor_finding(arr, plain, name, freqs, scaling, eps, positions, layer)
             if factor is not None:
@@ -58,7 +58,7 @@ def probe_applied(subject: Subject, layer_spec, refs, positions: np.ndarray, tok
                 no_factor.append(f"layer {layer} {name}")
         if fits["q"] is None or fits["k"] is None:
             continue
-        layer_findings, layer_by_pos = _best_fits(fits, layer, spread, judged_at)
+        layer_findings, layer_by_pos = best_fits(fits, layer, spread, judged_at)
         findings += layer_findings
         by_pos = np.maximum(by_pos, layer_by_pos)
     if recurrent:
@@ -82,7 +82,7 @@ def _capture_qk(subject: Subject, positions: np.ndarray, token: int) -> tuple[li
     return capture.records, out, ""
 
 
-def _judged_qk(q: torch.Tensor, k: torch.Tensor, plain: list[tuple]) -> tuple[torch.Tensor, torch.Tensor, str]:
+def judged_qk(q: torch.Tensor, k: torch.Tensor, plain: list[tuple]) -> tuple[torch.Tensor, torch.Tensor, str]:
     """The q/k to judge: what attention received, unless something changed them after the rotation."""
     for _q0, _k0, _source, q1, k1 in plain:
         # Something changed q/k between the rotation and attention (HunYuan's q/k norm after RoPE):
@@ -93,13 +93,13 @@ def _judged_qk(q: torch.Tensor, k: torch.Tensor, plain: list[tuple]) -> tuple[to
     return q, k, "attention input"
 
 
-def _input_spread(out, layer: int) -> float:
+def input_spread(out, layer: int) -> float:
     """How far the layer's input moves across positions (relative to position 0): the same-token premise's floor."""
     hidden = out.hidden[min(layer, len(out.hidden) - 1)][0].double()
     return float(((hidden - hidden[:1]).norm(dim=-1) / hidden[:1].norm(dim=-1).clamp_min(1e-30)).max())
 
 
-def _non_finite(arr: np.ndarray, positions: np.ndarray, layer: int, name: str) -> Finding:
+def non_finite(arr: np.ndarray, positions: np.ndarray, layer: int, name: str) -> Finding:
     bad = np.argwhere(~np.isfinite(arr))[0]
     return Finding("non-finite", float("nan"), layer=layer, tensor=name, head=int(bad[0]),
                    position=int(positions[bad[1]]), dim=int(bad[2]),
@@ -107,7 +107,7 @@ def _non_finite(arr: np.ndarray, positions: np.ndarray, layer: int, name: str) -
                            f"{int(bad[2])}")
 
 
-def _best_fits(fits: dict, layer: int, spread: float, judged_at: str) -> tuple[list[Finding], np.ndarray]:
+def best_fits(fits: dict, layer: int, spread: float, judged_at: str) -> tuple[list[Finding], np.ndarray]:
     """The best layout for q and for k (and a finding when they differ). -> (findings, worst ratio by position)."""
     best = {n: min(f.values(), key=lambda x: x[0].ratio) for n, f in fits.items()}
     lay_q = min(fits["q"], key=lambda lay: fits["q"][lay][0].ratio)
@@ -135,22 +135,23 @@ def _pairs(layout: str, rotary_dim: int) -> tuple[np.ndarray, np.ndarray]:
     return np.arange(0, rotary_dim, 2), np.arange(1, rotary_dim, 2)
 
 
-def _judge_applied(arr: np.ndarray, freqs: np.ndarray, spec, positions: np.ndarray, layout: str, eps: float,
-                   floor: float, layer: int, name: str) -> tuple[Finding, np.ndarray]:
-    """arr [H, T, D]: observed rotated vectors; q(p) must be R_p q(0) on the rotary dims, q(0) elsewhere."""
+def judge_applied(arr: np.ndarray, freqs: np.ndarray, spec, positions: np.ndarray, layout: str, eps: float,
+                  floor: float, layer: int, name: str, angles: np.ndarray | None = None) -> tuple[Finding, np.ndarray]:
+    """arr [H, T, D]: observed rotated vectors; q(p) must be R_p q(0) on the rotary dims, q(0) elsewhere.
+    angles [T, pairs]: each pair's reference angle where it is not p·θ_i (mRoPE streams that differ)."""
     heads, _, dim = arr.shape
     rot = min(2 * freqs.shape[0], dim)
     freqs = freqs[: rot // 2]
     a_idx, b_idx = _pairs(layout, rot)
     x0 = arr[:, :1]
-    ang = rope_math.reference_angles(freqs, positions)[None]  # [1, T, pairs]
+    ang = (rope_math.reference_angles(freqs, positions) if angles is None else angles[:, : rot // 2])[None]
     c, s = np.cos(ang), np.sin(ang)
     xa, xb = x0[..., a_idx], x0[..., b_idx]
     ea, eb = xa * c - xb * s, xb * c + xa * s
     err_pair = np.sqrt((arr[..., a_idx] - ea) ** 2 + (arr[..., b_idx] - eb) ** 2)  # [H, T, pairs]
     norm_pair = np.sqrt(xa ** 2 + xb ** 2)
     norm_head = np.linalg.norm(x0, axis=-1, keepdims=True)
-    angle_tol = rope_math.angle_tolerance(freqs, positions, 0.0)[None]
+    angle_tol = rope_math.angle_bound(ang, 0.0)
     tol_pair = norm_pair * angle_tol + norm_head * (4 * eps + 2 * floor) + 1e-30
     ratio = err_pair / tol_pair
     i = np.unravel_index(int(np.argmax(ratio)), ratio.shape)

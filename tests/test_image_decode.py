@@ -1,0 +1,73 @@
+"""Decode positions after an image (multimodal RoPE): a prompt with an image placeholder grid makes rope_deltas
+non-zero, and every decoded or generated token must sit where the model's own get_rope_index numbers it in the
+whole sequence. Plants that drop rope_deltas or restart at 0 FAIL `cache` (manual decode loop) or `generate`;
+their healthy twins PASS. Tiny towers with random pixel values (posdiag.checks._image_decode)."""
+
+from __future__ import annotations
+
+import warnings
+
+import plants_mrope as plants
+import pytest
+
+from posdiag.api import run_checks
+from posdiag.model.loading import from_module
+from posdiag.options import RunOptions
+from posdiag.results import Status
+from posdiag.testing.multimodal import tiny_multimodal
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    warnings.filterwarnings("ignore")
+
+
+def _checks(model, names):
+    report = run_checks(from_module(model, name="m"), names, RunOptions(seq_len=12))
+    return {c.name: c for c in report.checks}
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen3_vl"])
+def test_healthy_decode_after_an_image_passes(model_type):
+    checks = _checks(plants.with_image(model_type), ["cache", "generate"])
+    for name, path in (("cache", "decode"), ("generate", "generate")):
+        c = checks[name]
+        assert c.status is Status.PASS, c.summary
+        assert f"after an image: {path}: positions continue from rope_deltas -12" in c.summary
+        assert c.details["after_image"]["mismatch"] == ""
+
+
+@pytest.mark.parametrize("build, at", [(plants.decode_ignoring_rope_deltas, "(22, 22, 22)"),
+                                       (plants.decode_restarting_at_zero, "(0, 0, 0)")])
+def test_manual_decode_off_rope_deltas_fails_cache(build, at):
+    c = _checks(build("qwen2_vl"), ["cache"])["cache"]
+    assert c.status is Status.FAIL, c.summary
+    assert c.summary.startswith(f"after an image: decode: token 22 (decode step 0) ran at (t, h, w) = {at}; after "
+                                "the image grid the model's own numbering puts it at (10, 10, 10)"), c.summary
+
+
+@pytest.mark.parametrize("build, at", [(plants.generate_ignoring_rope_deltas, "(22, 22, 22)"),
+                                       (plants.generate_restarting_at_zero, "(0, 0, 0)")])
+def test_generate_off_rope_deltas_fails_generate(build, at):
+    c = _checks(build("qwen2_vl"), ["generate"])["generate"]
+    assert c.status is Status.FAIL, c.summary
+    assert f"after an image: generate: token 22 (decode step 0) ran at (t, h, w) = {at}" in c.summary
+
+
+def test_dropped_deltas_are_invisible_without_an_image():
+    # the same plant on text alone: the three streams equal the text positions, so only the image probe sees it
+    # (a FAIL of the text runs would lead the summary, with the image probe's finding appended after it)
+    c = _checks(plants.generate_ignoring_rope_deltas("qwen2_vl"), ["generate"])["generate"]
+    assert c.status is Status.FAIL
+    assert c.summary.startswith("after an image: generate:"), c.summary
+
+
+def test_without_image_tokens_in_the_vocabulary_it_says_so():
+    c = _checks(tiny_multimodal("qwen2_vl"), ["cache"])["cache"]
+    assert c.status is Status.PASS, c.summary
+    assert "not probed: decode after an image (the image token 151655 is outside the 256-row embedding)" in c.summary
+
+
+def test_models_without_mrope_are_unchanged():
+    c = _checks(tiny_multimodal("llava"), ["cache"])["cache"]
+    assert "after an image" not in c.summary and "after_image" not in c.details
