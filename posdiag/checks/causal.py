@@ -108,7 +108,7 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     if status is Status.PASS:
         summary = (f"no output before j moves when token j changes, for every j (max change "
                    f"{worst['metrics']['leak']:.2g} <= {worst['metrics']['tolerance']:.2g}; "
-                   f"{' and '.join(r['path'] for r in results)}; {length} tokens)")
+                   f"{' and '.join(r['path'] for r in results if r is not image)}; {length} tokens)")
         if isinstance(image, dict):
             summary += f"; {image['summary']}"
     else:
