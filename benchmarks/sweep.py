@@ -39,6 +39,11 @@ def model_types() -> dict[str, str]:
 
 def run_one(model_type: str) -> None:
     """Build, check, print one JSON line (run in a subprocess by run_all)."""
+    print(json.dumps(check_one(model_type)))
+
+
+def check_one(model_type: str, seq_len: int = 16, threads: int = 1) -> dict:
+    """The sweep's row of one model type: its tiny model built and every check but `load` run on it."""
     import warnings
 
     import torch
@@ -46,7 +51,7 @@ def run_one(model_type: str) -> None:
 
     warnings.filterwarnings("ignore")
     transformers.utils.logging.set_verbosity_error()
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     from posdiag import checks
     from posdiag.api import run_checks
     from posdiag.model.classes import auto_class
@@ -67,13 +72,12 @@ def run_one(model_type: str) -> None:
         subject = from_module(model.eval(), name=model_type)
     except Exception as exc:  # not instantiable from a small config on CPU: listed with the reason
         row["unbuildable"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
-        print(json.dumps(row))
-        return
+        return row
     row.update(position_kind=subject.position_kind, family_kind=subject.kind, tested=subject.tested)
     names = [n for n in checks.available() if n != "load"]
-    report = run_checks(subject, names, RunOptions(seq_len=16))
+    report = run_checks(subject, names, RunOptions(seq_len=seq_len))
     row["checks"] = {c.name: [c.status.value, c.summary[:240]] for c in report.checks}
-    print(json.dumps(row))
+    return row
 
 
 def done() -> dict[str, dict]:

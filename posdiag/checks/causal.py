@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from posdiag.checks import _image_mask
 from posdiag.checks._shared import FLOOR_SOURCE, arbitrate, jittered, layer_name, per_token_change
 from posdiag.model.introspect import attention_free, recurrent_mixers
 from posdiag.model.probe import Row, run_rows
@@ -83,6 +84,9 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
         if result["status"] is Status.FAIL and not sweep.non_finite:
             result = _arbitrated(subject, name, sweep, sweep_path, result, dtype)
         results.append(result)
+    image = _image_mask.probe(subject, options.seed)  # token_type_ids masks: image tokens see each other
+    if isinstance(image, dict):
+        results.append(image)
 
     status = Status.worst([r["status"] for r in results])
     metrics: dict = {}
@@ -93,6 +97,8 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     metrics.update(worst["metrics"])
     details: dict = {"seq_len": length, "edited_positions": length - 1, "floor_source": FLOOR_SOURCE,
                      "paths": {r["path"]: r["details"] for r in results}}
+    if isinstance(image, str):
+        details["image_mask"] = image
     if not ok:
         details["explicit_mask"] = f"not run: {why}"
     recurrent = recurrent_mixers(subject.model)
@@ -102,7 +108,9 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     if status is Status.PASS:
         summary = (f"no output before j moves when token j changes, for every j (max change "
                    f"{worst['metrics']['leak']:.2g} <= {worst['metrics']['tolerance']:.2g}; "
-                   f"{' and '.join(r['path'] for r in results)}; {length} tokens)")
+                   f"{' and '.join(r['path'] for r in results if r is not image)}; {length} tokens)")
+        if isinstance(image, dict):
+            summary += f"; {image['summary']}"
     else:
         failing = [r for r in results if r["status"] is not Status.PASS]
         texts = {r["summary"].replace(f"({r['path']})", "(PATH)") for r in failing}
@@ -110,6 +118,8 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
             summary = texts.pop().replace("(PATH)", f"({' and '.join(r['path'] for r in failing)})")
         else:
             summary = "; ".join(r["summary"] for r in failing)
+    if isinstance(image, str):
+        summary += f"; image-token mask {image}"
     table_rows = tuple(
         (r["path"], r["status"].value, f"{r['metrics']['leak']:.3e}", f"{r['metrics']['noise_floor']:.2e}",
          str(r["details"].get("first_leak") or "-"), str(r["details"].get("leak_distances") or "-"))
