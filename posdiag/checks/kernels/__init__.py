@@ -25,6 +25,7 @@ from posdiag.checks.kernels.isolated import ISOLATED, run_isolated
 from posdiag.checks.kernels.judging import Evidence, judge
 from posdiag.checks.kernels.running import forward, reference_runs, run_here
 from posdiag.checks.kernels.scenarios import Run, Scenario, build_scenarios, default_implementations
+from posdiag.model.introspect import attention_free, recurrent_reason
 from posdiag.model.subject import Subject
 from posdiag.options import RunOptions
 from posdiag.results import CheckResult, Status
@@ -59,6 +60,9 @@ def _not_applicable(subject: Subject) -> CheckResult | None:
         return CheckResult("kernels", Status.SKIP, "factory models have a single attention path: nothing to compare")
     if not hasattr(subject.model, "set_attn_implementation"):
         return CheckResult("kernels", Status.SKIP, "the model cannot switch attention implementations")
+    if attention_free(subject.model):
+        return CheckResult("kernels", Status.SKIP, f"{recurrent_reason(subject)}; and no layer is attention, so no "
+                                                   "attention kernel runs: nothing to compare")
     return None
 
 
