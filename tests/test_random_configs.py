@@ -69,7 +69,11 @@ def random_config(seed: int) -> tuple[str, dict]:
     return model_type, config
 
 
-SEEDS = list(range(SAMPLE))
+# Configurations that once gave a false verdict, run in every sample: seed 100 (Mistral, llama3 scaling, head_dim
+# 64, init 0.2) FAILed generate at 10.4x a floor that came out bitwise 0 until its float64 re-run was guarded
+# against padding rows that turn NaN in float64.
+REGRESSIONS = [100]
+SEEDS = list(range(SAMPLE)) + [s for s in REGRESSIONS if s >= SAMPLE]
 
 
 @pytest.mark.parametrize("seed", [pytest.param(s, marks=pytest.mark.slow) if FULL else s for s in SEEDS])

@@ -221,7 +221,9 @@ def arbitrate(subject: Subject, measure: Callable[[], T], measured_floor: float,
     pending = {name: v for name, v in verdicts.items() if needs_arbitration(v, measured_floor, dtype)}
     if not pending:
         return Arbitration()
-    finer = run_finer(subject, measure, guard_padding=False, what="re-run")  # never zero a NaN that decides
+    # Padding rows fully masked in float64 turn NaN and spread through 0-weight attention; the guard zeroes them
+    # (a NaN in the run dtype is decided before this: judge_arbitrated never calls it rounding).
+    finer = run_finer(subject, measure, what="re-run")
     release_freed_memory()
     if finer.value is None:
         details = {"arbitration": {"ran": False, "reason": finer.reason}}
