@@ -6,7 +6,9 @@ family has one, a sliding window, then runs every check. Nothing is planted, so 
 a false verdict. Before float64 arbitration, such configs FAILed `cache` and `generate` at 11-18x a floor that
 came out bitwise 0.
 
-CI runs a sample (POSDIAG_RANDOM_CONFIGS, default 6); the full sweep is a documented command:
+Measured on the full sweep (200 configurations: llama 37, mistral 37, phi3 40, qwen3 34, qwen2 31, gemma 21; rope
+default 70, longrope 36, dynamic 28, llama3 27, yarn 21, linear 18): 0 FAIL, 0 error, at least 7 checks PASS on
+each. CI runs a sample (POSDIAG_RANDOM_CONFIGS, default 6, plus the regression seeds); the full sweep:
 
     POSDIAG_RANDOM_CONFIGS=200 python -m pytest -n 2 -q -m slow tests/test_random_configs.py
 """
