@@ -162,8 +162,8 @@ def _load_both(reference: Settings, candidate: Settings):
 
 def _load_candidate(spec: str, options):
     """A .gguf file -> llama.cpp engine; module:factory -> engine or PyTorch model by what it returns."""
-    from posdiag.model.loading import from_factory_model, load_subject, looks_like_factory
-    from posdiag.tools.engines import as_engine, call_factory, is_engine, is_gguf
+    from posdiag.model.loading import call_factory, from_factory_model, load_subject, looks_like_factory
+    from posdiag.tools.engines import as_engine, is_engine, is_gguf
 
     if is_gguf(spec):
         from posdiag.tools.gguf_engine import load_gguf

@@ -130,10 +130,9 @@ def looks_like_factory(spec: str) -> bool:
     return bool(module) and attr.isidentifier() and all(p.isidentifier() for p in module.split("."))
 
 
-def _load_factory(spec: str, options: LoadOptions) -> Subject:
-    if options.device_map:
-        raise PosdiagError("--device-map needs a checkpoint to place: a module:factory model is built in memory "
-                           "(dispatch it with accelerate inside the factory instead)")
+def call_factory(spec: str) -> Any:
+    """Import `module.path:factory` (the current directory is importable) and call it; every failure is one
+    PosdiagError line. Models and engines (posdiag compare) are built this way."""
     module_name, _, attr = spec.rpartition(":")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
@@ -145,9 +144,16 @@ def _load_factory(spec: str, options: LoadOptions) -> Subject:
     if not callable(factory):
         raise PosdiagError(f"'{attr}' in module '{module_name}' is not a callable factory")
     try:
-        model = factory()
+        return factory()
     except Exception as exc:
         raise PosdiagError(f"factory '{spec}' raised {type(exc).__name__}: {one_line(exc)}") from None
+
+
+def _load_factory(spec: str, options: LoadOptions) -> Subject:
+    if options.device_map:
+        raise PosdiagError("--device-map needs a checkpoint to place: a module:factory model is built in memory "
+                           "(dispatch it with accelerate inside the factory instead)")
+    model = call_factory(spec)
     if not isinstance(model, torch.nn.Module):
         raise PosdiagError(f"factory '{spec}' returned {type(model).__name__}, not a torch.nn.Module")
     return from_factory_model(model, spec, options)

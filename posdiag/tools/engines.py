@@ -32,9 +32,6 @@ engine and is compared on its logits, position by position.
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -113,28 +110,5 @@ def is_engine(obj: Any) -> bool:
     return not isinstance(obj, torch.nn.Module) and callable(getattr(obj, "logits", None))
 
 
-def call_factory(spec: str) -> Any:
-    """Import `module.path:factory` and call it (the current directory is importable)."""
-    module_name, _, attr = spec.rpartition(":")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:
-        raise PosdiagError(f"cannot import factory module '{module_name}': {_line(exc)}") from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise PosdiagError(f"'{attr}' in module '{module_name}' is not a callable factory")
-    try:
-        return factory()
-    except Exception as exc:
-        raise PosdiagError(f"factory '{spec}' raised {type(exc).__name__}: {_line(exc)}") from None
-
-
 def is_gguf(spec: str) -> bool:
     return spec.lower().endswith(".gguf")
-
-
-def _line(exc: Exception) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:200] if text else type(exc).__name__
