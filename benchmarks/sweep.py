@@ -74,6 +74,12 @@ def check_one(model_type: str, seq_len: int = 16, threads: int = 1) -> dict:
         row["unbuildable"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
         return row
     row.update(position_kind=subject.position_kind, family_kind=subject.kind, tested=subject.tested)
+    try:  # a small config transformers builds but cannot run (inconsistent sizes) is not a model to judge
+        subject.forward(subject.sample_ids(1, min(seq_len, 8), 0))
+    except Exception as exc:
+        row["unbuildable"] = (f"builds, but a plain forward of the small config fails: {type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else ''}")[:200]
+        return row
     names = [n for n in checks.available() if n != "load"]
     report = run_checks(subject, names, RunOptions(seq_len=seq_len))
     row["checks"] = {c.name: [c.status.value, c.summary[:240]] for c in report.checks}
