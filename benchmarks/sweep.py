@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import resource
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "sweep.jsonl"
+MEMORY_LIMIT = 6 << 30  # bytes of address space per model type: a config that asks for more is listed, not run
 PAGE = HERE.parent / "docs" / "support.md"
 MAPPINGS = {  # kind shown in the table -> transformers.models.auto.modeling_auto mapping
     "causal": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
@@ -104,7 +106,7 @@ def run_all(timeout: float, only: list[str], write: bool) -> None:
         start = time.time()
         try:
             proc = subprocess.run([sys.executable, str(script), "--one", model_type], capture_output=True,
-                                  text=True, timeout=timeout)
+                                  text=True, timeout=timeout, preexec_fn=_limit_memory)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
             last = (proc.stderr.strip().splitlines() or [""])[-1][:200]
             row = json.loads(lines[-1]) if lines else {
@@ -117,6 +119,11 @@ def run_all(timeout: float, only: list[str], write: bool) -> None:
         print(f"[{i + 1}/{len(todo)}] {model_type} {time.time() - start:.0f}s", flush=True)
     if write:
         write_page()
+
+
+def _limit_memory() -> None:
+    """A small config whose model still asks for many GB must fail alone, not take the machine down."""
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
 
 
 def write_page() -> None:
