@@ -14,12 +14,6 @@ import pytest
 
 SWEEP = Path(__file__).resolve().parent.parent / "benchmarks" / "sweep.py"
 SUBSET = ("llama", "opt", "bert", "roberta", "qwen2_vl", "afmoe", "mamba")
-# model type -> {check: why it FAILs} for findings on stock transformers (docs/support.md#findings).
-FINDINGS: dict[str, dict[str, str]] = {
-    "mamba": {"cache": "a multi-token continuation of the cache differs from the full forward, the same in float64"},
-}
-
-
 def _sweep():
     spec = importlib.util.spec_from_file_location("sweep", SWEEP)
     module = importlib.util.module_from_spec(spec)
@@ -30,12 +24,13 @@ def _sweep():
 @pytest.mark.parametrize("model_type", SUBSET)
 def test_sweep_row(model_type):
     warnings.filterwarnings("ignore")
-    row = _sweep().check_one(model_type, seq_len=12, threads=2)
+    sweep = _sweep()
+    row = sweep.check_one(model_type, seq_len=12, threads=2)
     assert "checks" in row, row.get("unbuildable")
     for name, (status, summary) in row["checks"].items():
         assert status != "error", (name, summary)
         if status == "fail":
-            assert name in FINDINGS.get(model_type, {}), (name, summary)
+            assert name in sweep.FINDINGS.get(model_type, {}), (name, summary)  # documented upstream findings
         if status == "skip":
             assert summary.strip(), name
     assert any(status == "pass" for status, _ in row["checks"].values())
