@@ -19,10 +19,13 @@ if TYPE_CHECKING:  # pragma: no cover
 TEXT_SIZES: dict[str, Any] = dict(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
     intermediate_size=128, intermediate_size_mlp=128, moe_intermediate_size=32, vocab_size=256,
+    unpadded_vocab_size=240,
     max_position_embeddings=256, num_local_experts=4, num_experts=4, num_experts_per_tok=2,
     d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
     encoder_ffn_dim=128, decoder_ffn_dim=128, num_layers=2, num_heads=4, d_ff=128, d_kv=16,
 )  # fmt: skip
+# unpadded_vocab_size (Inkling2): the head's rows, fewer than the padded embedding's (200058 of 201024); left at its
+# default the head would emit ids past the 256-row embedding and generate() would feed them back (IndexError).
 # Vision / audio towers: as small as their patching allows.
 TOWER_SIZES: dict[str, Any] = dict(
     hidden_size=32, num_hidden_layers=1, depth=1, num_attention_heads=2, num_heads=2, intermediate_size=64,
