@@ -72,12 +72,26 @@ def _shrunk(config: Any, sizes: dict[str, Any]) -> dict[str, Any]:
     fields = config.to_dict()
     out = {k: v for k, v in sizes.items() if k in fields}
     out["model_type"] = config.model_type
+    out.update(_every_layer_type(config, fields, out, sizes))
     rope = dict(getattr(config, "rope_parameters", None) or {})
     if "mrope_section" in rope or _reads_mrope(config):
         rope["mrope_section"] = list(MROPE_SECTION)
     if rope:
         out["rope_parameters"] = rope
     return out
+
+
+def _every_layer_type(config: Any, fields: dict[str, Any], out: dict[str, Any], sizes: dict[str, Any]) -> dict:
+    """layer_types (and the layer count) so that every layer type of the full model has a layer: the first two of
+    Flint's 49 layers are both full attention, which runs without RoPE, so a 2-layer Flint had no position
+    mechanism at all; Gemma3's and Cohere2's first two are both sliding. Types keep their first-seen order."""
+    types = list(getattr(config, "layer_types", None) or [])
+    layers = out.get("num_hidden_layers")
+    if "layer_types" not in fields or "layer_types" in sizes or not layers or set(types[:layers]) == set(types):
+        return {}
+    kinds = list(dict.fromkeys(types))
+    layers = max(layers, len(kinds))
+    return {"num_hidden_layers": layers, "layer_types": [kinds[i % len(kinds)] for i in range(layers)]}
 
 
 def _reads_mrope(config: Any) -> bool:

@@ -122,7 +122,11 @@ def best_fits(fits: dict, layer: int, spread: float, judged_at: str) -> tuple[li
     lay_q = min(fits["q"], key=lambda lay: fits["q"][lay][0].ratio)
     lay_k = min(fits["k"], key=lambda lay: fits["k"][lay][0].ratio)
     findings = [best["q"][0], best["k"][0]]
-    if not best["q"][0].failed and not best["k"][0].failed and lay_q != lay_k:
+    # A pairing is only told apart when the other layout fails for that tensor: when the layer's input moves
+    # across positions (spread), the tolerance can admit both, and a "best" layout then says nothing.
+    decided = all(all(f[lay][0].failed for lay in f if lay != chosen)
+                  for f, chosen in ((fits["q"], lay_q), (fits["k"], lay_k)))
+    if not best["q"][0].failed and not best["k"][0].failed and lay_q != lay_k and decided:
         findings.append(Finding("layout", float("inf"), layer=layer, message=(
             f"q and k are paired differently at layer {layer}: q {lay_q}, k {lay_k} "
             f"(<R_m q, R_n k> is no longer a function of n - m)")))
