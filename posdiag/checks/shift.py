@@ -320,8 +320,8 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
         return CheckResult("shift", Status.SKIP,
                            f"relative invariance does not apply: {subject.family.absolute_by_design}; a shift of "
                            f"{probe.ladder[breaks]} moves the outputs {errors[final][breaks]:.3g} "
-                           f"({ratio[breaks]:.3g}x floor + rounding term; that scale moves by ~0.1/2048 per position); the rotation "
-                           "itself is judged by `rope`", metrics, details, (table,))
+                           f"({ratio[breaks]:.3g}x floor + rounding term); the rotation itself is judged by `rope`",
+                           metrics, details, (table,))
     if breaks is not None:
         k = details["breaks_at"]
         rung = probe.ladder[breaks]
