@@ -315,6 +315,13 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
                            f"of {probe.ladder[0]} ({first / floor:.3g}x the noise floor), as expected; relative "
                            f"invariance does not apply", metrics, details, (table,))
 
+    if breaks is not None and subject.family.absolute_by_design:
+        details["absolute_by_design"] = subject.family.absolute_by_design
+        return CheckResult("shift", Status.SKIP,
+                           f"relative invariance does not apply: {subject.family.absolute_by_design}; a shift of "
+                           f"{probe.ladder[breaks]} moves the outputs {errors[final][breaks]:.3g} "
+                           f"({ratio[breaks]:.3g}x floor + rounding term); the rotation itself is judged by `rope`",
+                           metrics, details, (table,))
     if breaks is not None:
         k = details["breaks_at"]
         rung = probe.ladder[breaks]

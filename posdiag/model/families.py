@@ -38,6 +38,8 @@ class Family:
     offsets_known:    position_offset / explicit_position_offset were measured for this row. False
                       for model types with no row: `table` then discovers which table row position 0
                       reads instead of assuming 0 (BioGPT, unknown to posdiag, reads row 2).
+    absolute_by_design: how the family reads absolute positions on top of relative ones ("" when it
+                      does not): relative invariance (`shift`) then cannot hold, by design.
     """
 
     name: str
@@ -51,6 +53,7 @@ class Family:
     eager_only: bool = False
     mask_note: str = ""
     offsets_known: bool = True
+    absolute_by_design: str = ""
 
     @property
     def takes_position_ids(self) -> bool:
@@ -135,6 +138,11 @@ _ROWS: dict[str, Family] = {
     "gemma2": Family("gemma2", position_kind="rope", mask_form="layer_dict", eager_only=True),
     "gemma3_text": Family("gemma3_text", position_kind="rope", mask_form="layer_dict"),
     "falcon": Family("falcon", position_kind="rope"),  # alibi variant chosen in family_for()
+    # Beam: RoPE on sliding layers; its full-attention layers (rope_parameters entry None) scale queries by the
+    # absolute position, (1 + (p + 1) / 2048) ** 0.1 (scalable softmax). Measured on the tiny model: a shift of 1
+    # moves the outputs 1.39e-05 in float64 (93.7x its floor), 1.8e-07 with that scale held at 1.
+    "beam": Family("beam", position_kind="rope", absolute_by_design="queries of its NoPE layers are scaled by "
+                   "(1 + (p + 1) / 2048) ** 0.1 of the absolute position p (scalable softmax)"),
     # --- Learned absolute tables ------------------------------------------------------------
     "gpt2": Family("gpt2", position_kind="learned"),
     # GPT-Neo ANDs a hard-coded causal `bias` buffer into every layer: a permuted mask cannot

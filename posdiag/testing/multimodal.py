@@ -19,10 +19,13 @@ if TYPE_CHECKING:  # pragma: no cover
 TEXT_SIZES: dict[str, Any] = dict(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
     intermediate_size=128, intermediate_size_mlp=128, moe_intermediate_size=32, vocab_size=256,
+    unpadded_vocab_size=240,
     max_position_embeddings=256, num_local_experts=4, num_experts=4, num_experts_per_tok=2,
     d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
     encoder_ffn_dim=128, decoder_ffn_dim=128, num_layers=2, num_heads=4, d_ff=128, d_kv=16,
 )  # fmt: skip
+# unpadded_vocab_size (Inkling2): the head's rows, fewer than the padded embedding's (200058 of 201024); left at its
+# default the head would emit ids past the 256-row embedding and generate() would feed them back (IndexError).
 # Vision / audio towers: as small as their patching allows.
 TOWER_SIZES: dict[str, Any] = dict(
     hidden_size=32, num_hidden_layers=1, depth=1, num_attention_heads=2, num_heads=2, intermediate_size=64,
@@ -69,12 +72,26 @@ def _shrunk(config: Any, sizes: dict[str, Any]) -> dict[str, Any]:
     fields = config.to_dict()
     out = {k: v for k, v in sizes.items() if k in fields}
     out["model_type"] = config.model_type
+    out.update(_every_layer_type(config, fields, out, sizes))
     rope = dict(getattr(config, "rope_parameters", None) or {})
     if "mrope_section" in rope or _reads_mrope(config):
         rope["mrope_section"] = list(MROPE_SECTION)
     if rope:
         out["rope_parameters"] = rope
     return out
+
+
+def _every_layer_type(config: Any, fields: dict[str, Any], out: dict[str, Any], sizes: dict[str, Any]) -> dict:
+    """layer_types (and the layer count) so that every layer type of the full model has a layer: the first two of
+    Flint's 49 layers are both full attention, which runs without RoPE, so a 2-layer Flint had no position
+    mechanism at all; Gemma3's and Cohere2's first two are both sliding. Types keep their first-seen order."""
+    types = list(getattr(config, "layer_types", None) or [])
+    layers = out.get("num_hidden_layers")
+    if "layer_types" not in fields or "layer_types" in sizes or not layers or set(types[:layers]) == set(types):
+        return {}
+    kinds = list(dict.fromkeys(types))
+    layers = max(layers, len(kinds))
+    return {"num_hidden_layers": layers, "layer_types": [kinds[i % len(kinds)] for i in range(layers)]}
 
 
 def _reads_mrope(config: Any) -> bool:

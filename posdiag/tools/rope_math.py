@@ -139,7 +139,8 @@ def rope_specs(config: Any) -> list[RopeSpec]:
         return []
     if head_dim is None:
         return []
-    if all(isinstance(v, dict) for v in params.values()):
+    # one dict per layer type; None for a type that runs without RoPE (Beam's full-attention layers)
+    if all(isinstance(v, dict) or v is None for v in params.values()) and any(params.values()):
         blocks = [(k, v) for k, v in params.items() if v]
     else:
         blocks = [(None, params)]

@@ -106,8 +106,9 @@ def _observe(subject: Subject, specs: list[rope_math.RopeSpec], plan: Plan, toke
             seen.findings += [f.labelled(label) for f in t_find]
             seen.table_done |= t_done
             seen.skipped(t_skipped)
-            a_find, a_rows, a_done, why, a_factors, no_factor = probe_applied(subject, plan.layer_spec, refs, positions,
-                                                                              token)
+            a_find, a_rows, a_done, why, a_factors, no_factor, nope = probe_applied(subject, plan.layer_spec, refs,
+                                                                                    positions, token)
+            seen.skipped([f"layer {layer} (no RoPE by design: {reason})" for layer, reason in nope.items()])
             seen.no_factor += [n for n in no_factor if n not in seen.no_factor]
             seen.findings += [f.labelled(label) for f in a_find]
             seen.factors += a_factors

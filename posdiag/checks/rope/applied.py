@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from posdiag.checks.rope.capture import Capture, capturing, heads
+from posdiag.checks.rope.capture import Capture, capturing, heads, without_rope
 from posdiag.checks.rope.factor import factor_finding
 from posdiag.checks.rope.findings import Finding
 from posdiag.model.introspect import recurrent_reason
@@ -19,10 +19,11 @@ LAYOUTS = ("half", "interleaved")
 
 
 def probe_applied(subject: Subject, layer_spec, refs, positions: np.ndarray, token: int):
-    """-> (findings, [(position, worst ratio)], observed, why not, attention-factor rows, factor not measured at)."""
-    records, out, why = _capture_qk(subject, positions, token)
+    """-> (findings, [(position, worst ratio)], observed, why not, attention-factor rows, factor not measured at,
+    {layer: why it runs without RoPE})."""
+    records, out, why, nope = _capture_qk(subject, layer_spec, positions, token)
     if why:
-        return [], [], False, why, [], []
+        return [], [], False, why, [], [], {}
     # The same token at every position gives the same pre-rotation q/k only when nothing before the
     # attention layer reads order; a recurrent mixer does (healthy Qwen3-Next, LFM2, Bamba FAILed here
     # at 1e2-7e5x). The attention factor (rotated / un-rotated length) needs no such premise.
@@ -33,6 +34,11 @@ def probe_applied(subject: Subject, layer_spec, refs, positions: np.ndarray, tok
     no_factor: list[str] = []  # "layer L q": no un-rotated capture lines up with that q/k
     by_pos = np.zeros(len(positions))
     for layer, (_module, q, k, plain) in enumerate(records):
+        if layer in nope:
+            if nope[layer][1]:  # the config gives the layer no rotation, yet one was applied before its attention
+                findings.append(Finding("layout", float("inf"), layer=layer, message=(
+                    f"layer {layer} rotates q/k although {nope[layer][0]}")))
+            continue
         q, k, judged_at = judged_qk(q, k, plain)
         spec = layer_spec[min(layer, len(layer_spec) - 1)]
         freqs, scaling = refs[id(spec)]
@@ -41,7 +47,7 @@ def probe_applied(subject: Subject, layer_spec, refs, positions: np.ndarray, tok
         for name, t in (("q", q), ("k", k)):
             if arrays[name] is None:
                 return ([], [], False,
-                        f"captured {name} has shape {tuple(t.shape)}, not [batch, heads, positions, dim]", [], [])
+                        f"captured {name} has shape {tuple(t.shape)}, not [batch, heads, positions, dim]", [], [], {})
         fits = {}
         for name, arr in arrays.items():
             if not np.isfinite(arr).all():
@@ -63,23 +69,26 @@ def probe_applied(subject: Subject, layer_spec, refs, positions: np.ndarray, tok
         by_pos = np.maximum(by_pos, layer_by_pos)
     if recurrent:
         return (findings + factors, [], False, f"{recurrent} (the same token gives a different q/k at each position)",
-                factors, no_factor)
+                factors, no_factor, {})
     rows = [(int(p), float(r)) for p, r in zip(positions, by_pos, strict=True)]
-    return findings + factors, rows, True, "", factors, no_factor
+    return findings + factors, rows, True, "", factors, no_factor, {i: why for i, (why, _) in nope.items()}
 
 
-def _capture_qk(subject: Subject, positions: np.ndarray, token: int) -> tuple[list, object, str]:
-    """One forward of the same token at `positions`, q/k captured per attention call. -> (records, output, why not)."""
+def _capture_qk(subject: Subject, layer_spec, positions: np.ndarray, token: int) -> tuple[list, object, str, dict]:
+    """One forward of the same token at `positions`, q/k captured per attention call.
+    -> (records, output, why not, {layer: (why it runs without RoPE, rotated anyway)})."""
     eager = getattr(rope_math.text_config(subject.config), "_attn_implementation", "eager") in ("eager", None)
     capture = Capture(eager)
     ids = torch.full((len(positions),), token, dtype=torch.long, device=subject.device)
     with capturing(subject, capture) as hooked:
         if not hooked:
-            return [], None, "no eager attention function or apply_rotary_pos_emb to observe"
+            return [], None, "no eager attention function or apply_rotary_pos_emb to observe", {}
         out = run_rows(subject, [Row(ids, positions=torch.as_tensor(positions))])
     if not capture.records:
-        return [], out, "the attention function was never called with q/k"
-    return capture.records, out, ""
+        return [], out, "the attention function was never called with q/k", {}
+    nope = without_rope(subject, layer_spec, capture)
+    rotated = capture.rotated if len(capture.rotated) == len(capture.records) else [False] * len(capture.records)
+    return capture.records, out, "", {i: (why, rotated[i] and layer_spec[i] is None) for i, why in nope.items()}
 
 
 def judged_qk(q: torch.Tensor, k: torch.Tensor, plain: list[tuple]) -> tuple[torch.Tensor, torch.Tensor, str]:
@@ -113,7 +122,11 @@ def best_fits(fits: dict, layer: int, spread: float, judged_at: str) -> tuple[li
     lay_q = min(fits["q"], key=lambda lay: fits["q"][lay][0].ratio)
     lay_k = min(fits["k"], key=lambda lay: fits["k"][lay][0].ratio)
     findings = [best["q"][0], best["k"][0]]
-    if not best["q"][0].failed and not best["k"][0].failed and lay_q != lay_k:
+    # A pairing is only told apart when the other layout fails for that tensor: when the layer's input moves
+    # across positions (spread), the tolerance can admit both, and a "best" layout then says nothing.
+    decided = all(all(f[lay][0].failed for lay in f if lay != chosen)
+                  for f, chosen in ((fits["q"], lay_q), (fits["k"], lay_k)))
+    if not best["q"][0].failed and not best["k"][0].failed and lay_q != lay_k and decided:
         findings.append(Finding("layout", float("inf"), layer=layer, message=(
             f"q and k are paired differently at layer {layer}: q {lay_q}, k {lay_k} "
             f"(<R_m q, R_n k> is no longer a function of n - m)")))

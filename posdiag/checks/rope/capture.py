@@ -25,6 +25,8 @@ class Capture:
         self.records: list[tuple[Any, torch.Tensor, torch.Tensor, list[tuple]]] = []
         self.pending: tuple[torch.Tensor, ...] | None = None  # inputs and outputs of the last apply call
         self.projected: dict[int, dict[str, torch.Tensor]] = {}  # id(attention) -> q_proj/k_proj outputs
+        self.rotated: list[bool] = []  # per record: apply_rotary_pos_emb ran since the previous attention call
+        self.applied = False
 
     def eager(self, original):
         def wrapped(module, query, key, value, *args, **kwargs):
@@ -35,6 +37,8 @@ class Capture:
             if {"q", "k"} <= set(proj):
                 plain.append((proj["q"], proj["k"], "q_proj/k_proj outputs", None, None))
             self.records.append((module, query.detach().clone(), key.detach().clone(), plain))
+            self.rotated.append(self.applied)
+            self.applied = False
             return original(module, query, key, value, *args, **kwargs)
         return wrapped
 
@@ -42,6 +46,7 @@ class Capture:
         """record: the rotated q/k are captured here (no eager function to see them); else only the inputs."""
         def wrapped(*args, **kwargs):
             out = original(*args, **kwargs)
+            self.applied = True
             if not (isinstance(out, (tuple, list)) and len(out) == 2):
                 return out
             q_in = args[0] if len(args) > 0 else kwargs.get("q")
@@ -54,6 +59,7 @@ class Capture:
             else:
                 self.records.append((None, out[0].detach().clone(), out[1].detach().clone(),
                                      [(*plain, "apply_rotary_pos_emb inputs", None, None)] if plain else []))
+                self.rotated.append(True)
             return out
         return wrapped
 
@@ -62,6 +68,27 @@ class Capture:
             if isinstance(output, torch.Tensor):
                 self.projected.setdefault(id(attention), {})[name] = output.detach().clone()
         return hook
+
+
+def without_rope(subject: Subject, layer_spec: list, capture: Capture) -> dict[int, str]:
+    """Layers that run without RoPE by design -> why: the config gives their layer no rotary block (Beam's
+    rope_parameters["full_attention"] is None, SmolLM3's no_rope_layers), or, seen in the run, no rotation is
+    applied before attention at any layer of one layer type while layers of another type rotate (Cohere2 and
+    Flint rotate only their sliding-window layers). An unrotated layer of a type that rotates elsewhere has no
+    such reason: it is judged (and fails)."""
+    config = getattr(subject.config, "text_config", None) or subject.config
+    types = list(getattr(config, "layer_types", None) or [])
+    out = {i: (f"the config gives '{types[i]}' layers no rotary block" if len(types) == len(layer_spec)
+               else "no_rope_layers marks it") for i, spec in enumerate(layer_spec) if spec is None}
+    rotated = capture.rotated
+    if len(rotated) != len(types) or len(rotated) != len(capture.records) or not any(rotated):
+        return out
+    for kind in dict.fromkeys(types):
+        layers = [i for i, t in enumerate(types) if t == kind]
+        if not any(rotated[i] for i in layers):
+            out.update({i: out.get(i, f"no rotation is applied at any '{kind}' layer while the other layer types "
+                                      "rotate") for i in layers})
+    return out
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from posdiag.checks.rope.applied import LAYOUTS, best_fits, input_spread, judge_applied, judged_qk, non_finite
-from posdiag.checks.rope.capture import Capture, capturing, heads
+from posdiag.checks.rope.capture import Capture, capturing, heads, without_rope
 from posdiag.checks.rope.findings import Finding
 from posdiag.errors import one_line
 from posdiag.model.introspect import recurrent_reason
@@ -45,7 +45,7 @@ def stream_owner(config, spec: rope_math.RopeSpec, pairs: int) -> tuple[np.ndarr
 def probe_grid(subject: Subject, layer_spec, refs, positions: np.ndarray, token: int, seed: int):
     """-> (findings, probed labels, why not): the rotation at differing streams, judged layer by layer."""
     owners = {}
-    for spec in {id(s): s for s in layer_spec}.values():
+    for spec in {id(s): s for s in layer_spec if s is not None}.values():
         found = stream_owner(subject.config, spec, refs[id(spec)][0].shape[0])
         if found is not None:
             owners[id(spec)] = found
@@ -102,7 +102,7 @@ def _model_grid(model: torch.nn.Module, token: int) -> tuple[np.ndarray | None, 
 
 
 def _judge_streams(subject: Subject, layer_spec, refs, owners, streams: np.ndarray, token: int):
-    records, out, why = _capture(subject, streams, token)
+    records, out, why, nope = _capture(subject, layer_spec, streams, token)
     if why:
         return [], why
     n = streams.shape[1]
@@ -112,7 +112,7 @@ def _judge_streams(subject: Subject, layer_spec, refs, owners, streams: np.ndarr
     for layer, (_module, q, k, plain) in enumerate(records):
         q, k, judged_at = judged_qk(q, k, plain)
         spec = layer_spec[min(layer, len(layer_spec) - 1)]
-        if id(spec) not in owners:
+        if layer in nope or id(spec) not in owners:  # no rotation by design: the applied probe says why
             continue
         owner, described = owners[id(spec)]
         freqs = refs[id(spec)][0]
@@ -151,7 +151,7 @@ def _locate(f: Finding, streams: np.ndarray, described: str) -> None:
                      f"{f.expected:.6g}, got {f.actual:.6g} ({f.ratio:.3g}x the tolerance {f.tolerance:.3g})")
 
 
-def _capture(subject: Subject, streams: np.ndarray, token: int) -> tuple[list, Outputs | None, str]:
+def _capture(subject: Subject, layer_spec, streams: np.ndarray, token: int) -> tuple[list, Outputs | None, str, dict]:
     eager = getattr(rope_math.text_config(subject.config), "_attn_implementation", "eager") in ("eager", None)
     capture = Capture(eager)
     n = streams.shape[1]
@@ -159,14 +159,15 @@ def _capture(subject: Subject, streams: np.ndarray, token: int) -> tuple[list, O
     position_ids = torch.as_tensor(streams, device=subject.device)[:, None, :]
     with capturing(subject, capture) as hooked:
         if not hooked:
-            return [], None, "no eager attention function or apply_rotary_pos_emb to observe"
+            return [], None, "no eager attention function or apply_rotary_pos_emb to observe", {}
         try:
             with torch.inference_mode():
                 out = subject.model(input_ids=ids, position_ids=position_ids, use_cache=False,
                                     output_hidden_states=True, return_dict=True)
         except Exception as exc:
-            return [], None, f"the model did not take 3-stream position ids ({type(exc).__name__}: {one_line(exc)})"
+            return [], None, f"the model did not take 3-stream position ids ({type(exc).__name__}: {one_line(exc)})", {}
     hidden = getattr(out, "hidden_states", None)
     if not capture.records or not hidden:
-        return [], None, "the attention function was never called with q/k"
-    return capture.records, Outputs([h.to(subject.device) for h in hidden], None), ""
+        return [], None, "the attention function was never called with q/k", {}
+    return (capture.records, Outputs([h.to(subject.device) for h in hidden], None), "",
+            without_rope(subject, layer_spec, capture))

@@ -18,7 +18,7 @@ class Plan:
     target: int                              # the length the static analysis is about
     declared: int | None                     # the context the config declares
     static: list[rope_math.SpecReport]       # frequencies vs training length, per spec
-    layer_spec: list[rope_math.RopeSpec]     # the spec each layer follows
+    layer_spec: list[rope_math.RopeSpec | None]  # the spec each layer follows (None: no rotation by design)
     probes: list[tuple[str, np.ndarray]]     # (label, positions) of each forward
     notes: list[str]
 
@@ -38,14 +38,23 @@ def make_plan(subject: Subject, settings: dict, specs: list[rope_math.RopeSpec])
     return Plan(target, declared, static, layer_spec, _plans(specs, top, cap), notes)
 
 
-def _layer_specs(subject: Subject, specs: list[rope_math.RopeSpec]) -> list[rope_math.RopeSpec]:
+def _layer_specs(subject: Subject, specs: list[rope_math.RopeSpec]) -> list[rope_math.RopeSpec | None]:
+    """The spec each layer follows; None where the config gives the layer no rotation (a layer type whose
+    rope_parameters entry is None, as Beam's full-attention layers; a 0 in no_rope_layers, as SmolLM3/Llama4)."""
     config = rope_math.text_config(subject.config)
-    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None) or 1
-    if len(specs) == 1 or specs[0].layer_type is None:
-        return [specs[0]] * int(layers)
-    by_type = {s.layer_type: s for s in specs}
+    layers = int(getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None) or 1)
     types = list(getattr(config, "layer_types", None) or [])
-    return [by_type.get(t, specs[0]) for t in types] if types else [specs[0]] * int(layers)
+    if specs[0].layer_type is None:  # one rotary block for every layer
+        out: list[rope_math.RopeSpec | None] = [specs[0]] * layers
+    else:
+        by_type = {s.layer_type: s for s in specs}
+        params = rope_math.rope_parameters(config) or {}
+        out = ([None if t in params and params[t] is None else by_type.get(t, specs[0]) for t in types] if types
+               else [specs[0]] * layers)
+    no_rope = getattr(config, "no_rope_layers", None)  # 1: the layer rotates, 0: it runs without positions
+    if isinstance(no_rope, (list, tuple)) and len(no_rope) == len(out):
+        out = [spec if flag else None for spec, flag in zip(out, no_rope, strict=True)]
+    return out
 
 
 def _table_cap(model: torch.nn.Module) -> int | None:
