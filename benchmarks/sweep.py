@@ -35,6 +35,7 @@ FINDINGS: dict[str, dict[str, str]] = {
                 "cache": "wrong logits with a static cache", "generate": "wrong logits with a static cache"},
     "mamba": {"cache": "a multi-token cache continuation differs from the full forward"},
     "jamba": {"cache": "a multi-token cache continuation differs from the full forward"},
+    "paligemma": {"kernels": "the SDPA path is not causal on text without token_type_ids"},
     "hunyuan_vl": {"rope": "XD-RoPE pairs read two different position streams: no rotation for image tokens"},
 }
 
