@@ -39,7 +39,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from posdiag.checks._shared import FLOOR_SOURCE, jittered, layer_name
+from posdiag.checks._shared import FLOOR_SOURCE, jittered, layer_name, stack_result
 from posdiag.model.introspect import recurrent_mixers, recurrent_reason
 from posdiag.model.precision import run_finer
 from posdiag.model.probe import Row, fidelity_rows, judge_fidelity, run_rows
@@ -83,7 +83,12 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
         return CheckResult("shift", Status.SKIP, f"no position mechanism found ({kind}): nothing to shift{why}")
     if subject.dtype_name in LOW_PRECISION:
         return _decided_in_float64(subject, options)
-    return combine_stacks("shift", [_run_stack(subject, options, stack) for stack in subject.stacks])
+    return _stacks(subject, options)
+
+
+def _stacks(subject: Subject, options: RunOptions) -> CheckResult:
+    return combine_stacks("shift", [stack_result("shift", stack, lambda s=stack: _run_stack(subject, options, s))
+                                    for stack in subject.stacks])
 
 
 def _decided_in_float64(subject: Subject, options: RunOptions) -> CheckResult:
@@ -96,7 +101,7 @@ def _decided_in_float64(subject: Subject, options: RunOptions) -> CheckResult:
     def in_float64() -> CheckResult:
         subject.dtype = torch.float64  # masks and rounding bounds of the run that decides
         try:
-            return combine_stacks("shift", [_run_stack(subject, options, stack) for stack in subject.stacks])
+            return _stacks(subject, options)
         finally:
             subject.dtype = half
 
@@ -104,7 +109,7 @@ def _decided_in_float64(subject: Subject, options: RunOptions) -> CheckResult:
     release_freed_memory()
     name = dtype_name(half)
     if finer.value is None:
-        result = combine_stacks("shift", [_run_stack(subject, options, stack) for stack in subject.stacks])
+        result = _stacks(subject, options)
         return replace(result, summary=f"{result.summary} (in {name}; the float64 run that decides could not run: "
                                        f"{finer.reason})")
     result = finer.value

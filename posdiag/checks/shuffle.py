@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import torch
 
-from posdiag.checks._shared import FLOOR_SOURCE, jittered, layer_name
+from posdiag.checks._shared import FLOOR_SOURCE, jittered, layer_name, stack_result
 from posdiag.model.introspect import attention_free, recurrent_mixers, recurrent_reason
 from posdiag.model.precision import run_finer
 from posdiag.model.probe import (
@@ -44,7 +44,8 @@ BASELINE_METRICS = {"ratio": "higher"}
 
 
 def run(subject: Subject, options: RunOptions) -> CheckResult:
-    return combine_stacks("shuffle", [_run_stack(subject, options, stack) for stack in subject.stacks])
+    return combine_stacks("shuffle", [stack_result("shuffle", stack, lambda s=stack: _run_stack(subject, options, s))
+                                      for stack in subject.stacks])
 
 
 def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult:
