@@ -144,11 +144,14 @@ def mask_refusal(subject: Subject, stack: str) -> str:
     ids = subject.sample_ids(1, 8, 0)
     encoder = ids if subject.kind == "seq2seq" and stack == "decoder" else None
     patterns = subject.patterns(arange_like(ids)[None], stack=stack)
+    # As run_rows calls it: OPT derives positions from a 2D mask and needs explicit ids beside a 4D one.
+    positions = subject.position_ids_for(arange_like(ids)[None]) if subject.family.takes_position_ids else None
     counted = subject.forward_count
     why = ""
     try:
         with subject.injected(patterns):
-            subject.forward(ids, mask=subject.mask_argument(patterns), stack=stack, encoder_ids=encoder)
+            subject.forward(ids, mask=subject.mask_argument(patterns), position_ids=positions, stack=stack,
+                            encoder_ids=encoder)
     except Exception as exc:
         if raised_in_posdiag(exc):
             raise
