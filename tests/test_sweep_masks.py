@@ -31,10 +31,14 @@ from posdiag.testing.multimodal import small_config
 SHORT = RunOptions(seq_len=16)
 
 
+# Flaubert names its sizes its own way (the sweep's small config leaves it 2048 wide, 12 layers deep).
+_SIZES = {"flaubert": {"emb_dim": 64, "n_layers": 2, "n_heads": 4}}
+
+
 def _model(model_type: str, **overrides):
     """The sweep's tiny model of `model_type` (transformers' default init), with a short context."""
     warnings.filterwarnings("ignore")
-    config = small_config(model_type, max_position_embeddings=64, **overrides)
+    config = small_config(model_type, max_position_embeddings=64, **_SIZES.get(model_type, {}), **overrides)
     torch.manual_seed(0)
     return auto_class(config, family_for(config)).from_config(config, attn_implementation="eager").eval()
 
