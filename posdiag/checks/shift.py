@@ -21,9 +21,8 @@ a prefix instead: k padding tokens, invisible to every query, placed before the 
 positions (learned or sinusoidal tables) are not meant to be invariant: the check reports how much
 the outputs change and SKIPs. A model that declares relative positions whose one-position change Δ1
 stays within FAIL_RATIO noise floors FAILs: its positions move nothing, so invariance would hold
-trivially (in half precision that is inconclusive, WARN). Stateful rope types (dynamic, longrope)
-choose frequencies from the largest position in the batch; the whole ladder shares one forward, so
-one set of frequencies.
+trivially (in half precision that is inconclusive, WARN). Stateful rope types (dynamic, longrope) choose
+frequencies from the largest position in the batch; the whole ladder shares one forward, so one set of frequencies.
 
 Recurrent / linear-attention / convolutional mixers (posdiag.model.introspect) never see position ids, so the
 direct route stays faithful for them (the ids move, the recurrence does not care); only the floor changes:
