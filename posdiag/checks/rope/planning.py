@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from posdiag.checks.rope.capture import attention_modules
 from posdiag.model.subject import Subject
 from posdiag.tools import rope_math
 
@@ -44,6 +45,11 @@ def _layer_specs(subject: Subject, specs: list[rope_math.RopeSpec]) -> list[rope
     if len(specs) == 1 or specs[0].layer_type is None:
         return [specs[0]] * int(layers)
     by_type = {s.layer_type: s for s in specs}
+    # Rope keys that are not layer types (DeepSeek-V4: "main" for sliding layers, "compress" for compressed ones):
+    # each attention module names the one it reads.
+    keys = [getattr(m, "rope_layer_type", None) for m in attention_modules(subject.language_model)]
+    if keys and all(k in by_type for k in keys):
+        return [by_type[k] for k in keys]
     types = list(getattr(config, "layer_types", None) or [])
     return [by_type.get(t, specs[0]) for t in types] if types else [specs[0]] * int(layers)
 
