@@ -50,3 +50,85 @@ def test_gemma4_rotation_reversed_on_one_layer_type_fails_rope(layer):
     result = api.run_checks(from_module(model), ["rope"], RunOptions(seq_len=12)).check("rope")
     assert result.status is Status.FAIL, result.summary
     assert f"applied rotation disagrees with the config at layer {layer}" in result.summary
+
+
+# --------------------------------------------------------------------------- DeepSeek-V4
+def deepseek_v4(layer_types=("heavily_compressed_attention", "sliding_attention"), hca_rate=128, window=8):
+    """Tiny DeepSeek-V4: 4 rope dims (2 pairs) in the trailing slice of each 32-dim head, interleaved; sliding layers rotate with
+    rope key "main" (θ=1e4), compressed ones with "compress" (θ=1.6e5); hyper-connection streams [T, 4, D]."""
+    import torch
+    import transformers
+
+    from posdiag.testing.multimodal import small_config
+
+    config = small_config("deepseek_v4", head_dim=32, layer_types=list(layer_types), sliding_window=window,
+                          compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": hca_rate})
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+
+
+def compressed_layer_rotated_with_main_base(module, args, kwargs):
+    """Planted: the compressed layer is handed the sliding layers' rotation (wrong base)."""
+    embeddings = dict(kwargs["position_embeddings"])
+    embeddings["compress"] = embeddings["main"]
+    kwargs["position_embeddings"] = embeddings
+    return args, kwargs
+
+
+def test_deepseek_v4_rope_judges_trailing_dims_with_each_layers_rope_key():
+    # window 128: the same token at every probed position gives the same q/k (a window of 8 lets the
+    # compressed layer's input vary along the 256 probed positions, and the premise's floor with it)
+    healthy = api.run_checks(from_module(deepseek_v4(window=128)), ["rope"], RunOptions(seq_len=12)).check("rope")
+    assert healthy.status is Status.PASS, healthy.summary
+    planted = deepseek_v4(window=128)
+    planted.model.layers[0].self_attn.register_forward_pre_hook(compressed_layer_rotated_with_main_base,
+                                                                with_kwargs=True)
+    result = api.run_checks(from_module(planted), ["rope"], RunOptions(seq_len=12)).check("rope")
+    assert result.status is Status.FAIL and "at layer 0" in result.summary, result.summary
+
+
+def test_deepseek_v4_cache_and_causal_give_verdicts_static_cache_not_run():
+    report = api.run_checks(from_module(deepseek_v4()), ["cache", "causal"], RunOptions(seq_len=12))
+    cache, causal = report.check("cache"), report.check("causal")
+    assert cache.status is Status.PASS, cache.summary
+    assert "static cache paths not run: transformers cannot build a StaticCache" in cache.summary
+    assert not any(p.startswith("static/") for p in cache.details["paths"])
+    assert causal.status is Status.PASS, causal.summary  # hidden states [T, streams, D] compared per token
+
+
+def test_deepseek_v4_generate_on_left_padded_batch_with_compressed_entries_fails():
+    """Finding on stock transformers 5.24: with a compressed entry inside the prompt (rate 4), generate() on a
+    left-padded batch differs from each row alone from the first decode step (0.48 relative, the same in float64);
+    the sibling whose prompts hold no compressed entry (rate 128) PASSes."""
+    healthy = api.run_checks(from_module(deepseek_v4(hca_rate=128)), ["generate"], RunOptions(seq_len=12))
+    assert healthy.check("generate").status is Status.PASS, healthy.check("generate").summary
+    buggy = api.run_checks(from_module(deepseek_v4(hca_rate=4)), ["generate"], RunOptions(seq_len=12))
+    result = buggy.check("generate")
+    assert result.status is Status.FAIL and result.summary.startswith("dynamic/batch"), result.summary
+    assert "failing: dynamic/batch)" in result.summary and "a bug" in result.summary
+
+
+# --------------------------------------------------------------------------- Dory (looped layers)
+def test_dory_small_config_has_one_layer_per_section_and_decodes():
+    from posdiag.testing.multimodal import small_config
+
+    config = small_config("dory")
+    assert (config.n_input_layers, config.n_recurrent_layers, config.n_output_layers) == (1, 1, 1)
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    report = api.run_checks(from_module(model), ["cache"], RunOptions(seq_len=12))
+    assert report.check("cache").status is Status.PASS, report.check("cache").summary
+
+
+def test_kernels_leaves_out_inputs_the_models_own_eager_forward_cannot_run():
+    """A Dory config whose sections overlap (8 + 8 around 2 layers) crashes on any cached forward, eager included:
+    kernels compares the other inputs and names the decode ones it could not run (never an error)."""
+    model = zoo.tiny_model_of_type("dory", attn_implementation="eager", num_hidden_layers=2, n_input_layers=8,
+                                   n_output_layers=8)
+    result = api.run_checks(from_module(model), ["kernels"], RunOptions(seq_len=12)).check("kernels")
+    assert result.status is Status.PASS, result.summary
+    assert "not compared (the model's own eager forward raises): decode input" in result.summary
+    assert result.details["not_compared"]
