@@ -59,8 +59,8 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     result = judge(Evidence(subject, scenarios, eager, reference.value, reference.dtype, reference.how,
                             {"eager": eager, **runs}, notes, skipped))
     if unrunnable:
-        result = dataclasses.replace(result, details={**result.details, "not_compared": unrunnable}, summary=f"{result.summary}; not compared (the model's own eager forward "
-                                                     f"raises): {'; '.join(unrunnable)}")
+        summary = f"{result.summary}; not compared (the model's own eager forward raises): {'; '.join(unrunnable)}"
+        result = dataclasses.replace(result, summary=summary, details={**result.details, "not_compared": unrunnable})
     return result
 
 
