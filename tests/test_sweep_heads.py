@@ -55,7 +55,8 @@ def test_gemma4_rotation_reversed_on_one_layer_type_fails_rope(layer):
 # --------------------------------------------------------------------------- DeepSeek-V4
 def deepseek_v4(layer_types=("heavily_compressed_attention", "sliding_attention"), hca_rate=128, window=8):
     """Tiny DeepSeek-V4: 4 rope dims (2 pairs) in the trailing slice of each 32-dim head, interleaved; sliding layers
-    rotate with rope key "main" (θ=1e4), compressed ones with "compress" (θ=1.6e5); hyper-connection streams [T, 4, D]."""
+    rotate with rope key "main" (θ=1e4), compressed ones with "compress" (θ=1.6e5);
+    hyper-connection streams [T, 4, D]."""
     import torch
     import transformers
 
