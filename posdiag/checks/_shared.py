@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from posdiag.errors import MaskRefused
+from posdiag.errors import MaskRefused, describe_error
 from posdiag.model.precision import run_finer
 from posdiag.model.probe import mask_refusal
 from posdiag.model.subject import Subject
@@ -84,8 +84,9 @@ def jittered(subject: Subject, stack: str, row: int, total_rows: int, seed: int 
 
 
 def per_token_change(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
-    """||a_t − e_t|| / ||e_t|| per token [T] in float64 (0 where both vanish)."""
-    a, e = actual.detach().double(), expected.detach().double()
+    """||a_t − e_t|| / ||e_t|| per token [T] in float64 (0 where both vanish); everything after the token dim is
+    the token's state (DeepSeek-V4's hyper-connections carry [T, streams, D])."""
+    a, e = (t.detach().double().reshape(t.shape[0], -1) for t in (actual, expected))
     num = (a - e).norm(dim=-1)
     den = e.norm(dim=-1)
     return torch.where(den > 0, num / den.clamp_min(1e-300), torch.where(num > 0, torch.inf, 0.0))
@@ -197,6 +198,17 @@ def new_cache(subject: Subject, kind: str, max_len: int, encoder_len: int = 0) -
         cache = StaticCache(config=cfg, max_cache_len=max_len)
         cross = StaticCache(config=cfg, max_cache_len=encoder_len) if subject.kind == "seq2seq" else None
     return EncoderDecoderCache(cache, cross) if cross is not None else cache
+
+
+def static_cache_refusal(subject: Subject) -> str:
+    """Why transformers cannot build a StaticCache for this model ("" when it can). generate(cache_implementation=
+    "static") builds the same StaticCache(config) first, so a config it refuses (DeepSeek-V4: no static layer for
+    its compressed-attention layer types, KeyError) is a path users cannot run, not a crash to judge."""
+    try:
+        new_cache(subject, "static", max_len=8, encoder_len=8)
+    except Exception as exc:
+        return f"transformers cannot build a StaticCache for this config ({describe_error(exc)})"
+    return ""
 
 
 def output_of(out: Any) -> torch.Tensor:

@@ -27,7 +27,15 @@ from typing import Any
 import torch
 
 from posdiag.checks._image_decode import decode_after_image, with_image_decode
-from posdiag.checks._shared import arbitrate, cache_layer_note, cache_support, new_cache, output_of, worst_error
+from posdiag.checks._shared import (
+    arbitrate,
+    cache_layer_note,
+    cache_support,
+    new_cache,
+    output_of,
+    static_cache_refusal,
+    worst_error,
+)
 from posdiag.errors import describe_error
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import relative_l2
@@ -78,9 +86,11 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     schedules = _schedules(length, int(options.for_check("cache").get("decode_steps", DECODE_STEPS)))
     explicit = subject.family.takes_position_ids and subject.kind != "seq2seq"
     dtype = subject.dtype_name
+    refused = static_cache_refusal(subject)  # a static cache users cannot build: those paths are not run
+    kinds = ("dynamic",) if refused else ("dynamic", "static")
 
     def measure() -> Measurement:
-        return _measure(subject, ids, schedules, explicit)
+        return _measure(subject, ids, schedules, explicit, kinds)
 
     first = measure()
     if not first.finite:
@@ -89,14 +99,14 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     arbitration = arbitrate(subject, measure, first.floor, verdicts, dtype,
                             lambda m: (m.floor, {p.name: p.max_error for p in m.paths if not p.crashed}))
     verdicts.update(arbitration.verdicts)
-    result = _report(subject, first, verdicts, arbitration, length, dtype)
+    result = _report(subject, first, verdicts, arbitration, length, dtype, refused)
     steps = int(options.for_check("cache").get("decode_steps", DECODE_STEPS))  # multimodal RoPE: after an image
     return with_image_decode(result, subject, options.seed, lambda prompt: decode_after_image(
         subject, prompt, new_cache(subject, "dynamic", max_len=prompt.ids.shape[1] + steps + 1), steps, options.seed))
 
 
 def _measure(subject: Subject, ids: torch.Tensor, schedules: dict[str, list[tuple[int, int]]],
-             explicit: bool) -> Measurement:
+             explicit: bool, kinds: tuple[str, ...]) -> Measurement:
     """The full forward, the floor from cache-free prefixes, then every cache path against the full forward."""
     model, seq2seq, length = subject.model, subject.kind == "seq2seq", ids.shape[1]
     encoder_outputs = None
@@ -126,7 +136,7 @@ def _measure(subject: Subject, ids: torch.Tensor, schedules: dict[str, list[tupl
     for end in prefixes:
         part = forward(0, end)
         floor = max(floor, max(relative_l2(part[t], full[t]) for t in range(end)))
-    paths = [PathResult(kind, name, sched) for kind in ("dynamic", "static") for name, sched in schedules.items()]
+    paths = [PathResult(kind, name, sched) for kind in kinds for name, sched in schedules.items()]
     if explicit:
         paths += [PathResult("dynamic", name, schedules[name], explicit_ids=True) for name in ("decode", "chunks")]
     for path in paths:
@@ -141,7 +151,7 @@ def _measure(subject: Subject, ids: torch.Tensor, schedules: dict[str, list[tupl
 
 
 def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict], arbitration: Any,
-            length: int, dtype: str) -> CheckResult:
+            length: int, dtype: str, refused: str = "") -> CheckResult:
     floor = noise_floor(m.floor, dtype)
     tolerance = FAIL_RATIO * floor
     judged = [p for p in m.paths if not p.crashed]
@@ -164,6 +174,9 @@ def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict],
     table = Table("cached decoding vs full forward", ("path", "forwards", "max step error", "noise floor", "ratio",
                                                       "first diverging step"), tuple(rows))
     tail = ""
+    if refused:
+        details["static_not_run"] = refused
+        tail += f"; static cache paths not run: {refused}"
     note = cache_layer_note(subject)
     if note:
         details["cache_note"] = note

@@ -28,7 +28,15 @@ from typing import Any
 import torch
 
 from posdiag.checks._image_decode import generate_after_image, with_image_decode
-from posdiag.checks._shared import arbitrate, cache_layer_note, cache_support, new_cache, output_of, worst_error
+from posdiag.checks._shared import (
+    arbitrate,
+    cache_layer_note,
+    cache_support,
+    new_cache,
+    output_of,
+    static_cache_refusal,
+    worst_error,
+)
 from posdiag.errors import describe_error
 from posdiag.model.precision import weight_bytes
 from posdiag.model.subject import Subject
@@ -143,6 +151,7 @@ class Measurement:
     first_step_error: float
     pad_note: str
     cache_note: str
+    static_note: str = ""  # why no static-cache run (transformers cannot build the cache)
 
     @property
     def done(self) -> list[Run]:
@@ -179,7 +188,8 @@ def _measure(subject: Subject, prompts: list[torch.Tensor], new_tokens: int) -> 
         return logits, out.sequences[:, -logits.shape[1]:]
 
     runs: list[Run] = []
-    for kind in ("dynamic", "static"):  # transformers runs a static cache on any model that uses Cache objects
+    refused = static_cache_refusal(subject)  # a static cache users cannot build: no static run
+    for kind in ("dynamic",) if refused else ("dynamic", "static"):  # else run on any model using Cache objects
         for variant, ids, attn, rows in (("single", prompts[0][None], torch.ones_like(prompts[0])[None], [0]),
                                          ("batch", batch, mask, list(range(len(prompts))))):
             run_ = Run(kind, variant, rows)
@@ -190,7 +200,7 @@ def _measure(subject: Subject, prompts: list[torch.Tensor], new_tokens: int) -> 
                 run_.crashed = describe_error(exc)
     done = [r for r in runs if not r.crashed]
     if not done:
-        return Measurement(runs, 0.0, 0.0, pad_note, cache_note)
+        return Measurement(runs, 0.0, 0.0, pad_note, cache_note, refused)
     # Teacher-forced forward of every generated row *alone* (unpadded prompt + its tokens), with the
     # decoder start generate() used (the config may not say: T5Gemma keeps it in generation_config).
     start_id = decoder_start[0] if decoder_start else None
@@ -203,7 +213,7 @@ def _measure(subject: Subject, prompts: list[torch.Tensor], new_tokens: int) -> 
             first_step_error = max(first_step_error, relative_l2(run_.logits[i, 0], prompt_logits[row][start]))
             run_.errors[row] = _compare_row(run_, i, row, refs[(run_.name, i)], start, tolerance)
         run_.logits = run_.tokens = None  # judged: only the figures are kept
-    return Measurement(runs, floor_measured, first_step_error, pad_note, cache_note)
+    return Measurement(runs, floor_measured, first_step_error, pad_note, cache_note, refused)
 
 
 def _compare_row(run_: Run, i: int, row: int, ref: torch.Tensor, start: int, tolerance: float) -> list[float]:
@@ -260,10 +270,10 @@ def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict],
     table = Table("generate() vs teacher-forced forward", ("run", "rows", "max step error", "noise floor", "ratio",
                                                            "first row/step that differs"), tuple(rows))
     tail = ""
-    for key, note in (("pad_note", m.pad_note), ("cache_note", m.cache_note)):
+    for key, note in (("pad_note", m.pad_note), ("cache_note", m.cache_note), ("static_not_run", m.static_note)):
         if note:
             details[key] = note
-            tail += f"; note: {note}"
+            tail += f"; static cache not run: {note}" if key == "static_not_run" else f"; note: {note}"
     if failing and failing[0].crashed:
         worst = failing[0]
         summary = f"{worst.name} crashed: {worst.crashed} (a generate() call transformers accepts for this model){tail}"

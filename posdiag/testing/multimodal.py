@@ -72,6 +72,13 @@ def _shrunk(config: Any, sizes: dict[str, Any]) -> dict[str, Any]:
     fields = config.to_dict()
     out = {k: v for k, v in sizes.items() if k in fields}
     out["model_type"] = config.model_type
+    if {"n_input_layers", "n_output_layers"} <= fields.keys():
+        # A looped model's layers come in sections that add up to num_hidden_layers (Dory: input, recurrent, output).
+        # The default 8 + 8 around 2 shrunk layers left a negative recurrent section, so every layer ran twice and
+        # wrote its cache twice: one layer per section, the recurrent one derived.
+        out.update(num_hidden_layers=3, n_input_layers=1, n_output_layers=1)
+        if "n_recurrent_layers" in fields:
+            out["n_recurrent_layers"] = None
     out.update(_every_layer_type(config, fields, out, sizes))
     rope = dict(getattr(config, "rope_parameters", None) or {})
     if "mrope_section" in rope or _reads_mrope(config):

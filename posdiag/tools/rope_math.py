@@ -97,7 +97,26 @@ def text_config(config: Any) -> Any:
     return config
 
 
+def layer_config(config: Any, layer: int | str | None) -> Any:
+    """The config one layer (an index) or one layer type (a name in layer_types) is built from.
+
+    transformers 5.x heterogeneous configs (Gemma4: full-attention layers with their own head_dim) keep
+    per-layer attributes in `config.per_layer_config` and raise when they are read off the global config;
+    transformers' own rotary classes read them per layer type the same way.
+    """
+    config = text_config(config)
+    if layer is None or not getattr(config, "is_heterogeneous", False):
+        return config
+    try:
+        return config.per_layer_config[layer]
+    except (ValueError, IndexError, KeyError, TypeError):  # a layer type whose layers differ: its first layer
+        types = list(getattr(config, "layer_types", None) or [])
+        return config.per_layer_config[types.index(layer)] if layer in types else config
+
+
 def head_dim_of(config: Any) -> int | None:
+    if getattr(config, "is_heterogeneous", False):
+        config = layer_config(config, 0)  # one value for the whole model: read it from layer 0
     head_dim = getattr(config, "head_dim", None)
     if head_dim:
         return int(head_dim)
@@ -128,9 +147,9 @@ def rope_parameters(config: Any) -> dict[str, Any] | None:
 def rope_specs(config: Any) -> list[RopeSpec]:
     """Every rotary setup in the config; [] when the config describes no RoPE."""
     config = text_config(config)
-    head_dim = head_dim_of(config)
     declared = declared_context(config)
     params = rope_parameters(config)
+    head_dim = head_dim_of(config)
     if params is None:
         rotary_dim = getattr(config, "rotary_dim", None)  # GPT-J: a fixed base of 10000 in the model code
         if rotary_dim and head_dim:
@@ -146,10 +165,12 @@ def rope_specs(config: Any) -> list[RopeSpec]:
         blocks = [(None, params)]
     specs = []
     for layer_type, block in blocks:
-        partial = float(block.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0)
+        layer = layer_config(config, layer_type)  # each layer type its own head_dim (Gemma4)
+        head_dim = head_dim_of(layer) or head_dim
+        partial = float(block.get("partial_rotary_factor", getattr(layer, "partial_rotary_factor", 1.0)) or 1.0)
         rope_type = str(block.get("rope_type", block.get("type", "default")))
         original = (block.get("original_max_position_embeddings")
-                    or getattr(config, "original_max_position_embeddings", None))
+                    or getattr(layer, "original_max_position_embeddings", None))
         factor = block.get("factor")
         specs.append(RopeSpec(
             layer_type=layer_type, rope_type=rope_type, theta=float(block.get("rope_theta", 10000.0)),
@@ -181,7 +202,7 @@ def inv_freq(config: Any, spec: RopeSpec, seq_len: int | None = None) -> tuple[n
     if fn is None:
         raise ValueError(f"rope_type '{spec.rope_type}' is unknown to this transformers version "
                          f"(known: default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))})")
-    freqs, scaling = fn(text_config(config), "cpu", seq_len=seq_len, layer_type=spec.layer_type)
+    freqs, scaling = fn(layer_config(config, spec.layer_type), "cpu", seq_len=seq_len, layer_type=spec.layer_type)
     return freqs.detach().to("cpu").double().numpy(), float(scaling)
 
 

@@ -19,12 +19,14 @@ judging.py (the rule and the verdict).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from posdiag.checks.kernels.isolated import ISOLATED, run_isolated
 from posdiag.checks.kernels.judging import Evidence, judge
 from posdiag.checks.kernels.running import forward, reference_runs, run_here
 from posdiag.checks.kernels.scenarios import Run, Scenario, build_scenarios, default_implementations
+from posdiag.errors import describe_error
 from posdiag.model.introspect import attention_free, recurrent_reason
 from posdiag.model.subject import Subject
 from posdiag.options import RunOptions
@@ -44,15 +46,34 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
         return CheckResult("kernels", Status.SKIP,
                            f"the model runs {base_impl}; load it with eager attention to compare")
 
-    # Reference and the same-dtype eager baseline.
-    # The model as it is first: if that cannot run, the check errors; it is not a missing reference.
-    eager = [forward(subject, sc) for sc in scenarios]
+    # Reference and the same-dtype eager baseline, the model as it is first. An input its own eager forward
+    # cannot run (a cache path the model crashes on: `cache` judges that) has no baseline to compare kernels with.
+    eager, scenarios, unrunnable = _eager_baseline(subject, scenarios)
+    if not scenarios:
+        return CheckResult("kernels", Status.SKIP, f"the model's own eager forward raises on every input: "
+                                                   f"{'; '.join(unrunnable)}")
     reference = reference_runs(subject, scenarios)
     if not reference.ran:
         return CheckResult("kernels", Status.SKIP, f"{reference.reason}; FlashAttention's rule needs one")
     runs, notes = _run_implementations(subject, names, scenarios)
-    return judge(Evidence(subject, scenarios, eager, reference.value, reference.dtype, reference.how,
-                          {"eager": eager, **runs}, notes, skipped))
+    result = judge(Evidence(subject, scenarios, eager, reference.value, reference.dtype, reference.how,
+                            {"eager": eager, **runs}, notes, skipped))
+    if unrunnable:
+        summary = f"{result.summary}; not compared (the model's own eager forward raises): {'; '.join(unrunnable)}"
+        result = dataclasses.replace(result, summary=summary, details={**result.details, "not_compared": unrunnable})
+    return result
+
+
+def _eager_baseline(subject: Subject, scenarios: list[Scenario]) -> tuple[list[Run], list[Scenario], list[str]]:
+    """(eager runs, the scenarios they ran on, 'input: exception' for each the model cannot run)."""
+    eager, kept, unrunnable = [], [], []
+    for sc in scenarios:
+        try:
+            eager.append(forward(subject, sc))
+            kept.append(sc)
+        except Exception as exc:  # the model itself, not a kernel: no baseline on this input
+            unrunnable.append(f"{sc.name} input ({describe_error(exc)})")
+    return eager, kept, unrunnable
 
 
 def _not_applicable(subject: Subject) -> CheckResult | None:

@@ -15,7 +15,9 @@ from posdiag.model.subject import Subject
 from posdiag.tools import rope_math
 from posdiag.verdict import FAIL_RATIO, MACHINE_EPSILON
 
-LAYOUTS = ("half", "interleaved")
+# Pairing of the rotary dims, and where they sit in the head when only some rotate: the leading slice
+# (Llama, Phi partial rotary) or the trailing one ("-trailing": DeepSeek-V4 lays a head out as [nope | rope]).
+LAYOUTS = ("half", "interleaved", "half-trailing", "interleaved-trailing")
 
 
 def probe_applied(subject: Subject, layer_spec, refs, positions: np.ndarray, token: int):
@@ -141,11 +143,12 @@ def best_fits(fits: dict, layer: int, spread: float, judged_at: str) -> tuple[li
     return findings, np.maximum(best["q"][1], best["k"][1])
 
 
-def _pairs(layout: str, rotary_dim: int) -> tuple[np.ndarray, np.ndarray]:
-    half = rotary_dim // 2
-    if layout == "half":
-        return np.arange(half), np.arange(half) + half
-    return np.arange(0, rotary_dim, 2), np.arange(1, rotary_dim, 2)
+def _pairs(layout: str, rotary_dim: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """The dims (a_i, b_i) of each rotated pair i."""
+    half, start = rotary_dim // 2, dim - rotary_dim if layout.endswith("-trailing") else 0
+    if layout.startswith("half"):
+        return start + np.arange(half), start + np.arange(half) + half
+    return start + np.arange(0, rotary_dim, 2), start + np.arange(1, rotary_dim, 2)
 
 
 def judge_applied(arr: np.ndarray, freqs: np.ndarray, spec, positions: np.ndarray, layout: str, eps: float,
@@ -155,7 +158,7 @@ def judge_applied(arr: np.ndarray, freqs: np.ndarray, spec, positions: np.ndarra
     heads, _, dim = arr.shape
     rot = min(2 * freqs.shape[0], dim)
     freqs = freqs[: rot // 2]
-    a_idx, b_idx = _pairs(layout, rot)
+    a_idx, b_idx = _pairs(layout, rot, dim)
     x0 = arr[:, :1]
     ang = (rope_math.reference_angles(freqs, positions) if angles is None else angles[:, : rot // 2])[None]
     c, s = np.cos(ang), np.sin(ang)
@@ -177,8 +180,9 @@ def judge_applied(arr: np.ndarray, freqs: np.ndarray, spec, positions: np.ndarra
                     extra={"pair": int(i[2]), "pair_angle": float(ang[0, i[1], i[2]])})
     by_pos = ratio.max(axis=(0, 2))
     if rot < dim:
-        rest = arr[..., rot:]
-        err = np.abs(rest - x0[..., rot:])
+        rest_idx = np.setdiff1d(np.arange(dim), np.concatenate([a_idx, b_idx]))  # the dims that must not move
+        rest = arr[..., rest_idx]
+        err = np.abs(rest - x0[..., rest_idx])
         tol = norm_head * (4 * eps + 2 * floor) + 1e-30
         r = err / tol
         j = np.unravel_index(int(np.argmax(r)), r.shape)
@@ -186,7 +190,7 @@ def judge_applied(arr: np.ndarray, freqs: np.ndarray, spec, positions: np.ndarra
         if r[j] > worst.ratio:
             worst = Finding("pass-through dims", float(r[j]), error=float(err[j]), tolerance=float(tol[j[0], 0, 0]),
                             layer=layer,
-                            tensor=name, head=int(j[0]), position=int(positions[j[1]]), dim=int(rot + j[2]),
-                            expected=float(x0[j[0], 0, j[2] + rot]), actual=float(rest[j]),
+                            tensor=name, head=int(j[0]), position=int(positions[j[1]]), dim=int(rest_idx[j[2]]),
+                            expected=float(x0[j[0], 0, rest_idx[j[2]]]), actual=float(rest[j]),
                             extra={"rotary_dim": rot, "head_dim": dim})
     return worst, by_pos

@@ -104,7 +104,7 @@ def capturing(subject: Subject, capture: Capture):
             patched.append((g, "apply_rotary_pos_emb", g["apply_rotary_pos_emb"]))
             g["apply_rotary_pos_emb"] = capture.apply(g["apply_rotary_pos_emb"], record=not eager)
     if capture.eager_mode:
-        for attention in _attention_modules(subject.language_model):
+        for attention in attention_modules(subject.language_model):
             for name, proj in plain_projections(attention).items():
                 hooks.append(proj.register_forward_hook(capture.projection(attention, name)))
     try:
@@ -118,7 +118,7 @@ def capturing(subject: Subject, capture: Capture):
 
 def _attention_globals(model: torch.nn.Module) -> list[dict]:
     seen, out = set(), []
-    for module in _attention_modules(model):
+    for module in attention_modules(model):
         fn = module.__dict__.get("forward") or type(module).forward
         fn = getattr(fn, "__func__", fn)
         g = inspect.unwrap(fn).__globals__
@@ -128,7 +128,7 @@ def _attention_globals(model: torch.nn.Module) -> list[dict]:
     return out
 
 
-def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules()
             if type(m).__name__.endswith(("Attention", "SelfAttention")) and "Rotary" not in type(m).__name__]
 

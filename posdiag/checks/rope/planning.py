@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from posdiag.checks.rope.capture import attention_modules
 from posdiag.model.subject import Subject
 from posdiag.tools import rope_math
 
@@ -49,8 +50,15 @@ def _layer_specs(subject: Subject, specs: list[rope_math.RopeSpec]) -> list[rope
     else:
         by_type = {s.layer_type: s for s in specs}
         params = rope_math.rope_parameters(config) or {}
-        out = ([None if t in params and params[t] is None else by_type.get(t, specs[0]) for t in types] if types
-               else [specs[0]] * layers)
+        # Rope keys that are not layer types (DeepSeek-V4: "main" for sliding layers, "compress" for compressed ones):
+        # each attention module names the one it reads.
+        keys = [getattr(m, "rope_layer_type", None) for m in attention_modules(subject.language_model)]
+        if keys and all(k in by_type for k in keys):
+            out = [by_type[k] for k in keys]
+        elif types:
+            out = [None if t in params and params[t] is None else by_type.get(t, specs[0]) for t in types]
+        else:
+            out = [specs[0]] * layers
     no_rope = getattr(config, "no_rope_layers", None)  # 1: the layer rotates, 0: it runs without positions
     if isinstance(no_rope, (list, tuple)) and len(no_rope) == len(out):
         out = [spec if flag else None for spec, flag in zip(out, no_rope, strict=True)]
