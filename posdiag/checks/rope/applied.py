@@ -58,7 +58,7 @@ def probe_applied(subject: Subject, layer_spec, refs, positions: np.ndarray, tok
                 continue
             fits[name] = None if recurrent else {
                 lay: judge_applied(arr, freqs, spec, positions, lay, eps,
-                                    max(spread, eps), layer, name) for lay in LAYOUTS}
+                                    max(spread, eps), layer, name) for lay in layouts_for(freqs, arr.shape[-1])}
             factor = factor_finding(arr, plain, name, freqs, scaling, eps, positions, layer)
             if factor is not None:
                 factors.append(factor)
@@ -141,6 +141,12 @@ def best_fits(fits: dict, layer: int, spread: float, judged_at: str) -> tuple[li
         f.extra["input_spread"] = spread
         f.extra["judged_at"] = judged_at
     return findings, np.maximum(best["q"][1], best["k"][1])
+
+
+def layouts_for(freqs: np.ndarray, dim: int) -> tuple[str, ...]:
+    """The distinct layouts a head of `dim` dims can have: the trailing ones only where the rotation is partial
+    (a full rotation's trailing slice is the leading one, and a duplicate would stop a pairing being told apart)."""
+    return LAYOUTS if 2 * freqs.shape[0] < dim else tuple(lay for lay in LAYOUTS if not lay.endswith("-trailing"))
 
 
 def _pairs(layout: str, rotary_dim: int, dim: int) -> tuple[np.ndarray, np.ndarray]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from posdiag.checks.rope.applied import LAYOUTS, best_fits, input_spread, judge_applied, judged_qk, non_finite
+from posdiag.checks.rope.applied import best_fits, input_spread, judge_applied, judged_qk, layouts_for, non_finite
 from posdiag.checks.rope.capture import Capture, capturing, heads, without_rope
 from posdiag.checks.rope.findings import Finding
 from posdiag.errors import one_line
@@ -128,7 +128,7 @@ def _judge_streams(subject: Subject, layer_spec, refs, owners, streams: np.ndarr
                 fits[name] = None
                 continue
             fits[name] = {lay: judge_applied(arr, freqs, spec, index, lay, eps, max(spread, eps), layer, name,
-                                             angles=angles) for lay in LAYOUTS}
+                                             angles=angles) for lay in layouts_for(freqs, arr.shape[-1])}
         if fits["q"] is None or fits["k"] is None:
             continue
         layer_findings, _ = best_fits(fits, layer, spread, judged_at)
