@@ -36,6 +36,7 @@ FINDINGS: dict[str, dict[str, str]] = {
     "mamba": {"cache": "a multi-token cache continuation differs from the full forward"},
     "jamba": {"cache": "a multi-token cache continuation differs from the full forward"},
     "paligemma": {"kernels": "the SDPA path is not causal on text without token_type_ids"},
+    "deepseek_v4": {"generate": "a left-padded batch differs from each row alone once a compressed entry exists"},
     "hunyuan_vl": {"rope": "XD-RoPE pairs read two different position streams: no rotation for image tokens"},
 }
 
