@@ -34,3 +34,9 @@ def raised_in_posdiag(exc: BaseException) -> bool:
     frames = [os.path.abspath(f.filename) for f in traceback.extract_tb(exc.__traceback__)]
     outside_torch = [f for f in frames if not f.startswith(torch_dir)]
     return bool(outside_torch) and outside_torch[-1].startswith(own_dir)
+
+
+class MaskRefused(Exception):
+    """The model refuses the explicit attention-mask form a probe needs, and no form it accepts expresses the
+    probe's pattern (a permuted or edited pattern has no 2D padding-mask form). Not a finding about the model and
+    not posdiag's bug: the check, or the stack, cannot be judged, and says why (a SKIP with this message)."""

@@ -13,10 +13,12 @@ from typing import Any, TypeVar
 
 import torch
 
+from posdiag.errors import MaskRefused
 from posdiag.model.precision import run_finer
+from posdiag.model.probe import mask_refusal
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import dtype_name, release_freed_memory
-from posdiag.results import Status
+from posdiag.results import CheckResult, Status
 from posdiag.verdict import FloorVerdict, degenerate_floor, judge_arbitrated, needs_arbitration, noise_floor
 
 T = TypeVar("T")
@@ -53,6 +55,7 @@ def jittered(subject: Subject, stack: str, row: int, total_rows: int, seed: int 
     if emb is None:
         yield False
         return
+    mask_refusal(subject, stack)  # settled now: finding out later, under the hook, would add calls it counts
     step = subject.options.max_batch or total_rows
     target_chunk, local = divmod(row, step)
     calls_per_chunk = 1
@@ -114,6 +117,15 @@ def encoder_inputs(subject: Subject, stack: str, ids: torch.Tensor, rows: int) -
     if not (subject.kind == "seq2seq" and stack == "decoder"):
         return None
     return ids[None].expand(rows, -1)
+
+
+def stack_result(name: str, stack: str, judge: Callable[[], CheckResult]) -> CheckResult:
+    """One stack's result. A stack whose model takes no form of the mask a probe needs is a SKIP that says
+    so (MaskRefused), and the other stack of an encoder-decoder is still judged."""
+    try:
+        return judge()
+    except MaskRefused as exc:
+        return CheckResult(name, Status.SKIP, str(exc), details={"stack": stack, "mask_refused": str(exc)})
 
 
 # ------------------------------------------------------------------ KV caches (cache, generate)

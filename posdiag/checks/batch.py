@@ -26,7 +26,8 @@ buckets) are blind to where the row starts, and Bloom/Falcon derive ALiBi from t
 left-padded row is still exact; absolute schemes numbered by arange (BART, Marian) cannot be
 left-padded at all, so only right padding is tested there (said in the report). Rows with
 non-affine positions need position_ids: not run for those families (said in the report).
-Encoder-decoders: each stack; the decoder with one fixed, unpadded encoder input.
+Encoder-decoders: each stack; the decoder with one fixed, unpadded encoder input. A model whose forward takes no
+attention mask (FNet: its Fourier transform mixes every token, padding included) is skipped, saying so.
 
 Recurrent / linear-attention / convolutional mixers (posdiag.model.introspect) need no permutation here: a row alone
 must still equal itself in the batch, and transformers hands them the same 2D padding mask. A
@@ -49,7 +50,7 @@ from posdiag.checks._shared import (
     per_token_change,
     restart_positions,
 )
-from posdiag.model.introspect import recurrent_mixers
+from posdiag.model.introspect import recurrent_mixers, takes_attention_mask
 from posdiag.model.probe import Row, run_rows
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import relative_l2
@@ -73,6 +74,9 @@ def _pad_id(subject: Subject) -> int:
 
 
 def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult:
+    if not takes_attention_mask(subject, stack):  # padding would be mixed in like any token
+        return CheckResult("batch", Status.SKIP, f"{type(subject.model).__name__} takes no attention mask: padded "
+                           "rows cannot be compared with the rows alone", details={"stack": stack})
     dtype = subject.dtype_name
     length = probe_length(subject, options)
     pads = max(1, length // 4)

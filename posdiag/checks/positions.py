@@ -29,7 +29,8 @@ Models with recurrent / linear-attention / convolutional mixers (posdiag.model.i
 recurrence: no consistent permutation exists, so measurement 1 is not run (said in the report) and the
 verdict rests on measurement 2 — tokens and pattern unchanged, only the ids move, so only layers that read
 position ids can respond. Such a model with no position mechanism at all (Jamba: NoPE attention + Mamba)
-has no ids to honour and is skipped.
+has no ids to honour and is skipped. Likewise a family whose tokens are mixed by something other than
+attention (`Family.token_mixing`: FNet's Fourier transform reads the storage order itself).
 
 The jitter noise floor it uses lives in checks/_shared.py (batch, causal, shift and shuffle use it too).
 """
@@ -46,7 +47,7 @@ from posdiag.checks._shared import (
     position_limit,
     restart_positions,
 )
-from posdiag.model.introspect import recurrent_mixers, recurrent_reason
+from posdiag.model.introspect import mixing_reason, recurrent_mixers, recurrent_reason
 from posdiag.model.probe import (
     Row,
     fidelity_rows,
@@ -132,8 +133,9 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     jitter_row = len(rows)
     rows.append(Row(ids))
     first_perm = len(rows)
-    if recurrent:
-        perms = []  # no consistent permutation through a recurrence
+    mixing = subject.family.token_mixing
+    if recurrent or mixing:
+        perms = []  # no consistent permutation through a recurrence, nor through a mixer that is not attention
     rows += [Row(ids[p], order=p, positions=p) for p in perms]
     first_variant = len(rows)
     rows += [Row(ids, positions=pos) for _, pos in variants]
@@ -167,6 +169,8 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
         "seq_len": length, "permutations": len(perms),
         **({"recurrent_mixers": recurrent, "consistent_permutation": f"not run: {recurrent_reason(subject)}"}
            if recurrent else {}),
+        **({"token_mixing": mixing, "consistent_permutation": f"not run: {mixing_reason(subject)}"}
+           if mixing and not recurrent else {}),
         "floor_source": FLOOR_SOURCE if has_jitter else f"{dtype} machine epsilon (no token embedding found to jitter)",
         "consistent_error_per_permutation": consistent[-1],
         "variants": {n: [int(v) for v in p.tolist()] for n, p in variants},
@@ -205,9 +209,11 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
 
     status = Status.worst([agree.status, signal.status]) if perms else signal.status
     parts = []
-    if not perms:
+    if not perms and recurrent:
         parts.append(f"consistent permutation not run ({subject.family.name} has recurrent sequence mixers: "
                      f"{', '.join(recurrent)}; order enters through the recurrence)")
+    elif not perms:
+        parts.append(f"consistent permutation not run ({mixing_reason(subject)})")
     elif agree.status is Status.PASS:
         parts.append(f"consistent permutation reproduces P f(x) (error {agree.residual:.2g} <= {tol:.2g}"
                      f"{arbitration.clause('consistent')})")
@@ -234,5 +240,3 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     table = Table("position ids by layer", ("layer", "consistent error", *[f"{n} residual" for n, _ in variants],
                                             "noise floor"), table_rows)
     return CheckResult("positions", status, summary, metrics, details, (table,))
-
-

@@ -39,8 +39,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from posdiag.checks._shared import FLOOR_SOURCE, jittered, layer_name
-from posdiag.model.introspect import recurrent_mixers, recurrent_reason
+from posdiag.checks._shared import FLOOR_SOURCE, jittered, layer_name, stack_result
+from posdiag.model.introspect import mixing_reason, recurrent_mixers
 from posdiag.model.precision import run_finer
 from posdiag.model.probe import Row, fidelity_rows, judge_fidelity, run_rows
 from posdiag.model.subject import Subject
@@ -83,7 +83,12 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
         return CheckResult("shift", Status.SKIP, f"no position mechanism found ({kind}): nothing to shift{why}")
     if subject.dtype_name in LOW_PRECISION:
         return _decided_in_float64(subject, options)
-    return combine_stacks("shift", [_run_stack(subject, options, stack) for stack in subject.stacks])
+    return _stacks(subject, options)
+
+
+def _stacks(subject: Subject, options: RunOptions) -> CheckResult:
+    return combine_stacks("shift", [stack_result("shift", stack, lambda s=stack: _run_stack(subject, options, s))
+                                    for stack in subject.stacks])
 
 
 def _decided_in_float64(subject: Subject, options: RunOptions) -> CheckResult:
@@ -96,7 +101,7 @@ def _decided_in_float64(subject: Subject, options: RunOptions) -> CheckResult:
     def in_float64() -> CheckResult:
         subject.dtype = torch.float64  # masks and rounding bounds of the run that decides
         try:
-            return combine_stacks("shift", [_run_stack(subject, options, stack) for stack in subject.stacks])
+            return _stacks(subject, options)
         finally:
             subject.dtype = half
 
@@ -104,7 +109,7 @@ def _decided_in_float64(subject: Subject, options: RunOptions) -> CheckResult:
     release_freed_memory()
     name = dtype_name(half)
     if finer.value is None:
-        result = combine_stacks("shift", [_run_stack(subject, options, stack) for stack in subject.stacks])
+        result = _stacks(subject, options)
         return replace(result, summary=f"{result.summary} (in {name}; the float64 run that decides could not run: "
                                        f"{finer.reason})")
     result = finer.value
@@ -129,10 +134,10 @@ def _build(subject: Subject, options: RunOptions, stack: str) -> _Probe | str:
     if declared is not None:
         length = min(length, max(4, declared // 2))  # leave room for the ladder
     prefix = not subject.family.takes_position_ids
-    recurrent = bool(recurrent_mixers(subject.model))
+    recurrent = bool(recurrent_mixers(subject.model)) or bool(subject.family.token_mixing)
     if prefix and recurrent:
-        return (f"{recurrent_reason(subject)}; nor can positions be shifted by an invisible prefix (the family "
-                f"takes no position_ids, and a 4D mask hides the prefix from attention only, not from the recurrence)")
+        return (f"{mixing_reason(subject)}; nor can positions be shifted by an invisible prefix (the family "
+                f"takes no position_ids, and a 4D mask hides the prefix from attention only, not from these mixers)")
     settings = options.for_check("shift")
     if prefix:
         k_max = PREFIX_MAX_SHIFT if declared is None else min(PREFIX_MAX_SHIFT, declared - length)
@@ -232,12 +237,11 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
         measured_floor = relative_l2(out.hidden[final][probe.consistent], out.hidden[final][probe.base][probe.perm])
         floor_source = "consistent permutation (tokens, mask and position ids permuted together)"
     elif probe.jitter is not None:
-        mixers = ", ".join(recurrent_mixers(subject.model))
         if has_jitter:
             measured_floor = relative_l2(out.hidden[final][probe.jitter], out.hidden[final][probe.base])
-        floor_source = (f"{FLOOR_SOURCE if has_jitter else f'{dtype} machine epsilon'} (recurrent sequence "
-                        f"mixers {mixers}: no consistent permutation)")
-        details["recurrent_mixers"] = recurrent_mixers(subject.model)
+        floor_source = f"{FLOOR_SOURCE if has_jitter else f'{dtype} machine epsilon'} ({mixing_reason(subject)})"
+        if recurrent_mixers(subject.model):
+            details["recurrent_mixers"] = recurrent_mixers(subject.model)
     floor = noise_floor(measured_floor, dtype)
     eps = MACHINE_EPSILON.get(dtype, MACHINE_EPSILON["float32"])
     details["floor_source"] = floor_source

@@ -11,7 +11,8 @@ Causal stacks need an explicit mask, so its fidelity is measured first (probe.Fi
 Models with recurrent / linear-attention / convolutional mixers (posdiag.model.introspect) read order through the
 recurrence, so no consistent permutation exists: the floor is then the baseline row with its token
 embeddings jittered by ~1 ulp (see `positions`), and a PASS says that order enters the model, not that
-positions reach its attention layers (`positions`, `shift` and `rope` judge those).
+positions reach its attention layers (`positions`, `shift` and `rope` judge those). The same holds for a family
+whose tokens are mixed by something other than attention (`Family.token_mixing`: FNet's Fourier transform).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Iterator
 
 import torch
 
-from posdiag.checks._shared import FLOOR_SOURCE, jittered, layer_name
+from posdiag.checks._shared import FLOOR_SOURCE, jittered, layer_name, stack_result
 from posdiag.model.introspect import attention_free, recurrent_mixers, recurrent_reason
 from posdiag.model.precision import run_finer
 from posdiag.model.probe import (
@@ -44,7 +45,8 @@ BASELINE_METRICS = {"ratio": "higher"}
 
 
 def run(subject: Subject, options: RunOptions) -> CheckResult:
-    return combine_stacks("shuffle", [_run_stack(subject, options, stack) for stack in subject.stacks])
+    return combine_stacks("shuffle", [stack_result("shuffle", stack, lambda s=stack: _run_stack(subject, options, s))
+                                      for stack in subject.stacks])
 
 
 def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult:
@@ -64,7 +66,9 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
     length = ids.shape[0]
     perms = [p.to(subject.device) for p in moving_permutations(length, options.permutations, options.seed + 7919)]
     recurrent = recurrent_mixers(subject.model)
-    consistent = subject.family.takes_position_ids and not recurrent
+    mixing = subject.family.token_mixing  # not attention: it reads the storage order, like a recurrence
+    floor_by_jitter = bool(recurrent or mixing)
+    consistent = subject.family.takes_position_ids and not floor_by_jitter
 
     # One batched forward: [fidelity rows (causal only) | baseline | permuted... | consistent... | jittered]
     rows: list[Row] = []
@@ -79,14 +83,15 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
     first_consistent = len(rows)
     if consistent:
         rows += [Row(ids[p], order=p, positions=p) for p in perms]
-    jitter_row = len(rows) if recurrent else None
-    if recurrent:
+    jitter_row = len(rows) if floor_by_jitter else None
+    if floor_by_jitter:
         rows.append(Row(ids))
     # Encoder-decoders: the decoder is tested against one fixed encoder input for every row.
     encoder_ids = ids[None].expand(len(rows), -1) if subject.kind == "seq2seq" and stack == "decoder" else None
 
     def measure():
-        with jittered(subject, stack, jitter_row, len(rows), options.seed) if recurrent else _nothing() as jitter_found:
+        with jittered(subject, stack, jitter_row, len(rows), options.seed) if floor_by_jitter else _nothing() as \
+                jitter_found:
             return run_rows(subject, rows, stack=stack, encoder_ids=encoder_ids), jitter_found
 
     def final_figures(measured) -> tuple[float, float]:
@@ -116,9 +121,10 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
     final_floor = max(floor[-1])
     floor_source = "consistent permutation (tokens, mask and position ids permuted together)" if consistent else \
         f"{dtype} machine epsilon ({subject.family.name} derives positions inside: no consistent permutation)"
-    if recurrent:
+    if floor_by_jitter:
         floor_source = (f"{FLOOR_SOURCE if has_jitter else f'{dtype} machine epsilon'} ({subject.family.name} has "
-                        f"recurrent sequence mixers: no consistent permutation)")
+                        f"{'recurrent sequence mixers' if recurrent else f'token mixing by {mixing}'}: no consistent "
+                        "permutation)")
     details: dict = {"stack": stack, "seq_len": length, "permutations": len(perms), "floor_source": floor_source,
                      "residual_per_permutation": residual[-1], "floor_per_permutation": floor[-1]}
     if recurrent:
@@ -164,6 +170,9 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
         summary += (f"; {subject.family.name} has recurrent sequence mixers ({', '.join(recurrent)}): order enters "
                     f"through the recurrence, so this shows order reaches the outputs, not that positions reach "
                     f"the attention layers (see positions, shift, rope)")
+    elif mixing:
+        summary += (f"; {subject.family.name} mixes tokens by {mixing}, not attention: order enters through the "
+                    f"mixing itself, so this shows order reaches the outputs, not that positions do (see positions)")
     table = Table(f"shuffle residual by layer ({stack})" if subject.kind == "seq2seq" else "shuffle residual by layer",
                   ("layer", "residual", "noise floor", "ratio"), tuple(table_rows))
     return CheckResult("shuffle", verdict.status, summary, metrics, details, (table,))

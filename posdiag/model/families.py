@@ -35,6 +35,8 @@ class Family:
                       (RoBERTa reads the ids as table rows; OPT adds its 2 inside).
     eager_only:       the family refuses attn_implementation="sdpa" in transformers 5.x.
     mask_note:        why mask_form is "none" (shown in skips).
+    token_mixing:     "" when attention mixes the tokens; else what does instead (shown in reports). Such a
+                      mixer reads the storage order itself, so a consistent permutation is no identity there.
     offsets_known:    position_offset / explicit_position_offset were measured for this row. False
                       for model types with no row: `table` then discovers which table row position 0
                       reads instead of assuming 0 (BioGPT, unknown to posdiag, reads row 2).
@@ -51,6 +53,7 @@ class Family:
     eager_only: bool = False
     mask_note: str = ""
     offsets_known: bool = True
+    token_mixing: str = ""
 
     @property
     def takes_position_ids(self) -> bool:
@@ -163,6 +166,9 @@ _ROWS: dict[str, Family] = {
     "distilbert": Family("distilbert", kind="encoder", position_kind="learned"),
     # Local layers attend |q - k| <= local_attention // 2 (config.sliding_window): dict by layer type.
     "modernbert": Family("modernbert", kind="encoder", position_kind="rope", mask_form="layer_dict"),
+    # FNet mixes tokens with a 2D Fourier transform (sequence x hidden), not attention, and takes no attention
+    # mask. Measured: a consistent permutation differs from P f(x) by 1.07 in float32 and float64 alike.
+    "fnet": Family("fnet", kind="encoder", position_kind="learned", token_mixing="a Fourier transform"),
     # --- Encoder-decoders: the 4D pattern goes to decoder_attention_mask (a top-level mask would
     #     be reused as the cross-attention mask). Positions are derived inside. -----------------
     "t5": Family("t5", kind="seq2seq", position_kind="relative_bias", position_ids="ignored"),

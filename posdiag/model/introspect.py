@@ -110,7 +110,32 @@ def recurrent_reason(subject: Any) -> str | None:
             f"recurrence, so a consistent permutation cannot be built")
 
 
-__all__ = ["recurrent_mixers", "recurrent_reason", "attention_free"]
+def mixing_reason(subject: Any) -> str | None:
+    """Why no consistent permutation exists: recurrent mixers (recurrent_reason), or a family whose tokens are mixed
+    by something other than attention (`Family.token_mixing`, FNet's Fourier transform); None for attention."""
+    mixing = subject.family.token_mixing
+    if recurrent_mixers(subject.model) or not mixing:
+        return recurrent_reason(subject)
+    return (f"{subject.family.name} mixes tokens by {mixing}, not attention: a consistent permutation is not expected "
+            "to reproduce P f(x)")
+
+
+def takes_attention_mask(subject: Any, stack: str) -> bool:
+    """Whether the call a stack runs through names an attention mask among its arguments. FNet's forward has none
+    (its **kwargs swallow one unread); a `module:factory` model is taken at its word (the forward protocol)."""
+    import inspect
+
+    if not subject.is_hf:
+        return True
+    if subject.kind == "seq2seq":
+        fn, name = ((subject.model.get_encoder().forward, "attention_mask") if stack == "encoder"
+                    else (subject.model.forward, "decoder_attention_mask"))
+    else:
+        fn, name = subject.model.forward, "attention_mask"
+    return name in inspect.signature(fn).parameters
+
+
+__all__ = ["recurrent_mixers", "recurrent_reason", "mixing_reason", "takes_attention_mask", "attention_free"]
 
 
 def detect_position_kind(model: torch.nn.Module) -> str:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from posdiag.errors import MaskRefused, describe_error, raised_in_posdiag
 from posdiag.model.subject import Outputs, Subject
 from posdiag.model.tensors import relative_l2
 from posdiag.verdict import FAIL_RATIO, MACHINE_EPSILON, agreement_tolerance
@@ -63,29 +64,121 @@ def run_rows(subject: Subject, rows: list[Row], *, stack: str = "decoder", expli
     without a mask transformers reads such ids as packed sequences and builds a block-diagonal
     mask). explicit_mask=False lets the model build its own default mask. Logits only when
     asked (want_logits): most checks compare hidden states, and the LM head is the largest output.
+
+    A model that refuses the explicit form (Flaubert and FSMT assert a 2D mask, DeBERTa multiplies
+    its embeddings by the mask: measured by `mask_refusal`) gets the patterns as a 2D padding mask
+    where that form says the same (every pattern in its default order, padding keys hidden: a plain
+    or shuffled bidirectional stack, an unpermuted causal one); an explicit tensor, so transformers
+    never reads the ids as packed sequences. Any other pattern raises MaskRefused (a SKIP, with why).
     """
     ids = torch.stack([r.ids for r in rows]).to(subject.device)
-    patterns = None
-    mask: Any = None
-    if explicit_mask:
-        per_row = [
-            subject.patterns(
-                (r.order if r.order is not None else arange_like(r.ids))[None],
-                None if r.valid is None else r.valid[None],
-                stack=stack,
-                edit=r.edit,
-            )
-            for r in rows
-        ]
-        patterns = {k: torch.cat([p[k] for p in per_row]) for k in per_row[0]}
-        mask = subject.mask_argument(patterns)
     position_ids = None
     if subject.family.takes_position_ids:
         logical = torch.stack([r.positions if r.positions is not None else arange_like(r.ids) for r in rows])
         position_ids = subject.position_ids_for(logical.to(subject.device))
-    with subject.injected(patterns):
-        return subject.forward(ids, mask=mask, position_ids=position_ids, stack=stack, encoder_ids=encoder_ids,
-                               want_logits=want_logits)
+
+    def call(mask: Any, patterns: dict[str, torch.Tensor] | None) -> Outputs:
+        with subject.injected(patterns):
+            return subject.forward(ids, mask=mask, position_ids=position_ids, stack=stack, encoder_ids=encoder_ids,
+                                   want_logits=want_logits)
+
+    if not explicit_mask:
+        return call(None, None)
+    per_row = [
+        subject.patterns(
+            (r.order if r.order is not None else arange_like(r.ids))[None],
+            None if r.valid is None else r.valid[None],
+            stack=stack,
+            edit=r.edit,
+        )
+        for r in rows
+    ]
+    patterns = {k: torch.cat([p[k] for p in per_row]) for k in per_row[0]}
+    mask = subject.mask_argument(patterns)
+    if mask is None:
+        return call(None, patterns)
+    if stack not in subject.mask_refusals:
+        try:
+            out = call(mask, patterns)
+        except Exception as exc:
+            if raised_in_posdiag(exc) or not mask_refusal(subject, stack):
+                raise
+        else:
+            subject.mask_refusals[stack] = ""  # the explicit form ran: nothing refused
+            return out
+    if not subject.mask_refusals[stack]:
+        return call(mask, patterns)
+    padding = padding_mask(subject, rows, patterns, stack)
+    if padding is None:
+        raise MaskRefused(f"{subject.mask_refusals[stack]}; this probe's pattern (permuted or edited) has no 2D "
+                          "padding-mask form")
+    return call(padding, None)
+
+
+def padding_mask(subject: Subject, rows: list[Row], patterns: dict[str, torch.Tensor],
+                 stack: str) -> torch.Tensor | None:
+    """The 2D padding mask [B, T] (1 = token, 0 = padding) whose default pattern is `patterns` at every
+    valid query, or None when no 2D mask says the same (a permuted causal order, an edited pattern).
+    Padded queries are left out: their outputs are excluded from every comparison."""
+    valid = torch.stack([torch.ones_like(r.ids, dtype=torch.bool) if r.valid is None else r.valid.bool()
+                         for r in rows]).to(subject.device)
+    order = torch.arange(valid.shape[-1], device=subject.device).expand_as(valid)
+    implied = subject.patterns(order, valid, stack=stack)
+    for key, pattern in patterns.items():
+        if key not in implied or not bool((implied[key] == pattern)[valid].all()):
+            return None
+    return valid.long()
+
+
+def mask_refusal(subject: Subject, stack: str) -> str:
+    """Why this stack refuses an explicit attention pattern in the family's form ("" when it takes one).
+
+    Measured once per stack, on 8 tokens, and remembered: the explicit all-visible pattern must raise in
+    the model's own code where the plain call runs (a model that cannot run at all is not refusing a
+    mask: "", and its error surfaces where it happens). A capability probe, not a pass of any check: its
+    forwards are not counted. Call it before hooking a module that counts calls (the jitter floor)."""
+    if stack in subject.mask_refusals:
+        return subject.mask_refusals[stack]
+    if subject.mask_argument(subject.patterns(torch.zeros(1, 1, dtype=torch.long), stack=stack)) is None:
+        return ""  # patterns travel by injection: there is no explicit form to refuse
+    ids = subject.sample_ids(1, 8, 0)
+    encoder = ids if subject.kind == "seq2seq" and stack == "decoder" else None
+    patterns = subject.patterns(arange_like(ids)[None], stack=stack)
+    # As run_rows calls it: OPT derives positions from a 2D mask and needs explicit ids beside a 4D one.
+    positions = subject.position_ids_for(arange_like(ids)[None]) if subject.family.takes_position_ids else None
+    counted = subject.forward_count
+    why = ""
+    try:
+        with subject.injected(patterns):
+            subject.forward(ids, mask=subject.mask_argument(patterns), position_ids=positions, stack=stack,
+                            encoder_ids=encoder)
+    except Exception as exc:
+        if raised_in_posdiag(exc):
+            raise
+        try:
+            subject.forward(ids, stack=stack, encoder_ids=encoder)
+        except Exception as plain:
+            if raised_in_posdiag(plain):
+                raise
+            subject.forward_count = counted
+            return ""
+        module = subject.model.get_encoder() if subject.kind == "seq2seq" and stack == "encoder" else subject.model
+        why = f"{type(module).__name__} refuses an explicit 4D attention mask: {_where(exc)}"
+    subject.forward_count = counted
+    subject.mask_refusals[stack] = why
+    return why
+
+
+def _where(exc: BaseException) -> str:
+    """`Type: message`, and where the model raised it when the message is empty (a bare assert)."""
+    import traceback
+    from pathlib import Path
+
+    text = describe_error(exc)
+    if str(exc).strip():
+        return text
+    frame = traceback.extract_tb(exc.__traceback__)[-1]
+    return f"{text.rstrip(': ')} in {frame.name} ({Path(frame.filename).name}:{frame.lineno})"
 
 
 # ------------------------------------------------------------------------ mask fidelity

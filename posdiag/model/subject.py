@@ -77,6 +77,7 @@ class Subject:
     is_hf: bool = True
     notes: list[str] = field(default_factory=list)
     tested: str = ""  # multimodal models: the tower the checks run on (families.tested_tower)
+    mask_refusals: dict[str, str] = field(default_factory=dict)  # stack -> why it refuses explicit masks ("": takes)
     cleanup: list[Any] = field(default_factory=list, repr=False)  # weakref.finalize: temporary offload folders
 
     def close(self) -> None:

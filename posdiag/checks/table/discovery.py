@@ -30,11 +30,17 @@ class PositionTable:
 
 
 def find_tables(subject: Subject) -> list[PositionTable]:
-    """2D parameters/buffers named like a position table, each assigned to its stack."""
+    """2D parameters/buffers named like a position table, each assigned to its stack.
+
+    A buffer next to a parameter of the same shape in the same module is state derived from that
+    parameter, not a second table: I-BERT's QuantEmbedding keeps `weight_integer`, a quantised copy of
+    `weight` used only in quant_mode (judged as a table, a marker in it moved nothing: a false FAIL)."""
     found: list[PositionTable] = []
     seen: set[int] = set()
-    named = list(subject.model.named_parameters()) + list(subject.model.named_buffers())
-    for name, tensor in named:
+    params = list(subject.model.named_parameters())
+    shadowed = {(_owner(name), tuple(tensor.shape)) for name, tensor in params}
+    buffers = [(n, t) for n, t in subject.model.named_buffers() if (_owner(n), tuple(t.shape)) not in shadowed]
+    for name, tensor in params + buffers:
         low = name.lower()
         if tensor.ndim != 2 or not any(k in low for k in TABLE_NAMES) or any(k in low for k in EXCLUDE):
             continue
@@ -50,6 +56,11 @@ def find_tables(subject: Subject) -> list[PositionTable]:
         trainable = bool(getattr(tensor, "requires_grad", False))
         found.append(PositionTable(name, stack, tensor, trainable))
     return found
+
+
+def _owner(name: str) -> str:
+    """The module path of a parameter or buffer name ("a.b.weight" -> "a.b")."""
+    return name.rpartition(".")[0]
 
 
 def declared_logical(subject: Subject) -> int | None:
