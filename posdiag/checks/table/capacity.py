@@ -20,6 +20,15 @@ from posdiag.verdict import agreement_tolerance, judge_position_signal
 
 ROW_TOKENS = 64          # positions per row of the capacity probe (position ids passed)
 DEFAULT_MAX_PROBE = 16384  # positions probed exhaustively; larger contexts are sampled evenly
+# Tokens in the single row of a model that derives its positions (no position ids): the row's 4D mask and its
+# attention scores grow with the square of its length. LED's 16384-position encoder table asked for a 2 GiB mask
+# (two rows of 16384^2 float32) and the run died; at 2048 the mask is 32 MiB and a 16-head score tensor 512 MiB.
+DEFAULT_MAX_LONG_ROW = 2048
+
+
+def long_row_limit(settings: dict) -> int:
+    """The longest single row the probes of a model without position ids may run (table setting max_long_row)."""
+    return int(settings.get("max_long_row", DEFAULT_MAX_LONG_ROW))
 
 
 def capacity(subject: Subject, settings: dict, stack: str, n: int, token: int, honoured: bool,
