@@ -15,7 +15,7 @@ from posdiag.results import Status, Table
 
 def stack_parts(subject: Subject, options: RunOptions, settings: dict, stack: str,
                 tables: list[PositionTable], declared: int | None, out_tables: list[Table],
-                own_offsets: dict[str, int]) -> list[Part]:
+                own_offsets: dict[str, int], not_positions: dict[str, str]) -> list[Part]:
     where = f"{stack}_" if len(subject.stacks) > 1 else ""
     label = f"{stack}: " if len(subject.stacks) > 1 else ""
     parts: list[Part] = []
@@ -27,6 +27,8 @@ def stack_parts(subject: Subject, options: RunOptions, settings: dict, stack: st
     found_parts, honoured, found = offset_parts(subject, options, stack, tables, label, where)
     parts += found_parts
     own_offsets.update(found["own"])
+    not_positions.update(found["not_positions"])
+    tables = [t for t in tables if t.name not in found["not_positions"]]  # indexed by another input
     offset = found["probe"]  # the row the capacity/beyond probes read for logical position 0
 
     rows_cap = min((t.rows - offset for t in tables), default=None)
