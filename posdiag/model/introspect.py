@@ -116,7 +116,7 @@ def mixing_reason(subject: Any) -> str | None:
     mixing = subject.family.token_mixing
     if recurrent_mixers(subject.model) or not mixing:
         return recurrent_reason(subject)
-    return (f"{subject.family.name} mixes tokens by {mixing}, not attention: a consistent permutation is not expected "
+    return (f"{subject.family.name} mixes tokens by {mixing}, not by attention alone: a consistent permutation is not expected "
             "to reproduce P f(x)")
 
 
