@@ -35,6 +35,9 @@ FINDINGS: dict[str, dict[str, str]] = {
                 "cache": "wrong logits with a static cache", "generate": "wrong logits with a static cache"},
     "mamba": {"cache": "a multi-token cache continuation differs from the full forward"},
     "jamba": {"cache": "a multi-token cache continuation differs from the full forward"},
+    "led": {"cache": "wrong logits at single-token steps with a static cache",
+            "generate": "wrong logits at single-token steps with a static cache"},
+    "nystromformer": {"batch": "its value convolution reads padded tokens"},
 }
 
 
