@@ -66,7 +66,8 @@ def test_layoutlm_box_tables_are_not_position_tables():
 
 
 def test_layoutlm_without_its_sequence_table_fails():
-    model = _zero(_model("layoutlm", max_position_embeddings=32, max_2d_position_embeddings=32), "embeddings.position_embeddings.weight")
+    model = _zero(_model("layoutlm", max_position_embeddings=32, max_2d_position_embeddings=32),
+                  "embeddings.position_embeddings.weight")
     table = _run(model, ["table"])["table"]
     assert table.status is Status.FAIL, table.summary
 
