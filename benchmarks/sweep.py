@@ -38,6 +38,9 @@ FINDINGS: dict[str, dict[str, str]] = {
     "paligemma": {"kernels": "the SDPA path is not causal on text without token_type_ids"},
     "deepseek_v4": {"generate": "a left-padded batch differs from each row alone once a compressed entry exists"},
     "hunyuan_vl": {"rope": "XD-RoPE pairs read two different position streams: no rotation for image tokens"},
+    "led": {"cache": "wrong logits at single-token steps with a static cache",
+            "generate": "wrong logits at single-token steps with a static cache"},
+    "nystromformer": {"batch": "its value convolution reads padded tokens"},
 }
 
 

@@ -171,8 +171,8 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
                     f"through the recurrence, so this shows order reaches the outputs, not that positions reach "
                     f"the attention layers (see positions, shift, rope)")
     elif mixing:
-        summary += (f"; {subject.family.name} mixes tokens by {mixing}, not attention: order enters through the "
-                    f"mixing itself, so this shows order reaches the outputs, not that positions do (see positions)")
+        summary += (f"; {subject.family.name} mixes tokens by {mixing}, not by attention alone: order enters through "
+                    "the mixing itself, so this shows order reaches the outputs, not that positions do (see positions)")
     table = Table(f"shuffle residual by layer ({stack})" if subject.kind == "seq2seq" else "shuffle residual by layer",
                   ("layer", "residual", "noise floor", "ratio"), tuple(table_rows))
     return CheckResult("shuffle", verdict.status, summary, metrics, details, (table,))

@@ -177,6 +177,24 @@ _ROWS: dict[str, Family] = {
     # FNet mixes tokens with a 2D Fourier transform (sequence x hidden), not attention, and takes no attention
     # mask. Measured: a consistent permutation differs from P f(x) by 1.07 in float32 and float64 alike.
     "fnet": Family("fnet", kind="encoder", position_kind="learned", token_mixing="a Fourier transform"),
+    # MobileBERT's trigram input (config.trigram_input, set in family_for) concatenates each token's embedding with
+    # its neighbours' before a linear map: a 3-token convolution in storage order, position ids aside. Measured
+    # (default init): the "consistent" permutation differs from P f(x) by 0.30 in float32 and float64 (it was
+    # taken as the noise floor: shuffle FAILed at 3.3x it); without trigram_input it reproduces P f(x) (2e-8).
+    # Offsets: no row measured, table discovers them (offsets_known=False) as before the row existed.
+    "mobilebert": Family("mobilebert", kind="encoder", position_kind="learned", offsets_known=False),
+    # Nystromformer adds a depthwise convolution over the values along the sequence (conv_kernel_size, 65 by
+    # default) and, when num_landmarks < segment_means_seq_len, approximates softmax through landmarks that are
+    # means of consecutive segments: both read storage order (set in family_for). Measured with the conv: the
+    # consistent permutation is 3.3e-3 off P f(x) in float32 and float64; without it, 5.6e-8.
+    "nystromformer": Family("nystromformer", kind="encoder", position_kind="learned", offsets_known=False),
+    # MPNet: a learned absolute table read through position_ids (so positions are absolute: no shift invariance)
+    # plus a T5-style relative bias that MPNetEncoder computes from arange, i.e. storage order: compute_position_bias
+    # takes position_ids but is never handed them (the docstring: position_ids index the position embeddings).
+    # Detected as relative_bias before this row (shift judged it relative and FAILed at 0.99, the absolute table).
+    "mpnet": Family("mpnet", kind="encoder", position_kind="learned", offsets_known=False,
+                    token_mixing="a relative position bias computed from storage order (position_ids reach only its "
+                                 "absolute table)"),
     # --- Encoder-decoders: the 4D pattern goes to decoder_attention_mask (a top-level mask would
     #     be reused as the cross-attention mask). Positions are derived inside. -----------------
     "t5": Family("t5", kind="seq2seq", position_kind="relative_bias", position_ids="ignored"),
@@ -222,6 +240,15 @@ def family_for(config: Any) -> Family:
         return replace(row, position_offset=offset, explicit_position_offset=offset)
     if model_type == "distilbert" and getattr(config, "sinusoidal_pos_embds", False):
         return replace(row, position_kind="sinusoidal")
+    if model_type == "mobilebert" and getattr(config, "trigram_input", False):
+        return replace(row, token_mixing="a 3-token convolution over the token embeddings (trigram_input)")
+    if model_type == "nystromformer":
+        mixing = []
+        if getattr(config, "conv_kernel_size", None):
+            mixing.append(f"a {config.conv_kernel_size}-token depthwise convolution over the attention values")
+        if getattr(config, "num_landmarks", 0) != getattr(config, "segment_means_seq_len", 0):
+            mixing.append("Nystrom landmarks (means of consecutive segments)")
+        return replace(row, token_mixing=" and ".join(mixing))
     return row
 
 

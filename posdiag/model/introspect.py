@@ -116,8 +116,8 @@ def mixing_reason(subject: Any) -> str | None:
     mixing = subject.family.token_mixing
     if recurrent_mixers(subject.model) or not mixing:
         return recurrent_reason(subject)
-    return (f"{subject.family.name} mixes tokens by {mixing}, not attention: a consistent permutation is not expected "
-            "to reproduce P f(x)")
+    return (f"{subject.family.name} mixes tokens by {mixing}, not by attention alone: a consistent permutation is "
+            "not expected to reproduce P f(x)")
 
 
 def takes_attention_mask(subject: Any, stack: str) -> bool:

@@ -133,7 +133,7 @@ def padding_mask(subject: Subject, rows: list[Row], patterns: dict[str, torch.Te
 def mask_refusal(subject: Subject, stack: str) -> str:
     """Why this stack refuses an explicit attention pattern in the family's form ("" when it takes one).
 
-    Measured once per stack, on 8 tokens, and remembered: the explicit all-visible pattern must raise in
+    Measured once per stack, on two rows of 8 tokens, and remembered: the explicit all-visible pattern must raise in
     the model's own code where the plain call runs (a model that cannot run at all is not refusing a
     mask: "", and its error surfaces where it happens). A capability probe, not a pass of any check: its
     forwards are not counted. Call it before hooking a module that counts calls (the jitter floor)."""
@@ -141,11 +141,14 @@ def mask_refusal(subject: Subject, stack: str) -> str:
         return subject.mask_refusals[stack]
     if subject.mask_argument(subject.patterns(torch.zeros(1, 1, dtype=torch.long), stack=stack)) is None:
         return ""  # patterns travel by injection: there is no explicit form to refuse
-    ids = subject.sample_ids(1, 8, 0)
+    # Two rows: LayoutLM unsqueezes whatever mask it gets into [B, 1, 1, ...]; one row of a 4D mask broadcasts
+    # through and runs (wrongly), two rows raise (a shape error in the attention output), as the probes' batches do.
+    ids = subject.sample_ids(2, 8, 0)
     encoder = ids if subject.kind == "seq2seq" and stack == "decoder" else None
-    patterns = subject.patterns(arange_like(ids)[None], stack=stack)
+    order = arange_like(ids).expand_as(ids)
+    patterns = subject.patterns(order, stack=stack)
     # As run_rows calls it: OPT derives positions from a 2D mask and needs explicit ids beside a 4D one.
-    positions = subject.position_ids_for(arange_like(ids)[None]) if subject.family.takes_position_ids else None
+    positions = subject.position_ids_for(order) if subject.family.takes_position_ids else None
     counted = subject.forward_count
     why = ""
     try:

@@ -65,10 +65,12 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     tables_out: list[Table] = []
     declared = declared_logical(subject)
     own_offsets: dict[str, int] = {}  # table name -> row read at position 0 (the family's, or discovered)
+    not_positions: dict[str, str] = {}  # table name -> why it is no table of token positions (offset_parts)
     for stack in subject.stacks:
         stack_tables = [t for t in tables if t.stack == stack]
-        parts += stack_parts(subject, options, settings, stack, stack_tables, declared, tables_out, own_offsets)
-    for t in tables:
+        parts += stack_parts(subject, options, settings, stack, stack_tables, declared, tables_out, own_offsets,
+                             not_positions)
+    for t in (t for t in tables if t.name not in not_positions):
         with subject.stored_weight(t.name) as values:  # offloaded (meta) tables: read from accelerate's map
             stored = replace(t, tensor=values)
             if kind == "sinusoidal":
@@ -81,7 +83,7 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
               if p.status is not Status.SKIP and not (p.name == "health" and p.status is Status.PASS)]
     status = Status.worst(judged) if judged else Status.SKIP
     metrics: dict[str, Any] = {}
-    details: dict[str, Any] = {"position_kind": kind, "declared_positions": declared,
+    details: dict[str, Any] = {"position_kind": kind, "declared_positions": declared, "not_positions": not_positions,
                                "tables": {t.name: {"rows": t.rows, "dim": t.dim, "stack": t.stack} for t in tables},
                                "parts": {}}
     bad = [p for p in parts if p.status is status]

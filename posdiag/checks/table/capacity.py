@@ -20,6 +20,15 @@ from posdiag.verdict import agreement_tolerance, judge_position_signal
 
 ROW_TOKENS = 64          # positions per row of the capacity probe (position ids passed)
 DEFAULT_MAX_PROBE = 16384  # positions probed exhaustively; larger contexts are sampled evenly
+# Tokens in the single row of a model that derives its positions (no position ids): the row's 4D mask and its
+# attention scores grow with the square of its length. LED's 16384-position encoder table asked for a 2 GiB mask
+# (two rows of 16384^2 float32) and the run died; at 2048 the mask is 32 MiB and a 16-head score tensor 512 MiB.
+DEFAULT_MAX_LONG_ROW = 2048
+
+
+def long_row_limit(settings: dict) -> int:
+    """The longest single row the probes of a model without position ids may run (table setting max_long_row)."""
+    return int(settings.get("max_long_row", DEFAULT_MAX_LONG_ROW))
 
 
 def capacity(subject: Subject, settings: dict, stack: str, n: int, token: int, honoured: bool,
@@ -109,10 +118,14 @@ def _probe_short_rows(subject: Subject, stack: str, positions: torch.Tensor, tok
     main = torch.cat([positions, positions[:pad]]) if pad else positions
     shifted = torch.roll(main, t // 2)[: min(len(main), 4 * t)]
     chunks = list(main.view(-1, t)) + list(shifted.view(-1, t))
-    ids = torch.full((t,), token, dtype=torch.long)
-    rows = [Row(ids, positions=c) for c in chunks]
+    # One guard token at each end of a row (the same token, its neighbour's position id), dropped from the
+    # outputs: every probed token then has the same neighbours. An embedding that mixes neighbouring tokens
+    # (MobileBERT's trigram input) gave the first and last token of a row another output than the same
+    # position elsewhere: floor 0.13 and a false "no two positions can be told apart".
+    ids = torch.full((t + 2,), token, dtype=torch.long)
+    rows = [Row(ids, positions=torch.cat([c[:1], c, c[-1:]])) for c in chunks]
     out = run_rows(subject, rows, stack=stack, encoder_ids=encoder_ids(subject, stack, ids, len(rows)))
-    h0 = out.hidden[0]
+    h0 = out.hidden[0][:, 1:-1]
     n_main = main.numel() // t
     h = h0[:n_main].reshape(-1, h0.shape[-1])[: len(positions)].double().cpu()
     second = h0[n_main:].reshape(-1, h0.shape[-1]).double().cpu()

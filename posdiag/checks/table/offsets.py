@@ -41,15 +41,42 @@ def offset_parts(subject: Subject, options: RunOptions, stack: str, tables: list
         parts.append(part)
         if row0 is not None:
             own[t.name] = row0
+    parts, others = _other_inputs(parts, tables, own, label, where)
     discovered = not fam.offsets_known and bool(own)
     own_offset = next(iter(own.values()), fam.position_offset) if discovered else fam.position_offset
-    found: dict[str, Any] = {"own": own, "probe": own_offset, "discovered": discovered}
+    found: dict[str, Any] = {"own": own, "probe": own_offset, "discovered": discovered, "not_positions": others}
     if not fam.takes_position_ids:
         return parts, False, found
     part, honoured, shift = _passed_ids(subject, stack, ids, enc, default, discovered, own_offset, label, where)
     if shift is not None:
         found["probe"] = own_offset - shift
     return parts + [part], honoured, found
+
+
+def _other_inputs(parts: list[Part], tables: list[PositionTable], own: dict[str, int], label: str,
+                  where: str) -> tuple[list[Part], dict[str, str]]:
+    """Tables named like position tables but indexed by another input, once another table of the stack is read
+    in position order: one whose rows no text forward reads (LUKE's entity position table, read through
+    entity_position_ids), or whose one row every token reads (LayoutLM's x/y/h/w tables, indexed by the layout
+    box, all zeros by default). Their parts become SKIPs that say so; -> (parts, {table: why}). A stack whose only
+    table is read so keeps the FAIL: positions then reach no table at all."""
+    if not own:
+        return parts, {}
+    ordered = ", ".join(n for n in own)
+    others: dict[str, str] = {}
+    out = []
+    for t, part in zip(tables, parts, strict=True):
+        reads = part.details.get("reads")
+        if t.name in own or reads not in ("none", "one row"):
+            out.append(part)
+            continue
+        how = ("no row of it is read by a forward of tokens alone" if reads == "none" else
+               f"every token reads its row {part.metrics.get('shared_row')}, whatever its position")
+        why = f"not a table of token positions: {how} (indexed by another input), while {ordered} is read in order"
+        others[t.name] = why
+        out.append(Part("offsets", Status.SKIP, f"{label}{t.name}: {why}", part.metrics,
+                        {"where": where, "not_positions": why}))
+    return out, others
 
 
 def _passed_ids(subject: Subject, stack: str, ids, enc, default, discovered: bool, own_offset: int, label: str,
@@ -162,7 +189,7 @@ def _discover(subject: Subject, stack: str, t: PositionTable, ids, enc, default,
     else:
         return Part("offsets", Status.FAIL, f"{label}{t.name}: markers in rows 0..{limit - 1} move no position of "
                     f"0..{n - 1}: the model does not read this table", {"marker_forwards": forwards},
-                    {"where": where}), None
+                    {"where": where, "reads": "none"}), None
     # positions 0..c-1 read rows off..off+c-1 inside the block [lo, lo+n): off = block end - c
     offset = block[-1] + 1 - len(hit) if hit[0] == 0 else lo - hit[0]
     row = offset + 1
@@ -173,7 +200,21 @@ def _discover(subject: Subject, stack: str, t: PositionTable, ids, enc, default,
         return Part("offsets", Status.PASS, f"{label}{t.name}: position 0 reads row {offset} (offset discovered: "
                     f"{subject.family.name} has no row in posdiag's family table); row {row} is read at position 1",
                     metrics, {"where": where, "model_offset": offset}), offset
+    shared = _row_read_by_all(subject, stack, t, block, ids, enc, default) if len(hit) == n else None
+    if shared is not None:
+        metrics["shared_row"] = shared
     return Part("offsets", Status.FAIL, f"{label}{t.name}: rows are not read in position order: markers in rows "
                 f"{block[0]}..{block[-1]} moved positions {hit[:6]}, a marker in row {row} moved "
                 f"{single[:6] or 'none'} "
-                "(position 1 only expected, whatever the offset)", metrics, {"where": where}), None
+                "(position 1 only expected, whatever the offset)", metrics,
+                {"where": where, **({"reads": "one row"} if shared is not None else {})}), None
+
+
+def _row_read_by_all(subject: Subject, stack: str, t: PositionTable, block: list[int], ids, enc,
+                     default) -> int | None:
+    """The one row of `block` whose marker moves every position (found by halving), or None."""
+    everything = list(range(len(ids)))
+    while len(block) > 1:
+        half = block[: len(block) // 2]
+        block = half if _moved(subject, stack, t, half, ids, enc, default) == everything else block[len(half):]
+    return block[0] if _moved(subject, stack, t, block, ids, enc, default) == everything else None

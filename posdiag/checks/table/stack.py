@@ -4,7 +4,7 @@ over the declared context, then one position past it."""
 from __future__ import annotations
 
 from posdiag.checks.table.beyond import beyond
-from posdiag.checks.table.capacity import capacity
+from posdiag.checks.table.capacity import capacity, long_row_limit
 from posdiag.checks.table.discovery import PositionTable
 from posdiag.checks.table.helpers import Part
 from posdiag.checks.table.offsets import offset_parts
@@ -15,7 +15,7 @@ from posdiag.results import Status, Table
 
 def stack_parts(subject: Subject, options: RunOptions, settings: dict, stack: str,
                 tables: list[PositionTable], declared: int | None, out_tables: list[Table],
-                own_offsets: dict[str, int]) -> list[Part]:
+                own_offsets: dict[str, int], not_positions: dict[str, str]) -> list[Part]:
     where = f"{stack}_" if len(subject.stacks) > 1 else ""
     label = f"{stack}: " if len(subject.stacks) > 1 else ""
     parts: list[Part] = []
@@ -27,6 +27,8 @@ def stack_parts(subject: Subject, options: RunOptions, settings: dict, stack: st
     found_parts, honoured, found = offset_parts(subject, options, stack, tables, label, where)
     parts += found_parts
     own_offsets.update(found["own"])
+    not_positions.update(found["not_positions"])
+    tables = [t for t in tables if t.name not in found["not_positions"]]  # indexed by another input
     offset = found["probe"]  # the row the capacity/beyond probes read for logical position 0
 
     rows_cap = min((t.rows - offset for t in tables), default=None)
@@ -52,6 +54,16 @@ def stack_parts(subject: Subject, options: RunOptions, settings: dict, stack: st
                           {"where": where, "first_bad_position": rows_cap}))
         n = rows_cap
 
+    # Without position ids, position p needs one row of p+1 tokens: the probe stops at the row length whose
+    # attention (and explicit mask) still fits, and says which positions it left out.
+    limit = None if honoured else long_row_limit(settings)
+    if limit is not None and n > limit:
+        parts.append(Part("capacity", Status.SKIP, f"{label}positions {limit}..{n - 1} of {n}: {subject.family.name} "
+                          f"derives positions itself, so position p needs one row of p+1 tokens, and a row's attention "
+                          f"and mask grow with its square (table setting max_long_row = {limit})",
+                          {"long_row_limit": limit}, {"where": where}))
+        n = limit
+
     # 1. capacity
     cap, outputs = capacity(subject, settings, stack, n, token, honoured, label, where)
     cap.metrics.update({"declared_positions": declared, "position_offset": offset, **sizes})
@@ -61,5 +73,9 @@ def stack_parts(subject: Subject, options: RunOptions, settings: dict, stack: st
 
     # 2. past the declared context
     if declared is not None and not static_short:
-        parts.append(beyond(subject, stack, declared, token, honoured, tables, outputs, label, where, offset))
+        if limit is not None and declared + 1 > limit:
+            parts.append(Part("beyond", Status.SKIP, f"{label}position {declared}: a row of {declared + 1} tokens "
+                              f"is longer than max_long_row = {limit}", {"beyond_probed": False}, {"where": where}))
+        else:
+            parts.append(beyond(subject, stack, declared, token, honoured, tables, outputs, label, where, offset))
     return parts
