@@ -10,9 +10,9 @@ padded batch of prompts of different lengths (left-padded for decoder-only model
 for encoder-decoders, each one's convention), with the default cache and with a static cache (transformers runs one
 on any model that uses Cache objects, whatever the class declares: judged on every one, a crash being a FAIL that
 names it; a ValueError from transformers' generation code before the model's forward ran is a refusal of the
-request, not judged), and compare each row against the forward of that row *alone* (no padding). Error per step = ||gen − fwd|| / ||fwd||;
-noise floor from the same run: cache-free forwards of short prompt prefixes (decoder-only) or
-of the padded encoder batch (encoder-decoders) against the teacher-forced forward at the
+request, not judged), and compare each row against the forward of that row *alone* (no padding). Error per
+step = ||gen − fwd|| / ||fwd||; noise floor from the same run: cache-free forwards of short prompt prefixes
+(decoder-only) or of the padded encoder batch (encoder-decoders) against the teacher-forced forward at the
 same positions, max per position. A token
 mismatch is a failure only when the forward's top-2 candidates are not within noise (tiny
 random models have near-ties); after the first mismatch a row is no longer compared.
