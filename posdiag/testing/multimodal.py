@@ -6,11 +6,11 @@ patches) with whatever size fields each sub-config has. Multimodal RoPE sections
 Qwen-VL rotary classes default to a 128-dim head) are scaled to the small head: 4 + 2 + 2 of its 8 pairs.
 ``tiny_multimodal`` builds the image-text-to-text model (``AutoModelForImageTextToText``) from it.
 
-Hybrids keep an attention layer: a default layer pattern cut to 2 layers can hold only the recurrent kind
-(GraniteMoeHybrid's default is all Mamba; Jamba, Kimi-Linear and LFM3 place attention past layer 2), while the
-checkpoints of those families interleave both. When the small config has no attention layer and the modelling
-code builds ``full_attention`` layers, the last layer becomes one (``layer_types``), or else the layer count
-grows (up to 8) until the default pattern reaches its first attention layer.
+Hybrids keep an attention layer, as their checkpoints do, also where the default pattern has none
+(GraniteMoeHybrid's default is all Mamba) or derives it from other fields (Jamba: attention at layer 4 of 8), so
+keeping every layer type of the full default is not enough: when the small config has no attention layer and
+the modelling code builds ``full_attention`` layers, the last layer becomes one (``layer_types``), or else the
+layer count grows (up to 8) until the default pattern reaches its first attention layer.
 """
 
 from __future__ import annotations
