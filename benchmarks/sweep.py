@@ -41,6 +41,13 @@ FINDINGS: dict[str, dict[str, str]] = {
     "led": {"cache": "wrong logits at single-token steps with a static cache",
             "generate": "wrong logits at single-token steps with a static cache"},
     "nystromformer": {"batch": "its value convolution reads padded tokens"},
+    "gpt-sw3": {"batch": "positions from the first padding column without position_ids"},
+    "gpt_bigcode": {"batch": "positions from the first padding column without position_ids"},
+    "git": {"batch": "positions from the first padding column without position_ids",
+            "generate": "each cached step widens the padding mask by the image patch tokens"},
+    "falcon_mamba": {"cache": "a multi-token cache continuation restarts the recurrent state"},
+    "convbert": {"batch": "its convolution branch reads padded tokens"},
+    "fsmt": {"generate": "a static cache's empty slots are attended (no mask when decoding)"},
 }
 
 

@@ -25,15 +25,35 @@ def raised_in_posdiag(exc: BaseException) -> bool:
     own modeling code, a user's factory) it is the model's answer to the input it was given. Frames in
     torch are skipped because a model's indexing error surfaces there (F.embedding, a tensor op)."""
     import os
+
+    where = _raised_at(exc)
+    return where is not None and where.startswith(os.path.dirname(os.path.abspath(__file__)) + os.sep)
+
+
+def refused_by_generation(exc: BaseException) -> bool:
+    """Whether transformers' generation code refused the request: a ValueError raised directly in
+    ``transformers/generation/`` (argument and configuration validation: special tokens, cache kinds,
+    generation modes). Whether the model had run yet is the caller's to tell."""
+    import os
+
+    import transformers
+
+    where = _raised_at(exc)
+    generation = os.path.join(os.path.dirname(os.path.abspath(transformers.__file__)), "generation") + os.sep
+    return isinstance(exc, ValueError) and where is not None and where.startswith(generation)
+
+
+def _raised_at(exc: BaseException) -> str | None:
+    """The file of the innermost traceback frame outside torch (None when every frame is in torch)."""
+    import os
     import traceback
 
     import torch
 
     torch_dir = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-    own_dir = os.path.dirname(os.path.abspath(__file__)) + os.sep
     frames = [os.path.abspath(f.filename) for f in traceback.extract_tb(exc.__traceback__)]
     outside_torch = [f for f in frames if not f.startswith(torch_dir)]
-    return bool(outside_torch) and outside_torch[-1].startswith(own_dir)
+    return outside_torch[-1] if outside_torch else None
 
 
 class MaskRefused(Exception):

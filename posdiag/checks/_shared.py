@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from posdiag.errors import MaskRefused, describe_error
+from posdiag.errors import MaskRefused, describe_error, refused_by_generation
 from posdiag.model.precision import run_finer
 from posdiag.model.probe import mask_refusal
 from posdiag.model.subject import Subject
@@ -283,3 +283,18 @@ def worst_error(errors: Iterable[float]) -> float:
             return float("nan")
         worst = max(worst, e)
     return worst
+
+
+def generate_guarded(model: torch.nn.Module, call: Callable[..., Any], *args: Any) -> tuple[Any, str, str]:
+    """``call(*args)`` (a generate() call) as (result, crashed, refused): an exception is a crash on a path
+    transformers accepts, unless transformers' generation code refused the request with a ValueError before the
+    model's own forward ran (a configuration error such as no decoder_start_token_id: not judged)."""
+    ran: list[int] = []
+    hook = model.register_forward_pre_hook(lambda *_: ran.append(1))
+    try:
+        return call(*args), "", ""
+    except Exception as exc:  # a path transformers accepts that crashes: users hit it
+        refused = refused_by_generation(exc) and not ran
+        return None, "" if refused else describe_error(exc), describe_error(exc) if refused else ""
+    finally:
+        hook.remove()

@@ -6,13 +6,13 @@ Where the two disagree, generation drifts although every forward test passes. Wi
 forcing the forward gives the logits generation should have produced: for a generated
 sequence s = prompt ‖ g, step k's logits must equal f(s)[len(prompt) − 1 + k] (step 0 is the
 last logit of model(prompt)). We generate greedily (a) the full prompt alone and (b) a
-padded batch of prompts of different lengths (left-padded for decoder-only models, the
-encoder input right-padded for encoder-decoders, each one's convention), with the default
-cache and with a static cache (transformers runs one on any model that uses Cache objects, whatever
-the class declares: judged on every one, a crash being a FAIL that names it), and compare each row
-against the forward of that row *alone* (no padding). Error per step = ||gen − fwd|| / ||fwd||;
-noise floor from the same run: cache-free forwards of short prompt prefixes (decoder-only) or
-of the padded encoder batch (encoder-decoders) against the teacher-forced forward at the
+padded batch of prompts of different lengths (left-padded for decoder-only models, the encoder input right-padded
+for encoder-decoders, each one's convention), with the default cache and with a static cache (transformers runs one
+on any model that uses Cache objects, whatever the class declares: judged on every one, a crash being a FAIL that
+names it; a ValueError from transformers' generation code before the model's forward ran is a refusal of the
+request, not judged), and compare each row against the forward of that row *alone* (no padding). Error per
+step = ||gen − fwd|| / ||fwd||; noise floor from the same run: cache-free forwards of short prompt prefixes
+(decoder-only) or of the padded encoder batch (encoder-decoders) against the teacher-forced forward at the
 same positions, max per position. A token
 mismatch is a failure only when the forward's top-2 candidates are not within noise (tiny
 random models have near-ties); after the first mismatch a row is no longer compared.
@@ -32,12 +32,12 @@ from posdiag.checks._shared import (
     arbitrate,
     cache_layer_note,
     cache_support,
+    generate_guarded,
     new_cache,
     output_of,
     static_cache_refusal,
     worst_error,
 )
-from posdiag.errors import describe_error
 from posdiag.model.precision import weight_bytes
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import relative_l2
@@ -64,6 +64,7 @@ class Run:
     notes: list[str] = field(default_factory=list)
     token_failure: tuple[int, int, float, float] | None = None  # (row, step, gap, tie tolerance)
     crashed: str = ""  # the exception a generate() call transformers accepts raised
+    refused: str = ""  # transformers' generation code refused the call before the model ran (a config error)
 
     @property
     def name(self) -> str:
@@ -131,6 +132,9 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
         return _measure(subject, prompts, new_tokens)
 
     first = measure()
+    if first.runs and all(r.refused for r in first.runs):  # transformers' own configuration error: nothing ran
+        return CheckResult("generate", Status.SKIP, f"transformers refuses generate() for this model before running "
+                           f"it: {first.runs[0].refused}", details={"refused": {r.name: r.refused for r in first.runs}})
     verdicts = {r.name: (FloorVerdict(Status.FAIL, r.max_error, noise_floor(first.floor, dtype), float("inf"),
                                       "a token differs beyond a near-tie") if r.token_failure else
                          judge_agreement(r.max_error, first.floor, dtype)) for r in first.done}
@@ -155,7 +159,7 @@ class Measurement:
 
     @property
     def done(self) -> list[Run]:
-        return [r for r in self.runs if not r.crashed]
+        return [r for r in self.runs if not r.crashed and not r.refused]
 
 
 def _measure(subject: Subject, prompts: list[torch.Tensor], new_tokens: int) -> Measurement:
@@ -194,11 +198,11 @@ def _measure(subject: Subject, prompts: list[torch.Tensor], new_tokens: int) -> 
                                          ("batch", batch, mask, list(range(len(prompts))))):
             run_ = Run(kind, variant, rows)
             runs.append(run_)
-            try:
-                run_.logits, run_.tokens = generate(ids, attn, None if kind == "dynamic" else "static")
-            except Exception as exc:  # a path transformers accepts that crashes: users hit it
-                run_.crashed = describe_error(exc)
-    done = [r for r in runs if not r.crashed]
+            result, run_.crashed, run_.refused = generate_guarded(model, generate, ids, attn,
+                                                                  None if kind == "dynamic" else "static")
+            if result is not None:
+                run_.logits, run_.tokens = result
+    done = [r for r in runs if not r.crashed and not r.refused]
     if not done:
         return Measurement(runs, 0.0, 0.0, pad_note, cache_note, refused)
     # Teacher-forced forward of every generated row *alone* (unpadded prompt + its tokens), with the
@@ -258,9 +262,10 @@ def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict],
                                                 "short prompt prefixes vs the teacher-forced forward")
                                + " (max per position)", "runs": {}, **arbitration.details}
     for r in m.runs:
-        if r.crashed:
-            rows.append((r.name, "-", "-", "-", "-", f"crashed: {r.crashed}"))
-            details["runs"][r.name] = {"crashed": r.crashed, "status": Status.FAIL}
+        if r.crashed or r.refused:  # a crash FAILs the run; a refusal by transformers is not judged
+            key, why, st = ("crashed", r.crashed, Status.FAIL) if r.crashed else ("refused", r.refused, Status.SKIP)
+            rows.append((r.name, "-", "-", "-", "-", f"{key}: {why}"))
+            details["runs"][r.name] = {key: why, "status": st}
             continue
         where = _first_bad(r, tolerance) if status_of[r.name] is Status.FAIL else None
         rows.append((r.name, len(r.rows), f"{r.max_error:.3e}", f"{floor:.2e}", f"{r.max_error / floor:.3g}",
@@ -270,7 +275,9 @@ def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict],
     table = Table("generate() vs teacher-forced forward", ("run", "rows", "max step error", "noise floor", "ratio",
                                                            "first row/step that differs"), tuple(rows))
     tail = ""
-    for key, note in (("pad_note", m.pad_note), ("cache_note", m.cache_note), ("static_not_run", m.static_note)):
+    refused = [f"{r.name} refused by transformers ({r.refused})" for r in m.runs if r.refused]
+    for key, note in (("pad_note", m.pad_note), ("cache_note", m.cache_note), ("static_not_run", m.static_note),
+                      ("refused_note", "; ".join(refused))):
         if note:
             details[key] = note
             tail += f"; static cache not run: {note}" if key == "static_not_run" else f"; note: {note}"

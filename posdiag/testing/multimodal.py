@@ -5,6 +5,12 @@
 patches) with whatever size fields each sub-config has. Multimodal RoPE sections (``mrope_section``, which
 Qwen-VL rotary classes default to a 128-dim head) are scaled to the small head: 4 + 2 + 2 of its 8 pairs.
 ``tiny_multimodal`` builds the image-text-to-text model (``AutoModelForImageTextToText``) from it.
+
+Hybrids keep an attention layer, as their checkpoints do, also where the default pattern has none
+(GraniteMoeHybrid's default is all Mamba) or derives it from other fields (Jamba: attention at layer 4 of 8), so
+keeping every layer type of the full default is not enough: when the small config has no attention layer and
+the modelling code builds ``full_attention`` layers, the last layer becomes one (``layer_types``), or else the
+layer count grows (up to 8) until the default pattern reaches its first attention layer.
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ _SUB_CONFIGS = ("text_config", "vision_config", "audio_config", "vision_tower_co
 
 
 SPECIAL_TOKENS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+# layer_types entries that are no attention: recurrent / convolutional mixers and MLP-only layers.
+_NOT_ATTENTION = frozenset({"linear_attention", "mamba", "conv", "moe", "dense", "sparse"})
 
 
 def small_config(model_type: str, *, image_tokens_in_vocab: bool = False, **text_overrides: Any) -> PretrainedConfig:
@@ -44,6 +52,23 @@ def small_config(model_type: str, *, image_tokens_in_vocab: bool = False, **text
 
     The image/video placeholder ids keep their (large) defaults, outside the small vocabulary, so random text never
     holds one; ``image_tokens_in_vocab`` moves them to the top of the vocabulary for prompts with an image."""
+    config = _small(model_type, image_tokens_in_vocab, text_overrides)
+    if "layer_types" in text_overrides or "num_hidden_layers" in text_overrides or _has_attention(config) \
+            or not _builds_full_attention(config):
+        return config
+    types = _text(config).layer_types
+    tries = [{"layer_types": [*types[:-1], "full_attention"]}] + [{"num_hidden_layers": n} for n in range(3, 9)]
+    for extra in tries:
+        try:
+            candidate = _small(model_type, image_tokens_in_vocab, {**text_overrides, **extra})
+        except Exception:  # the config does not take this layer pattern: try the next
+            continue
+        if _has_attention(candidate):
+            return candidate
+    return config
+
+
+def _small(model_type: str, image_tokens_in_vocab: bool, text_overrides: dict[str, Any]) -> PretrainedConfig:
     import transformers
 
     config_class = type(transformers.AutoConfig.for_model(model_type))
@@ -66,6 +91,22 @@ def small_config(model_type: str, *, image_tokens_in_vocab: bool = False, **text
         fields.pop("model_type")
         return transformers.AutoConfig.for_model(model_type, **fields)
     return config_class(**kwargs)
+
+
+def _text(config: Any) -> Any:
+    text = getattr(config, "text_config", None)
+    return text if text is not None and hasattr(text, "to_dict") else config
+
+
+def _has_attention(config: Any) -> bool:
+    """Whether the language model has an attention layer (or declares no layer pattern at all)."""
+    types = getattr(_text(config), "layer_types", None)
+    return not isinstance(types, (list, tuple)) or not types or any(t not in _NOT_ATTENTION for t in types)
+
+
+def _builds_full_attention(config: Any) -> bool:
+    """Whether the modelling code of the language model dispatches a ``full_attention`` layer type."""
+    return '"full_attention"' in _modelling_source(_text(config))
 
 
 def _shrunk(config: Any, sizes: dict[str, Any]) -> dict[str, Any]:
@@ -103,14 +144,19 @@ def _every_layer_type(config: Any, fields: dict[str, Any], out: dict[str, Any], 
 
 def _reads_mrope(config: Any) -> bool:
     """Whether the model of this config rotates by mRoPE sections (its modelling code reads mrope_section)."""
+    return "mrope_section" in _modelling_source(config)
+
+
+def _modelling_source(config: Any) -> str:
+    """The source of the modelling module next to the config's class ("" when there is none)."""
     import importlib
     import inspect
 
     module_name = type(config).__module__.replace("configuration_", "modeling_")
     try:
-        return "mrope_section" in inspect.getsource(importlib.import_module(module_name))
+        return inspect.getsource(importlib.import_module(module_name))
     except Exception:  # no modelling module of that name
-        return False
+        return ""
 
 
 def tiny_multimodal(model_type: str, *, seed: int = 0, attn_implementation: str | None = "eager",
