@@ -149,23 +149,33 @@ def _limit_memory() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
 
 
+def counts() -> dict[str, int]:
+    """The sweep's headline figures (docs/support.md and the README quote them; tests/test_support_subset.py checks
+    that the README's match)."""
+    rows = done()
+    judged = [r for r in rows.values() if "checks" in r]
+    statuses = [(r["type"], n, s) for r in judged for n, (s, _) in r["checks"].items()]
+    fails = [(t, n) for t, n, s in statuses if s == "fail"]
+    return {"total": len(model_types()), "swept": len(rows), "judged": len(judged),
+            "not_built": len(rows) - len(judged), "skips": sum(s == "skip" for *_, s in statuses),
+            "errors": sum(s == "error" for *_, s in statuses), "fails": len(fails),
+            "unclassified": sum(n not in FINDINGS.get(t, {}) for t, n in fails)}
+
+
 def write_page() -> None:
     from posdiag import checks
 
     names = [n for n in checks.available() if n != "load"]
     rows = done()
-    total = len(model_types())
     judged = [r for r in rows.values() if "checks" in r]
-    errors = sum(1 for r in judged for s, _ in r["checks"].values() if s == "error")
-    skips = sum(1 for r in judged for s, _ in r["checks"].values() if s == "skip")
-    fails = [(r["type"], n) for r in judged for n, (s, _) in r["checks"].items() if s == "fail"]
-    unexplained = [f for f in fails if f[1] not in FINDINGS.get(f[0], {})]
-    swept = f"{len(rows)} of {total} model types swept" if len(rows) < total else f"all {total} model types swept"
-    lines = [f"{swept}: {len(judged)} judged, {len(rows) - len(judged)} not buildable as a small CPU model (listed "
-             f"below with the reason); {skips} check results skipped with reasons, {errors} errors; {len(fails)} "
-             f"FAILs on healthy default-init models, {len(fails) - len(unexplained)} of them upstream findings "
-             f"(marked *finding*, see [findings](#findings-on-stock-transformers-524))"
-             + (f", {len(unexplained)} not yet classified." if unexplained else "."), "",
+    c = counts()
+    swept = (f"{c['swept']} of {c['total']} model types swept" if c["swept"] < c["total"]
+             else f"all {c['total']} model types swept")
+    lines = [f"{swept}: {c['judged']} judged, {c['not_built']} not buildable as a small CPU model (listed below with "
+             f"the reason); {c['skips']} check results skipped with reasons, {c['errors']} errors; {c['fails']} FAILs "
+             f"on healthy default-init models, {c['fails'] - c['unclassified']} of them upstream findings (marked "
+             f"*finding*, see [findings](#findings-on-stock-transformers-524))"
+             + (f", {c['unclassified']} not yet classified." if c["unclassified"] else "."), "",
              "| model type | kind | positions | " + " | ".join(names) + " |", "|---" * (len(names) + 3) + "|"]
     for r in sorted(judged, key=lambda r: r["type"]):
         known = FINDINGS.get(r["type"], {})
