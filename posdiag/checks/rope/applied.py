@@ -1,5 +1,6 @@
 """Probe 2, the applied rotation: every position holds the same token, so q(p) = R_p q(0) pair by pair
-(R_p rotates pair (a_i, b_i) by p·θ_i), the dims past the rotary ones unchanged."""
+(R_p rotates pair (a_i, b_i) by p·θ_i), the dims past the rotary ones unchanged. Either direction (R_p or R_-p)
+is relative when q and k share it; q and k that do not share pairing and direction fail."""
 
 from __future__ import annotations
 
@@ -15,7 +16,10 @@ from posdiag.model.subject import Subject
 from posdiag.tools import rope_math
 from posdiag.verdict import FAIL_RATIO, MACHINE_EPSILON
 
-LAYOUTS = ("half", "interleaved")
+# Pairing (rotate-half or interleaved) and direction: R_p or R_-p. NanoChat rotates by -p·θ_i (its rotate_half is
+# (x2, -x1)); applied to q and k alike that is still relative, <R_-m q, R_-n k> = <q, R_(m-n) k>, so either direction
+# passes when q and k agree, and q and k fitting different ones fails (best_fits).
+LAYOUTS = ("half", "interleaved", "half, reversed", "interleaved, reversed")
 
 
 def probe_applied(subject: Subject, layer_spec, refs, positions: np.ndarray, token: int):
@@ -35,7 +39,8 @@ def probe_applied(subject: Subject, layer_spec, refs, positions: np.ndarray, tok
     for layer, (_module, q, k, plain) in enumerate(records):
         q, k, judged_at = judged_qk(q, k, plain)
         spec = layer_spec[min(layer, len(layer_spec) - 1)]
-        freqs, scaling = refs[id(spec)]
+        # A NoPE layer (the config says so): q(p) must equal q(0), every frequency 0 (no pairing, no factor to judge).
+        freqs, scaling = refs[id(spec)] if spec is not None else (np.zeros(q.shape[-1] // 2), 1.0)
         spread = input_spread(out, layer)
         arrays = {name: heads(t, len(positions)) for name, t in (("q", q), ("k", k))}
         for name, t in (("q", q), ("k", k)):
@@ -50,7 +55,9 @@ def probe_applied(subject: Subject, layer_spec, refs, positions: np.ndarray, tok
                 continue
             fits[name] = None if recurrent else {
                 lay: judge_applied(arr, freqs, spec, positions, lay, eps,
-                                    max(spread, eps), layer, name) for lay in LAYOUTS}
+                                    max(spread, eps), layer, name) for lay in (LAYOUTS if spec else LAYOUTS[:1])}
+            if spec is None:
+                continue
             factor = factor_finding(arr, plain, name, freqs, scaling, eps, positions, layer)
             if factor is not None:
                 factors.append(factor)
@@ -114,8 +121,9 @@ def best_fits(fits: dict, layer: int, spread: float, judged_at: str) -> tuple[li
     lay_k = min(fits["k"], key=lambda lay: fits["k"][lay][0].ratio)
     findings = [best["q"][0], best["k"][0]]
     if not best["q"][0].failed and not best["k"][0].failed and lay_q != lay_k:
+        what = ("rotated in opposite directions" if _pairing(lay_q) == _pairing(lay_k) else "paired differently")
         findings.append(Finding("layout", float("inf"), layer=layer, message=(
-            f"q and k are paired differently at layer {layer}: q {lay_q}, k {lay_k} "
+            f"q and k are {what} at layer {layer}: q {lay_q}, k {lay_k} "
             f"(<R_m q, R_n k> is no longer a function of n - m)")))
     elif best["q"][0].failed and not best["k"][0].failed:
         alt = fits["q"][lay_k][0]
@@ -128,16 +136,21 @@ def best_fits(fits: dict, layer: int, spread: float, judged_at: str) -> tuple[li
     return findings, np.maximum(best["q"][1], best["k"][1])
 
 
+def _pairing(layout: str) -> str:
+    return layout.split(",")[0]
+
+
 def _pairs(layout: str, rotary_dim: int) -> tuple[np.ndarray, np.ndarray]:
     half = rotary_dim // 2
-    if layout == "half":
+    if _pairing(layout) == "half":
         return np.arange(half), np.arange(half) + half
     return np.arange(0, rotary_dim, 2), np.arange(1, rotary_dim, 2)
 
 
 def judge_applied(arr: np.ndarray, freqs: np.ndarray, spec, positions: np.ndarray, layout: str, eps: float,
                   floor: float, layer: int, name: str, angles: np.ndarray | None = None) -> tuple[Finding, np.ndarray]:
-    """arr [H, T, D]: observed rotated vectors; q(p) must be R_p q(0) on the rotary dims, q(0) elsewhere.
+    """arr [H, T, D]: observed rotated vectors; q(p) must be R_p q(0) (R_-p for a reversed layout) on the rotary
+    dims, q(0) elsewhere.
     angles [T, pairs]: each pair's reference angle where it is not p·θ_i (mRoPE streams that differ)."""
     heads, _, dim = arr.shape
     rot = min(2 * freqs.shape[0], dim)
@@ -145,7 +158,7 @@ def judge_applied(arr: np.ndarray, freqs: np.ndarray, spec, positions: np.ndarra
     a_idx, b_idx = _pairs(layout, rot)
     x0 = arr[:, :1]
     ang = (rope_math.reference_angles(freqs, positions) if angles is None else angles[:, : rot // 2])[None]
-    c, s = np.cos(ang), np.sin(ang)
+    c, s = np.cos(ang), np.sin(ang) * (-1.0 if layout.endswith("reversed") else 1.0)
     xa, xb = x0[..., a_idx], x0[..., b_idx]
     ea, eb = xa * c - xb * s, xb * c + xa * s
     err_pair = np.sqrt((arr[..., a_idx] - ea) ** 2 + (arr[..., b_idx] - eb) ** 2)  # [H, T, pairs]

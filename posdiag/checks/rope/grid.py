@@ -45,7 +45,7 @@ def stream_owner(config, spec: rope_math.RopeSpec, pairs: int) -> tuple[np.ndarr
 def probe_grid(subject: Subject, layer_spec, refs, positions: np.ndarray, token: int, seed: int):
     """-> (findings, probed labels, why not): the rotation at differing streams, judged layer by layer."""
     owners = {}
-    for spec in {id(s): s for s in layer_spec}.values():
+    for spec in {id(s): s for s in layer_spec if s is not None}.values():
         found = stream_owner(subject.config, spec, refs[id(spec)][0].shape[0])
         if found is not None:
             owners[id(spec)] = found

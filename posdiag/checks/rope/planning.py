@@ -18,7 +18,7 @@ class Plan:
     target: int                              # the length the static analysis is about
     declared: int | None                     # the context the config declares
     static: list[rope_math.SpecReport]       # frequencies vs training length, per spec
-    layer_spec: list[rope_math.RopeSpec]     # the spec each layer follows
+    layer_spec: list[rope_math.RopeSpec | None]  # the spec each layer follows (None: NoPE, no rotation)
     probes: list[tuple[str, np.ndarray]]     # (label, positions) of each forward
     notes: list[str]
 
@@ -38,14 +38,18 @@ def make_plan(subject: Subject, settings: dict, specs: list[rope_math.RopeSpec])
     return Plan(target, declared, static, layer_spec, _plans(specs, top, cap), notes)
 
 
-def _layer_specs(subject: Subject, specs: list[rope_math.RopeSpec]) -> list[rope_math.RopeSpec]:
+def _layer_specs(subject: Subject, specs: list[rope_math.RopeSpec]) -> list[rope_math.RopeSpec | None]:
+    """The spec of each layer; None where the config says the layer rotates nothing (NoPE)."""
     config = rope_math.text_config(subject.config)
     layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None) or 1
-    if len(specs) == 1 or specs[0].layer_type is None:
-        return [specs[0]] * int(layers)
-    by_type = {s.layer_type: s for s in specs}
     types = list(getattr(config, "layer_types", None) or [])
-    return [by_type.get(t, specs[0]) for t in types] if types else [specs[0]] * int(layers)
+    if len(specs) == 1 or specs[0].layer_type is None or not types:
+        out: list[rope_math.RopeSpec | None] = [specs[0]] * int(layers)
+    else:
+        by_type = {s.layer_type: s for s in specs}
+        out = [by_type.get(t, specs[0]) for t in types]
+    nope = rope_math.nope_layers(config)
+    return [None if i in nope else s for i, s in enumerate(out)]
 
 
 def _table_cap(model: torch.nn.Module) -> int | None:
