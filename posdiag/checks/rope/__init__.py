@@ -189,7 +189,8 @@ def _judged(specs: list[rope_math.RopeSpec], plan: Plan, seen: _Observed, factor
         streams += ", rotating by -p·θ in q and k alike"
     nope = [str(i) for i, s in enumerate(plan.layer_spec) if s is None]
     if nope:
-        streams += f"; NoPE layer{'s' if len(nope) > 1 else ''} {', '.join(nope)} rotate{'' if len(nope) > 1 else 's'} nothing, as the config says"
+        which = f"layers {', '.join(nope)} rotate" if len(nope) > 1 else f"layer {nope[0]} rotates"
+        streams += f"; NoPE {which} nothing, as the config says"
     return Status.PASS, (f"applied rotation matches the config ({spec_text}{streams}) up to position {max_position}: "
                          f"{ratio}{factor.clause}")
 
