@@ -33,6 +33,7 @@ FINDINGS: dict[str, dict[str, str]] = {
     "gpt2": {"batch": "positions from the first padding column without position_ids"},
     "gpt_neo": {"batch": "positions from the first padding column without position_ids",
                 "cache": "wrong logits with a static cache", "generate": "wrong logits with a static cache"},
+    "openai-gpt": {"batch": "positions from the first padding column without position_ids"},
     "mamba": {"cache": "a multi-token cache continuation differs from the full forward"},
     "jamba": {"cache": "a multi-token cache continuation differs from the full forward"},
     "paligemma": {"kernels": "the SDPA path is not causal on text without token_type_ids"},

@@ -143,6 +143,23 @@ def cache_support(subject: Subject) -> tuple[bool, str]:
     return True, ""
 
 
+def keeps_kv_cache(subject: Subject) -> bool:
+    """Whether a forward asked for a cache returns one (measured on two tokens, not read off the class).
+
+    OpenAI GPT swallows use_cache / past_key_values in **kwargs and returns none: a cache handed to it
+    stays empty, each call sees only its own tokens, and generate() re-runs the whole prefix each step."""
+    if subject.kind != "causal" or not subject.is_hf:
+        return subject.kind == "seq2seq"
+    ids = subject.sample_ids(1, 2, 0)
+    subject.forward_count += 1
+    try:
+        with torch.inference_mode():
+            out = subject.model(input_ids=ids, use_cache=True, return_dict=True)
+    except Exception:  # the checks' own cached paths will meet (and report) whatever this was
+        return True
+    return getattr(out, "past_key_values", None) is not None
+
+
 def text_config(subject: Subject) -> Any:
     """The config a decoder cache is sized from, with the layer count the decoder really has.
 

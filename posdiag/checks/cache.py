@@ -31,6 +31,7 @@ from posdiag.checks._shared import (
     arbitrate,
     cache_layer_note,
     cache_support,
+    keeps_kv_cache,
     new_cache,
     output_of,
     static_cache_refusal,
@@ -81,6 +82,10 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     ok, why = cache_support(subject)
     if not ok:
         return CheckResult("cache", Status.SKIP, why)
+    if not keeps_kv_cache(subject):
+        return CheckResult("cache", Status.SKIP, f"{type(subject.model).__name__} keeps no KV cache (a forward with "
+                           "use_cache=True returns none; a cache handed to it stays empty): there is no cached "
+                           "decoding to compare, and generate() re-runs the whole prefix each step (see `generate`)")
     length = _length(subject, options)
     ids = subject.sample_ids(1, length, options.seed) if options.token_ids is None else probe_ids(subject, options)[:1]
     schedules = _schedules(length, int(options.for_check("cache").get("decode_steps", DECODE_STEPS)))

@@ -67,20 +67,23 @@ GENERIC = Family(name="generic", offsets_known=False)
 
 
 # ------------------------------------------------------------------ injectors (imports torch lazily)
-def _gpt_neo_buffers(subject: Any, patterns: dict) -> Callable[[], None]:
-    """GPT-Neo ANDs a hard-coded causal `bias` buffer (windowed on local layers) into the scores
-    before adding attention_mask, so a mask can block but never open a key (measured: opening a
-    future key changed 0.0). Filling the buffer with True opens it but drops the local window
-    (0.49 off the default). So each layer's buffer is swapped for the per-row pattern
-    [B,1,T,T] (it broadcasts over heads), windowed where attention_type == "local"."""
+def _causal_buffers(subject: Any, patterns: dict) -> Callable[[], None]:
+    """GPT-Neo and OpenAI GPT fold a hard-coded causal `bias` buffer [1,1,N,N] into the scores
+    (GPT-Neo: where(bias, w, min) before adding attention_mask; OpenAI GPT: w*bias - 1e4*(1-bias),
+    and it takes 2D padding masks only), so a mask can block but never open a key (measured on
+    GPT-Neo: opening a future key changed 0.0). Filling the buffer with True opens it but drops
+    GPT-Neo's local window (0.49 off the default). So each layer's buffer is swapped for the per-row
+    pattern [B,1,T,T] in the buffer's dtype (it broadcasts over heads), windowed where
+    attention_type == "local"."""
     import torch
 
     saved = []
     for module in subject.model.modules():
-        if hasattr(module, "attention_type") and isinstance(getattr(module, "bias", None), torch.Tensor):
-            saved.append((module, module.bias))
-            key = "sliding" if module.attention_type == "local" and "sliding" in patterns else "full"
-            module.bias = patterns[key][:, None]
+        buf = dict(module.named_buffers(recurse=False)).get("bias")
+        if isinstance(buf, torch.Tensor) and buf.ndim == 4 and buf.shape[-1] == buf.shape[-2]:
+            saved.append((module, buf))
+            key = "sliding" if getattr(module, "attention_type", None) == "local" and "sliding" in patterns else "full"
+            module.bias = patterns[key][:, None].to(buf.dtype)
 
     def undo() -> None:
         for module, buf in saved:
@@ -150,7 +153,12 @@ _ROWS: dict[str, Family] = {
     "gpt2": Family("gpt2", position_kind="learned"),
     # GPT-Neo ANDs a hard-coded causal `bias` buffer into every layer: a permuted mask cannot
     # open a future key until the buffer is opened (measured: "open" probe unchanged).
-    "gpt_neo": Family("gpt_neo", position_kind="learned", injector=_gpt_neo_buffers, eager_only=True),
+    "gpt_neo": Family("gpt_neo", position_kind="learned", injector=_causal_buffers, eager_only=True),
+    # OpenAI GPT (table `positions_embed`): the same hard-coded causal buffer, and its forward takes only a
+    # 2D padding mask (a 4D one became 6D: RuntimeError in merge_heads), so the whole pattern goes into the
+    # buffers and no attention_mask is passed. No SDPA (from_config refuses it) and no KV cache.
+    "openai-gpt": Family("openai-gpt", position_kind="learned", mask_form="layer_hook", injector=_causal_buffers,
+                         eager_only=True),
     # OPT derives positions from the 2D mask cumsum (+2); with a 4D mask it needs explicit ids.
     "opt": Family("opt", position_kind="learned", position_ids="required", position_offset=2),
     # BioGPT adds 2 inside (OPT's table layout) but numbers positions by arange, and passed ids are

@@ -149,6 +149,7 @@ def detect_position_kind(model: torch.nn.Module) -> str:
         return "alibi"
     if any("relative_attention_bias" in n for n in params):
         return "relative_bias"
-    if any(k in n for n in params for k in ("position_embeddings", "wpe", "embed_positions", "pos_emb")):
+    tables = ("position_embeddings", "positions_embed", "wpe", "embed_positions", "pos_emb")
+    if any(k in n for n in params for k in tables):
         return "learned"
     return "none found"

@@ -73,11 +73,11 @@ def from_module(model: torch.nn.Module, *, name: str = "in-memory model",
                         position_kind=getattr(model, "posdiag_position_kind", "none found"))
     subject = Subject(
         model=model.eval(), config=config, family=family, spec=name, kind=family.kind,
-        position_kind=family.position_kind if family.position_kind != "none found" else detect_position_kind(model),
-        dtype=load_dtype, load_dtype=load_dtype, device=device,
+        position_kind=family.position_kind, dtype=load_dtype, load_dtype=load_dtype, device=device,
         load_info=LoadInfo(checkpoint_keys=None, source="in-memory module"),
         options=options, is_hf=is_hf, tested=tested,
     )
+    _detect_position_kind(subject)
     _maybe_upcast(subject)
     return subject
 
@@ -255,10 +255,11 @@ def _load_pretrained(spec: str, options: LoadOptions) -> Subject:
     )
     subject = Subject(
         model=model, config=language_config(model.config), family=family, spec=spec, kind=family.kind,
-        position_kind=family.position_kind if family.position_kind != "none found" else detect_position_kind(model),
+        position_kind=family.position_kind,
         dtype=param.dtype, load_dtype=stored if upcast_at_load else param.dtype, device=input_device(model),
         load_info=info, options=options, tested=tested,
     )
+    _detect_position_kind(subject)
     # Removed by Subject.close(), else when the model is collected, else at interpreter exit.
     subject.cleanup = [weakref.finalize(model, shutil.rmtree, folder, True) for folder in temporary]
     if options.device_map:
@@ -269,6 +270,14 @@ def _load_pretrained(spec: str, options: LoadOptions) -> Subject:
                              f"float32 size, twice {name}'s; --no-upcast keeps {name})")
     _maybe_upcast(subject)
     return subject
+
+
+def _detect_position_kind(subject: Subject) -> None:
+    """For a family without a row: sniffed from the language model's modules alone. The towers posdiag does not
+    test carry rotary modules of their own (Nemotron 3.5 Transcribe's audio encoder), which made a NoPE + Mamba
+    language model read as RoPE and `shift` fail it for positions that move nothing."""
+    if subject.position_kind == "none found":
+        subject.position_kind = detect_position_kind(subject.language_model)
 
 
 def _maybe_upcast(subject: Subject) -> None:

@@ -181,6 +181,17 @@ def rope_specs(config: Any) -> list[RopeSpec]:
     return specs
 
 
+def nope_layers(config: Any) -> set[int]:
+    """Layers the config runs without any rotation (NoPE): `no_rope_layers` entries 0 (SmolLM3, Llama 4:
+    1 = RoPE), `layer_rope_theta` entries 0 (Muse Glimmer, Granite-SWA: a base per layer, 0 = NoPE)."""
+    config = text_config(config)
+    for field_name in ("no_rope_layers", "layer_rope_theta"):
+        values = getattr(config, field_name, None)
+        if isinstance(values, (list, tuple)) and all(isinstance(v, (int, float)) for v in values):
+            return {i for i, v in enumerate(values) if not v}
+    return set()
+
+
 # --------------------------------------------------------------------------- frequencies
 def default_inv_freq(theta: float, rotary_dim: int) -> np.ndarray:
     """θ_i = theta^(-2i/d) in float64, i = 0 .. d/2-1 (NaN for a non-positive theta, as the model gets)."""

@@ -2,7 +2,7 @@
 
 Inputs (Scenario): an unpadded batch (the model builds no mask: the is_causal path), a left-padded
 batch (the mask handed to the kernel, fully masked padding queries), and, for a causal model that
-can generate, a chunk of several new tokens decoded against a KV cache, unpadded and left-padded
+can generate and keeps a KV cache, a chunk of several new tokens decoded against a KV cache, unpadded and left-padded
 (causal alignment when q_len != k_len). A Run holds one implementation's outputs on one input.
 """
 
@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from posdiag.checks._shared import keeps_kv_cache
 from posdiag.model.subject import Subject
 from posdiag.options import RunOptions, probe_ids
 
@@ -64,7 +65,7 @@ def build_scenarios(subject: Subject, options: RunOptions) -> list[Scenario]:
     ones = torch.ones(b, t, dtype=torch.bool, device=subject.device)
     out = [Scenario("unpadded", ids, None, None, ones),
            Scenario("left-padded", ids, mask, pos, mask.bool())]
-    if causal and getattr(subject.model, "can_generate", lambda: False)() and t >= 8:
+    if causal and getattr(subject.model, "can_generate", lambda: False)() and t >= 8 and keeps_kv_cache(subject):
         prefill = t - max(2, t // 4)
         out.append(Scenario("decode", ids, None, None, ones[:, prefill:], prefill))
         out.append(Scenario("decode left-padded", ids, mask, pos, mask[:, prefill:].bool(), prefill))

@@ -10,7 +10,9 @@ their switch point):
    vectors). The q/k that reach attention (captured from the eager attention function, or the
    apply function's output) must then satisfy q(p) = R_p q(0) pair by pair, with the untouched
    dims unchanged: wrong pairing, partial-dim mistakes, q/k layout mismatch, a key never rotated
-   show here even when tables look right. Math: R_p rotates pair (a_i, b_i) by p·θ_i.
+   show here even when tables look right. Math: R_p rotates pair (a_i, b_i) by p·θ_i. A model that rotates
+   by -p·θ_i (NanoChat) in q and k alike is relative too (<R_-m q, R_-n k> = <q, R_(m-n) k>) and passes, the
+   direction named in the summary; q and k rotated in opposite directions fail.
 3. attention factor (YaRN/longrope "mscale"): q(p) = s·R_p u scales every position alike, so probe 2
    cannot see s, and nor can anything else observed after the rotation (weights scaled by s are the
    same model). It is measured against the un-rotated q/k of the same forward (the inputs of
@@ -184,6 +186,12 @@ def _judged(specs: list[rope_math.RopeSpec], plan: Plan, seen: _Observed, factor
     spec_text = ", ".join(f"{s.rope_type} θ={s.theta:g}" + (f" ({s.layer_type})" if s.layer_type else "")
                           for s in specs)
     streams = f", mRoPE sections with distinct t/h/w streams ({', '.join(seen.streams)})" if seen.streams else ""
+    if any(str(f.extra.get("layout", "")).endswith("reversed") for f in seen.findings):
+        streams += ", rotating by -p·θ in q and k alike"
+    nope = [str(i) for i, s in enumerate(plan.layer_spec) if s is None]
+    if nope:
+        which = f"layers {', '.join(nope)} rotate" if len(nope) > 1 else f"layer {nope[0]} rotates"
+        streams += f"; NoPE {which} nothing, as the config says"
     return Status.PASS, (f"applied rotation matches the config ({spec_text}{streams}) up to position {max_position}: "
                          f"{ratio}{factor.clause}")
 

@@ -1,5 +1,6 @@
 """Probe 2, the applied rotation: every position holds the same token, so q(p) = R_p q(0) pair by pair
-(R_p rotates pair (a_i, b_i) by p·θ_i), the dims past the rotary ones unchanged."""
+(R_p rotates pair (a_i, b_i) by p·θ_i), the dims past the rotary ones unchanged. Either direction (R_p or R_-p)
+is relative when q and k share it; q and k that do not share pairing and direction fail."""
 
 from __future__ import annotations
 
@@ -15,9 +16,13 @@ from posdiag.model.subject import Subject
 from posdiag.tools import rope_math
 from posdiag.verdict import FAIL_RATIO, MACHINE_EPSILON
 
-# Pairing of the rotary dims, and where they sit in the head when only some rotate: the leading slice
-# (Llama, Phi partial rotary) or the trailing one ("-trailing": DeepSeek-V4 lays a head out as [nope | rope]).
-LAYOUTS = ("half", "interleaved", "half-trailing", "interleaved-trailing")
+# Pairing of the rotary dims (rotate-half or interleaved), where they sit in the head when only some rotate (the
+# leading slice as Llama and Phi's partial rotary, or the trailing one, "-trailing": DeepSeek-V4 lays a head out as
+# [nope | rope]), and direction: R_p or R_-p. NanoChat rotates by -p·θ_i (its rotate_half is (x2, -x1)); applied to q
+# and k alike that is still relative, <R_-m q, R_-n k> = <q, R_(m-n) k>, so either direction passes when q and k
+# agree, and q and k fitting different ones fails (best_fits).
+_PLACED = ("half", "interleaved", "half-trailing", "interleaved-trailing")
+LAYOUTS = _PLACED + tuple(f"{lay}, reversed" for lay in _PLACED)
 
 
 def probe_applied(subject: Subject, layer_spec, refs, positions: np.ndarray, token: int):
@@ -129,8 +134,9 @@ def best_fits(fits: dict, layer: int, spread: float, judged_at: str) -> tuple[li
     decided = all(all(f[lay][0].failed for lay in f if lay != chosen)
                   for f, chosen in ((fits["q"], lay_q), (fits["k"], lay_k)))
     if not best["q"][0].failed and not best["k"][0].failed and lay_q != lay_k and decided:
+        what = ("rotated in opposite directions" if _pairing(lay_q) == _pairing(lay_k) else "paired differently")
         findings.append(Finding("layout", float("inf"), layer=layer, message=(
-            f"q and k are paired differently at layer {layer}: q {lay_q}, k {lay_k} "
+            f"q and k are {what} at layer {layer}: q {lay_q}, k {lay_k} "
             f"(<R_m q, R_n k> is no longer a function of n - m)")))
     elif best["q"][0].failed and not best["k"][0].failed:
         alt = fits["q"][lay_k][0]
@@ -146,12 +152,16 @@ def best_fits(fits: dict, layer: int, spread: float, judged_at: str) -> tuple[li
 def layouts_for(freqs: np.ndarray, dim: int) -> tuple[str, ...]:
     """The distinct layouts a head of `dim` dims can have: the trailing ones only where the rotation is partial
     (a full rotation's trailing slice is the leading one, and a duplicate would stop a pairing being told apart)."""
-    return LAYOUTS if 2 * freqs.shape[0] < dim else tuple(lay for lay in LAYOUTS if not lay.endswith("-trailing"))
+    return LAYOUTS if 2 * freqs.shape[0] < dim else tuple(lay for lay in LAYOUTS if "-trailing" not in lay)
+
+
+def _pairing(layout: str) -> str:
+    return layout.split(",")[0]
 
 
 def _pairs(layout: str, rotary_dim: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
     """The dims (a_i, b_i) of each rotated pair i."""
-    half, start = rotary_dim // 2, dim - rotary_dim if layout.endswith("-trailing") else 0
+    half, start = rotary_dim // 2, dim - rotary_dim if "-trailing" in layout else 0
     if layout.startswith("half"):
         return start + np.arange(half), start + np.arange(half) + half
     return start + np.arange(0, rotary_dim, 2), start + np.arange(1, rotary_dim, 2)
@@ -159,7 +169,8 @@ def _pairs(layout: str, rotary_dim: int, dim: int) -> tuple[np.ndarray, np.ndarr
 
 def judge_applied(arr: np.ndarray, freqs: np.ndarray, spec, positions: np.ndarray, layout: str, eps: float,
                   floor: float, layer: int, name: str, angles: np.ndarray | None = None) -> tuple[Finding, np.ndarray]:
-    """arr [H, T, D]: observed rotated vectors; q(p) must be R_p q(0) on the rotary dims, q(0) elsewhere.
+    """arr [H, T, D]: observed rotated vectors; q(p) must be R_p q(0) (R_-p for a reversed layout) on the rotary
+    dims, q(0) elsewhere.
     angles [T, pairs]: each pair's reference angle where it is not p·θ_i (mRoPE streams that differ)."""
     heads, _, dim = arr.shape
     rot = min(2 * freqs.shape[0], dim)
@@ -167,7 +178,7 @@ def judge_applied(arr: np.ndarray, freqs: np.ndarray, spec, positions: np.ndarra
     a_idx, b_idx = _pairs(layout, rot, dim)
     x0 = arr[:, :1]
     ang = (rope_math.reference_angles(freqs, positions) if angles is None else angles[:, : rot // 2])[None]
-    c, s = np.cos(ang), np.sin(ang)
+    c, s = np.cos(ang), np.sin(ang) * (-1.0 if layout.endswith("reversed") else 1.0)
     xa, xb = x0[..., a_idx], x0[..., b_idx]
     ea, eb = xa * c - xb * s, xb * c + xa * s
     err_pair = np.sqrt((arr[..., a_idx] - ea) ** 2 + (arr[..., b_idx] - eb) ** 2)  # [H, T, pairs]

@@ -78,8 +78,9 @@ def without_rope(subject: Subject, layer_spec: list, capture: Capture) -> dict[i
     such reason: it is judged (and fails)."""
     config = getattr(subject.config, "text_config", None) or subject.config
     types = list(getattr(config, "layer_types", None) or [])
-    out = {i: (f"the config gives '{types[i]}' layers no rotary block" if len(types) == len(layer_spec)
-               else "no_rope_layers marks it") for i, spec in enumerate(layer_spec) if spec is None}
+    nope = "the config marks it NoPE (no_rope_layers or layer_rope_theta)"
+    out = {i: (f"the config gives '{types[i]}' layers no rotary block" if len(types) == len(layer_spec) else nope)
+           for i, spec in enumerate(layer_spec) if spec is None}
     rotated = capture.rotated
     if len(rotated) != len(types) or len(rotated) != len(capture.records) or not any(rotated):
         return out

@@ -41,7 +41,8 @@ def make_plan(subject: Subject, settings: dict, specs: list[rope_math.RopeSpec])
 
 def _layer_specs(subject: Subject, specs: list[rope_math.RopeSpec]) -> list[rope_math.RopeSpec | None]:
     """The spec each layer follows; None where the config gives the layer no rotation (a layer type whose
-    rope_parameters entry is None, as Beam's full-attention layers; a 0 in no_rope_layers, as SmolLM3/Llama4)."""
+    rope_parameters entry is None, as Beam's full-attention layers; a 0 in no_rope_layers or layer_rope_theta,
+    as SmolLM3, Llama 4, Muse Glimmer)."""
     config = rope_math.text_config(subject.config)
     layers = int(getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None) or 1)
     types = list(getattr(config, "layer_types", None) or [])
@@ -59,10 +60,8 @@ def _layer_specs(subject: Subject, specs: list[rope_math.RopeSpec]) -> list[rope
             out = [None if t in params and params[t] is None else by_type.get(t, specs[0]) for t in types]
         else:
             out = [specs[0]] * layers
-    no_rope = getattr(config, "no_rope_layers", None)  # 1: the layer rotates, 0: it runs without positions
-    if isinstance(no_rope, (list, tuple)) and len(no_rope) == len(out):
-        out = [spec if flag else None for spec, flag in zip(out, no_rope, strict=True)]
-    return out
+    nope = rope_math.nope_layers(config)  # no_rope_layers 0 (SmolLM3, Llama 4), layer_rope_theta 0 (Muse Glimmer)
+    return [None if i in nope else spec for i, spec in enumerate(out)]
 
 
 def _table_cap(model: torch.nn.Module) -> int | None:

@@ -9,7 +9,8 @@ import torch
 from posdiag.model.subject import Subject
 
 # Parameter / buffer names that hold an absolute position table (2D: rows x dim).
-TABLE_NAMES = ("wpe", "embed_positions", "position_embeddings", "position_table", "pos_emb", "pos_embed")
+TABLE_NAMES = ("wpe", "embed_positions", "position_embeddings", "positions_embed", "position_table", "pos_emb",
+               "pos_embed")
 EXCLUDE = ("token_type", "relative", "inv_freq", "rotary")
 
 
