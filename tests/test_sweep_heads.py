@@ -49,7 +49,8 @@ def test_gemma4_rotation_reversed_on_one_layer_type_fails_rope(layer):
     model.model.layers[layer].self_attn.register_forward_pre_hook(reverse_rotation, with_kwargs=True)
     result = api.run_checks(from_module(model), ["rope"], RunOptions(seq_len=12)).check("rope")
     assert result.status is Status.FAIL, result.summary
-    assert f"applied rotation disagrees with the config at layer {layer}" in result.summary
+    # a model rotating one layer type by -p·θ and the other by +p·θ mixes two conventions: the reversed layer is named
+    assert f"layer {layer} rotates by -p·θ while layers {1 - layer} rotate the other way" in result.summary
 
 
 # --------------------------------------------------------------------------- DeepSeek-V4

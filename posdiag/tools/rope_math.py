@@ -1,17 +1,15 @@
 """Pure RoPE math from a config: frequencies, wavelengths, turns, the critical pair, aliasing, decay.
 
-No model is built here. The config is read the way transformers 5.x reads it
-(`config.rope_parameters`, possibly one dict per layer type), and every scaled frequency set
-comes from transformers' own `ROPE_INIT_FUNCTIONS`; the unscaled ("default") set is computed
-here in float64 (transformers keeps it in each model's rotary class).
+No model is built here. The config is read the way transformers 5.x reads it (`config.rope_parameters`, possibly
+one dict per layer type), and every scaled frequency set comes from transformers' own `ROPE_INIT_FUNCTIONS`; the
+unscaled ("default") set is computed here in float64 (transformers keeps it in each model's rotary class).
 
-Definitions (DESIGN.md, "RoPE analysis"): with frequencies θ_i after scaling, wavelength
-λ_i = 2π/θ_i, training length L (the original length when the scaling block gives one) and
-target length N:
-- critical pair: the first pair (0-based) with λ_i > L; from it on, pairs never finished a
-  turn in training and meet unseen phases past L.
-- pattern similarity s(D) = mean_i cos(D θ_i); the alias is the smallest D past the curve's
-  first dip below 1-ε at which s(D) returns to >= 1-ε ("none up to N" is a valid answer).
+Definitions (DESIGN.md, "RoPE analysis"): with frequencies θ_i after scaling, wavelength λ_i = 2π/θ_i, training
+length L (the original length when the scaling block gives one) and target length N:
+- critical pair: the first pair (0-based) with λ_i > L; from it on, pairs never finished a turn in training and
+  meet unseen phases past L.
+- pattern similarity s(D) = mean_i cos(D θ_i); the alias is the smallest D past the curve's first dip below 1-ε
+  at which s(D) returns to >= 1-ε ("none up to N" is a valid answer).
 - decay: sum_i cos(D θ_i) (q = k = ones); its first zero is information, never a verdict.
 """
 
@@ -89,21 +87,16 @@ class RopeSpec:
 # --------------------------------------------------------------------------- reading the config
 def text_config(config: Any) -> Any:
     getter = getattr(config, "get_text_config", None)
-    if callable(getter):
-        try:
-            return getter()
-        except Exception:  # pragma: no cover - odd configs
-            return config
-    return config
+    try:
+        return getter() if callable(getter) else config
+    except Exception:  # pragma: no cover - odd configs
+        return config
 
 
 def layer_config(config: Any, layer: int | str | None) -> Any:
-    """The config one layer (an index) or one layer type (a name in layer_types) is built from.
-
-    transformers 5.x heterogeneous configs (Gemma4: full-attention layers with their own head_dim) keep
-    per-layer attributes in `config.per_layer_config` and raise when they are read off the global config;
-    transformers' own rotary classes read them per layer type the same way.
-    """
+    """The config one layer (an index) or one layer type (a name in layer_types) is built from: transformers 5.x
+    heterogeneous configs (Gemma4: full-attention layers with their own head_dim) keep per-layer attributes in
+    `config.per_layer_config` and raise when they are read off the global config (its rotary classes read them so)."""
     config = text_config(config)
     if layer is None or not getattr(config, "is_heterogeneous", False):
         return config
@@ -395,8 +388,8 @@ def reference_angles(freqs: np.ndarray, positions: np.ndarray) -> np.ndarray:
 
 
 def angle_tolerance(freqs: np.ndarray, positions: np.ndarray, out_epsilon: float) -> np.ndarray:
-    """[P, pairs] bound of an honest implementation: angles rounded in float32 (as transformers computes
-    them whatever the model dtype), then cos/sin rounded to the output dtype."""
+    """[P, pairs] bound of an honest implementation: angles rounded in float32 (whatever the model dtype), then
+    cos/sin rounded to the output dtype."""
     return angle_bound(reference_angles(freqs, positions), out_epsilon)
 
 

@@ -74,6 +74,7 @@ def probe_applied(subject: Subject, layer_spec, refs, positions: np.ndarray, tok
         layer_findings, layer_by_pos = best_fits(fits, layer, spread, judged_at)
         findings += layer_findings
         by_pos = np.maximum(by_pos, layer_by_pos)
+    findings += mixed_directions(findings)
     if recurrent:
         return (findings + factors, [], False, f"{recurrent} (the same token gives a different q/k at each position)",
                 factors, no_factor, {})
@@ -143,7 +144,9 @@ def best_fits(fits: dict, layer: int, spread: float, judged_at: str) -> tuple[li
         if alt.ratio > FAIL_RATIO:
             alt.message = ""
     for f in (best["q"][0], best["k"][0]):
-        f.extra["layout"] = lay_q if f.tensor == "q" else lay_k
+        chosen = lay_q if f.tensor == "q" else lay_k
+        f.extra["layout"] = chosen
+        f.extra["direction_decided"] = _twin(chosen) in fits[f.tensor] and fits[f.tensor][_twin(chosen)][0].failed
         f.extra["input_spread"] = spread
         f.extra["judged_at"] = judged_at
     return findings, np.maximum(best["q"][1], best["k"][1])
@@ -157,6 +160,29 @@ def layouts_for(freqs: np.ndarray, dim: int) -> tuple[str, ...]:
 
 def _pairing(layout: str) -> str:
     return layout.split(",")[0]
+
+
+def _twin(layout: str) -> str:
+    """The same pairing rotated the other way."""
+    return _pairing(layout) if layout.endswith("reversed") else f"{layout}, reversed"
+
+
+def mixed_directions(findings: list[Finding]) -> list[Finding]:
+    """Either direction is a convention of the model's code (NanoChat rotates by -p·θ everywhere), but one model
+    rotating some layers by +p·θ and others by -p·θ mixes two conventions: the odd layers are a bug (a port that
+    negated sin in one place). Only layers whose direction the probe told apart count."""
+    direction: dict[int, bool] = {}
+    for f in findings:
+        if f.layer is not None and not f.failed and f.extra.get("direction_decided"):
+            direction.setdefault(f.layer, f.extra["layout"].endswith("reversed"))
+    if len(set(direction.values())) < 2:
+        return []
+    reversed_layers = [layer for layer, rev in direction.items() if rev]
+    forward_layers = [layer for layer, rev in direction.items() if not rev]
+    odd, usual = sorted((reversed_layers, forward_layers), key=len)
+    return [Finding("layout", float("inf"), layer=layer, message=(
+        f"layer {layer} rotates by {'-' if layer in reversed_layers else '+'}p·θ while layers "
+        f"{', '.join(map(str, usual[:6]))} rotate the other way: two conventions in one model")) for layer in odd]
 
 
 def _pairs(layout: str, rotary_dim: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
