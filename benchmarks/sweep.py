@@ -19,6 +19,7 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "sweep.jsonl"
 MEMORY_LIMIT = 6 << 30  # bytes of address space per model type: a config that asks for more is listed, not run
 PAGE = HERE.parent / "docs" / "support.md"
+README = HERE.parent / "README.md"
 MAPPINGS = {  # kind shown in the table -> transformers.models.auto.modeling_auto mapping
     "causal": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
     "seq2seq": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
@@ -163,6 +164,18 @@ def counts() -> dict[str, int]:
             "unclassified": sum(n not in FINDINGS.get(t, {}) for t, n in fails)}
 
 
+def readme_sentence(c: dict[str, int]) -> str:
+    """The README's coverage line, from counts(); write_page() puts it between the README's sweep-counts markers."""
+    swept = "every model type" if c["swept"] == c["total"] else f"{c['swept']} of the {c['total']} model types"
+    fails = (f"{c['fails']} FAILs, {c['fails'] - c['unclassified']} of them upstream findings" if c["unclassified"]
+             else f"{c['fails']} FAILs, all upstream findings")
+    return (f"Swept over {swept} of transformers' causal-LM, seq2seq, masked-LM and image-text-to-text mappings, a "
+            f"tiny default-init model each ([the table](docs/support.md#every-model-type-the-sweep)): "
+            f"**{c['judged']} of {c['total']} model types judged**, {c['skips']} check results skipped with their "
+            f"reasons, {c['errors']} errors, {fails}; {c['not_built']} cannot be built from a small config on CPU "
+            f"(listed with the reason).")
+
+
 def write_page() -> None:
     from posdiag import checks
 
@@ -196,3 +209,8 @@ def write_page() -> None:
     else:
         text += "\n## Every model type (the sweep)\n\n" + block + "\n"
     PAGE.write_text(text)
+    readme = README.read_text()
+    readme = re.sub(r"<!-- sweep-counts:start -->.*?<!-- sweep-counts:end -->",
+                    lambda _: f"<!-- sweep-counts:start -->\n{readme_sentence(c)}\n<!-- sweep-counts:end -->", readme,
+                    flags=re.S)
+    README.write_text(readme)

@@ -34,3 +34,11 @@ def test_sweep_row(model_type):
         if status == "skip":
             assert summary.strip(), name
     assert any(status == "pass" for status, _ in row["checks"].values())
+
+
+def test_readme_quotes_the_committed_sweep():
+    """The README's coverage line is the one write_page() generates from benchmarks/sweep.jsonl: no stale counts."""
+    sweep = _sweep()
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = readme.split("<!-- sweep-counts:start -->\n", 1)[1].split("\n<!-- sweep-counts:end -->", 1)[0]
+    assert block == sweep.readme_sentence(sweep.counts())
