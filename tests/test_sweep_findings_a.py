@@ -54,17 +54,17 @@ def decided_bug(result, path: str) -> None:
 
 
 # ------------------------------------------------------------------ learned tables numbered from the first column
-@pytest.mark.parametrize("model_type", ["gpt-sw3", "gpt_bigcode", "git"])
+@pytest.mark.parametrize("model_type", ["gpt-sw3", "gpt_bigcode", "git", "biogpt"])
 def test_left_padded_default_positions_fail_like_gpt2(model_type):
-    """GPT-SW3 (GPT-2's classes), GPTBigCode and GIT number positions by arange when called without position_ids,
-    so a left-padded row starts at the padding: only that row fails (0.92-0.98, the same in float64), and posdiag
-    says how to call them."""
+    """GPT-SW3 (GPT-2's classes), GPTBigCode, GIT and BioGPT number positions by arange when called without
+    position_ids, so a left-padded row starts at the padding: only that row fails (0.92-0.98; BioGPT, whose scaled
+    embeddings dilute the table, 0.19; the same in float64), and posdiag says how to call them."""
     result = check(build(model_type), "batch")
     assert result.status is Status.FAIL and result.summary.startswith(f"row '{LEFT_DEFAULTS}'"), result.summary
     assert "attention_mask.cumsum(-1) - 1" in result.summary
     failing = {r for r, e in result.details["error_per_row"].items() if e > result.metrics["tolerance"]}
     assert failing == {LEFT_DEFAULTS}
-    assert result.details["error_per_row"][LEFT_DEFAULTS] > 0.5
+    assert result.details["error_per_row"][LEFT_DEFAULTS] > 0.1  # the floor is ~1e-7
     decided_bug(result, LEFT_DEFAULTS)
 
 
