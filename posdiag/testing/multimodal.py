@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover
 TEXT_SIZES: dict[str, Any] = dict(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
     intermediate_size=128, intermediate_size_mlp=128, moe_intermediate_size=32, vocab_size=256,
-    unpadded_vocab_size=240,
+    unpadded_vocab_size=240, decoder_vocab_size=256,
     max_position_embeddings=256, num_local_experts=4, num_experts=4, num_experts_per_tok=2,
     d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
     encoder_ffn_dim=128, decoder_ffn_dim=128, num_layers=2, num_heads=4, d_ff=128, d_kv=16,
@@ -43,6 +43,10 @@ _SUB_CONFIGS = ("text_config", "vision_config", "audio_config", "vision_tower_co
 
 
 SPECIAL_TOKENS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+# The text's own special ids: a default beyond the small vocabulary (Phi-3's padding id 32000, Whisper's decoder
+# start 50257) is moved to its top, below the placeholder ids above; ids that were equal stay equal.
+TEXT_TOKENS = tuple(f"{k}_token_id" for k in ("pad", "bos", "eos", "decoder_start", "sep", "cls", "mask", "unk",
+                                               "forced_bos", "forced_eos"))
 # layer_types entries that are no attention: recurrent / convolutional mixers and MLP-only layers.
 _NOT_ATTENTION = frozenset({"linear_attention", "mamba", "conv", "moe", "dense", "sparse"})
 
@@ -83,14 +87,48 @@ def _small(model_type: str, image_tokens_in_vocab: bool, text_overrides: dict[st
         if name == "vision_config" and "embed_dim" in kwargs[name] and "hidden_size" in kwargs[name]:
             # Qwen2-VL's tower: embed_dim is its width, hidden_size the merger's output (the language model's)
             kwargs[name]["hidden_size"] = text_overrides.get("hidden_size", TEXT_SIZES["hidden_size"])
+    vocab = text_overrides.get("vocab_size", TEXT_SIZES["vocab_size"])
+    text = getattr(base, "text_config", None)
+    moves = _token_moves([base, text or {}], vocab)
+    if "text_config" in kwargs:
+        kwargs["text_config"].update(_moved(text.to_dict(), moves))
     if image_tokens_in_vocab:
-        vocab = text_overrides.get("vocab_size", TEXT_SIZES["vocab_size"])
         kwargs.update({k: vocab - 1 - i for i, k in enumerate(SPECIAL_TOKENS) if getattr(base, k, None) is not None})
     if not kwargs:  # a text-only config: shrink it directly
         fields = _shrunk(base, {**TEXT_SIZES, **text_overrides})
         fields.pop("model_type")
-        return transformers.AutoConfig.for_model(model_type, **fields)
-    return config_class(**kwargs)
+        return transformers.AutoConfig.for_model(model_type, **{**fields, **_moved(base.to_dict(), moves)})
+    return config_class(**kwargs, **_moved(base.to_dict(), moves))
+
+
+def _token_moves(configs: list[Any], vocab: int) -> dict[int, int]:
+    """Each special text id at or beyond ``vocab`` -> its id at the top of the vocabulary (placeholders aside)."""
+    ids = [v for c in configs for k in TEXT_TOKENS for v in _ids(_get(c, k))]
+    beyond = sorted({i for i in ids if i >= vocab})
+    return {old: vocab - 1 - len(SPECIAL_TOKENS) - n for n, old in enumerate(beyond)}
+
+
+def _moved(fields: dict[str, Any], moves: dict[int, int]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k in TEXT_TOKENS:
+        value = fields.get(k)
+        if isinstance(value, int) and value in moves:
+            out[k] = moves[value]
+        elif isinstance(value, (list, tuple)) and any(v in moves for v in value):
+            out[k] = [moves.get(v, v) for v in value]
+    return out
+
+
+def _get(config: Any, name: str) -> Any:
+    return config.get(name) if isinstance(config, dict) else getattr(config, name, None)
+
+
+def _ids(value: Any) -> list[int]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [v for v in value if isinstance(v, int)] if isinstance(value, (list, tuple)) else []
 
 
 def _text(config: Any) -> Any:
