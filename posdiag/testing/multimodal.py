@@ -17,6 +17,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from posdiag.testing.shrink_rules import (
+    aliased_sizes,
+    experts,
+    latent_attention,
+    listed_sizes,
+    mixer_heads,
+    repeated_pattern,
+)
+
 if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
     from transformers import PretrainedConfig
@@ -36,16 +45,8 @@ TEXT_SIZES: dict[str, Any] = dict(
 TOWER_SIZES: dict[str, Any] = dict(
     hidden_size=32, num_hidden_layers=1, depth=1, num_attention_heads=2, num_heads=2, intermediate_size=64,
     embed_dim=32, image_size=28, patch_size=14, out_hidden_size=64, projector_input_dim=64,
-    projector_output_dim=64, vision_output_dim=64, num_layers=1, encoder_layers=1, d_model=32,
+    projector_output_dim=64, vision_output_dim=64, num_layers=1, encoder_layers=1, d_model=32, codebook_dim=32,
 )  # fmt: skip
-# Multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash, ...): one query/key head is a 16-dim part without
-# RoPE and a 16-dim rotated part (the small head), values 16 dims, both low-rank projections 32; a config's head_dim
-# is either the rotated part (DeepSeek) or the whole query/key head (Mistral 4), as in its default.
-LATENT_SIZES: dict[str, Any] = dict(qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, kv_lora_rank=32,
-                                    q_lora_rank=32, index_head_dim=32, index_n_heads=2)
-# Mixture-of-experts fields beyond TEXT_SIZES' num_experts: set only where the default uses them (not None/0).
-EXPERT_SIZES: dict[str, Any] = dict(n_routed_experts=4, num_experts_per_token=2, moe_topk=2,
-                                    expert_ffn_hidden_size=32, zero_expert_num=2)
 MROPE_SECTION = [4, 2, 2]  # t/h/w pairs of the 8 a 16-dim head rotates (Qwen2-VL's [16, 24, 24] of 64, scaled)
 _SUB_CONFIGS = ("text_config", "vision_config", "audio_config", "vision_tower_config", "speech_config")
 
@@ -102,6 +103,10 @@ def _small(model_type: str, image_tokens_in_vocab: bool, text_overrides: dict[st
         if name == "vision_config" and "embed_dim" in kwargs[name] and "hidden_size" in kwargs[name]:
             # Qwen2-VL's tower: embed_dim is its width, hidden_size the merger's output (the language model's)
             kwargs[name]["hidden_size"] = text_overrides.get("hidden_size", TEXT_SIZES["hidden_size"])
+        if name != "text_config":  # a tower's text_* size is the language model's (Inkling2's text_hidden_size)
+            text_sizes = {**TEXT_SIZES, **text_overrides}
+            kwargs[name].update({k: text_sizes[k[5:]] for k in sub.to_dict() if k[5:] in text_sizes
+                                 and k.startswith("text_")})
     vocab = text_overrides.get("vocab_size", TEXT_SIZES["vocab_size"])
     text = getattr(base, "text_config", None)
     moves = _token_moves([base, text or {}], vocab)
@@ -173,51 +178,24 @@ def _shrunk(config: Any, sizes: dict[str, Any]) -> dict[str, Any]:
         out.update(num_hidden_layers=3, n_input_layers=1, n_output_layers=1)
         if "n_recurrent_layers" in fields:
             out["n_recurrent_layers"] = None
+    out.update(aliased_sizes(config, fields, sizes, out))
+    out.update(listed_sizes(fields, out))
     if sizes is not TOWER_SIZES:
         if "num_key_value_heads" in fields and "num_attention_heads" in out and not _repeats_heads(config):
             out["num_key_value_heads"] = out["num_attention_heads"]
-        out.update(_latent_attention(fields, sizes))
-        out.update(_experts(fields))
+        out.update(latent_attention(fields, {**TEXT_SIZES, **sizes}, TEXT_SIZES["head_dim"]))
+        out.update(experts(fields))
+        out.update(mixer_heads(fields, out))
+        out.update(repeated_pattern(fields, out))
     out.update(_every_layer_type(config, fields, out, sizes))
     rope = dict(getattr(config, "rope_parameters", None) or {})
-    if "mrope_section" in rope or _reads_mrope(config):
+    nested = bool(rope) and all(isinstance(v, dict) for v in rope.values())  # per layer type: where one has it
+    if nested:
+        rope = {k: {**v, "mrope_section": list(MROPE_SECTION)} if "mrope_section" in v else v for k, v in rope.items()}
+    elif "mrope_section" in rope or rope and _reads_mrope(config):
         rope["mrope_section"] = list(MROPE_SECTION)
     if rope:
         out["rope_parameters"] = rope
-    return out
-
-
-def _latent_attention(fields: dict[str, Any], sizes: dict[str, Any]) -> dict[str, Any]:
-    """LATENT_SIZES for a config with latent attention: left to TEXT_SIZES' head_dim alone, the rotated part kept
-    its 64 dims against a 16-dim head, and 2 key/value heads were repeated to 8 against 4 query heads."""
-    if fields.get("qk_rope_head_dim") is None or "kv_lora_rank" not in fields:
-        return {}
-    out = {k: v for k, v in LATENT_SIZES.items() if fields.get(k) is not None and k not in sizes}
-    if "num_key_value_heads" in fields:  # keys and values come per head out of the latent: no grouped heads
-        out["num_key_value_heads"] = sizes.get("num_attention_heads", TEXT_SIZES["num_attention_heads"])
-    nope, rope = out.get("qk_nope_head_dim", 0), out["qk_rope_head_dim"]
-    if fields.get("qk_head_dim") is not None:
-        out["qk_head_dim"] = nope + rope
-    head = fields.get("head_dim")
-    if head is not None and sizes.get("head_dim") == TEXT_SIZES["head_dim"]:  # unless head_dim is overridden
-        whole = head == fields.get("qk_nope_head_dim", 0) + fields["qk_rope_head_dim"]
-        out["head_dim"] = nope + rope if whole else rope
-    return out
-
-
-def _experts(fields: dict[str, Any]) -> dict[str, Any]:
-    """Few experts, in the default's arrangement: a shared expert and a leading dense layer where the default has
-    them (first_k_dense_replace 3 of 61 layers would make both small layers dense), 2 expert groups of 2 with one
-    picked where the router is group-limited."""
-    out = {k: v for k, v in EXPERT_SIZES.items() if fields.get(k)}
-    for name in ("n_shared_experts", "num_shared_experts", "first_k_dense_replace"):
-        if fields.get(name):
-            out[name] = 1
-    for name in ("n_group", "num_expert_group"):
-        if (fields.get(name) or 0) > 1:
-            out[name] = 2
-    if (fields.get("topk_group") or 0) > 1:
-        out["topk_group"] = 1
     return out
 
 
@@ -227,11 +205,12 @@ def _every_layer_type(config: Any, fields: dict[str, Any], out: dict[str, Any], 
     mechanism at all; Gemma3's and Cohere2's first two are both sliding. Types keep their first-seen order."""
     types = list(getattr(config, "layer_types", None) or [])
     layers = out.get("num_hidden_layers")
-    if "layer_types" not in fields or "layer_types" in sizes or not layers or set(types[:layers]) == set(types):
+    name = (getattr(type(config), "attribute_map", None) or {}).get("layer_types", "layer_types")  # Zamba's alias
+    if name not in fields or "layer_types" in sizes or not layers or set(types[:layers]) == set(types):
         return {}
     kinds = list(dict.fromkeys(types))
     layers = max(layers, len(kinds))
-    return {"num_hidden_layers": layers, "layer_types": [kinds[i % len(kinds)] for i in range(layers)]}
+    return {"num_hidden_layers": layers, name: [kinds[i % len(kinds)] for i in range(layers)]}
 
 
 def _repeats_heads(config: Any) -> bool:
