@@ -4,7 +4,10 @@
 4 heads of 16 dims, hidden 64, vocab 256) and every other tower (1 layer, hidden 32, 28-pixel images of 14-pixel
 patches) with whatever size fields each sub-config has. Multimodal RoPE sections (``mrope_section``, which
 Qwen-VL rotary classes default to a 128-dim head) are scaled to the small head: 4 + 2 + 2 of its 8 pairs.
-``tiny_multimodal`` builds the image-text-to-text model (``AutoModelForImageTextToText``) from it.
+Special text ids (padding, bos, eos, decoder start, ...) beyond the small vocabulary move to its top, and the fields
+that depend on the headline sizes follow them (``posdiag.testing.shrink_rules``: latent attention, experts,
+state-space heads, layer patterns). ``tiny_multimodal`` builds the image-text-to-text model
+(``AutoModelForImageTextToText``) from it.
 
 Hybrids keep an attention layer, as their checkpoints do, also where the default pattern has none
 (GraniteMoeHybrid's default is all Mamba) or derives it from other fields (Jamba: attention at layer 4 of 8), so
@@ -17,6 +20,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from posdiag.testing.shrink_rules import (
+    aliased_sizes,
+    experts,
+    latent_attention,
+    listed_sizes,
+    mixer_heads,
+    repeated_pattern,
+)
+
 if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
     from transformers import PretrainedConfig
@@ -25,7 +37,7 @@ if TYPE_CHECKING:  # pragma: no cover
 TEXT_SIZES: dict[str, Any] = dict(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
     intermediate_size=128, intermediate_size_mlp=128, moe_intermediate_size=32, vocab_size=256,
-    unpadded_vocab_size=240,
+    unpadded_vocab_size=240, decoder_vocab_size=256,
     max_position_embeddings=256, num_local_experts=4, num_experts=4, num_experts_per_tok=2,
     d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
     encoder_ffn_dim=128, decoder_ffn_dim=128, num_layers=2, num_heads=4, d_ff=128, d_kv=16,
@@ -36,13 +48,17 @@ TEXT_SIZES: dict[str, Any] = dict(
 TOWER_SIZES: dict[str, Any] = dict(
     hidden_size=32, num_hidden_layers=1, depth=1, num_attention_heads=2, num_heads=2, intermediate_size=64,
     embed_dim=32, image_size=28, patch_size=14, out_hidden_size=64, projector_input_dim=64,
-    projector_output_dim=64, vision_output_dim=64, num_layers=1, encoder_layers=1, d_model=32,
+    projector_output_dim=64, vision_output_dim=64, num_layers=1, encoder_layers=1, d_model=32, codebook_dim=32,
 )  # fmt: skip
 MROPE_SECTION = [4, 2, 2]  # t/h/w pairs of the 8 a 16-dim head rotates (Qwen2-VL's [16, 24, 24] of 64, scaled)
 _SUB_CONFIGS = ("text_config", "vision_config", "audio_config", "vision_tower_config", "speech_config")
 
 
 SPECIAL_TOKENS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+# The text's own special ids: a default beyond the small vocabulary (Phi-3's padding id 32000, Whisper's decoder
+# start 50257) is moved to its top, below the placeholder ids above; ids that were equal stay equal.
+TEXT_TOKENS = tuple(f"{k}_token_id" for k in ("pad", "bos", "eos", "decoder_start", "sep", "cls", "mask", "unk",
+                                               "forced_bos", "forced_eos"))
 # layer_types entries that are no attention: recurrent / convolutional mixers and MLP-only layers.
 _NOT_ATTENTION = frozenset({"linear_attention", "mamba", "conv", "moe", "dense", "sparse"})
 
@@ -52,7 +68,14 @@ def small_config(model_type: str, *, image_tokens_in_vocab: bool = False, **text
 
     The image/video placeholder ids keep their (large) defaults, outside the small vocabulary, so random text never
     holds one; ``image_tokens_in_vocab`` moves them to the top of the vocabulary for prompts with an image."""
-    config = _small(model_type, image_tokens_in_vocab, text_overrides)
+    try:
+        config = _small(model_type, image_tokens_in_vocab, text_overrides)
+    except Exception as exc:  # the config takes no grouped key/value heads (ESM-C, dots3, GLM-5): one per head
+        if "key_value_heads" not in str(exc) or "num_key_value_heads" in text_overrides:
+            raise
+        heads = text_overrides.get("num_attention_heads", TEXT_SIZES["num_attention_heads"])
+        text_overrides = {**text_overrides, "num_key_value_heads": heads}
+        config = _small(model_type, image_tokens_in_vocab, text_overrides)
     if "layer_types" in text_overrides or "num_hidden_layers" in text_overrides or _has_attention(config) \
             or not _builds_full_attention(config):
         return config
@@ -83,14 +106,52 @@ def _small(model_type: str, image_tokens_in_vocab: bool, text_overrides: dict[st
         if name == "vision_config" and "embed_dim" in kwargs[name] and "hidden_size" in kwargs[name]:
             # Qwen2-VL's tower: embed_dim is its width, hidden_size the merger's output (the language model's)
             kwargs[name]["hidden_size"] = text_overrides.get("hidden_size", TEXT_SIZES["hidden_size"])
+        if name != "text_config":  # a tower's text_* size is the language model's (Inkling2's text_hidden_size)
+            text_sizes = {**TEXT_SIZES, **text_overrides}
+            kwargs[name].update({k: text_sizes[k[5:]] for k in sub.to_dict() if k[5:] in text_sizes
+                                 and k.startswith("text_")})
+    vocab = text_overrides.get("vocab_size", TEXT_SIZES["vocab_size"])
+    text = getattr(base, "text_config", None)
+    moves = _token_moves([base, text or {}], vocab)
+    if "text_config" in kwargs:
+        kwargs["text_config"].update(_moved(text.to_dict(), moves))
     if image_tokens_in_vocab:
-        vocab = text_overrides.get("vocab_size", TEXT_SIZES["vocab_size"])
         kwargs.update({k: vocab - 1 - i for i, k in enumerate(SPECIAL_TOKENS) if getattr(base, k, None) is not None})
     if not kwargs:  # a text-only config: shrink it directly
         fields = _shrunk(base, {**TEXT_SIZES, **text_overrides})
         fields.pop("model_type")
-        return transformers.AutoConfig.for_model(model_type, **fields)
-    return config_class(**kwargs)
+        return transformers.AutoConfig.for_model(model_type, **{**fields, **_moved(base.to_dict(), moves)})
+    return config_class(**kwargs, **_moved(base.to_dict(), moves))
+
+
+def _token_moves(configs: list[Any], vocab: int) -> dict[int, int]:
+    """Each special text id at or beyond ``vocab`` -> its id at the top of the vocabulary (placeholders aside)."""
+    ids = [v for c in configs for k in TEXT_TOKENS for v in _ids(_get(c, k))]
+    beyond = sorted({i for i in ids if i >= vocab})
+    return {old: vocab - 1 - len(SPECIAL_TOKENS) - n for n, old in enumerate(beyond)}
+
+
+def _moved(fields: dict[str, Any], moves: dict[int, int]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k in TEXT_TOKENS:
+        value = fields.get(k)
+        if isinstance(value, int) and value in moves:
+            out[k] = moves[value]
+        elif isinstance(value, (list, tuple)) and any(v in moves for v in value):
+            out[k] = [moves.get(v, v) for v in value]
+    return out
+
+
+def _get(config: Any, name: str) -> Any:
+    return config.get(name) if isinstance(config, dict) else getattr(config, name, None)
+
+
+def _ids(value: Any) -> list[int]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [v for v in value if isinstance(v, int)] if isinstance(value, (list, tuple)) else []
 
 
 def _text(config: Any) -> Any:
@@ -120,9 +181,21 @@ def _shrunk(config: Any, sizes: dict[str, Any]) -> dict[str, Any]:
         out.update(num_hidden_layers=3, n_input_layers=1, n_output_layers=1)
         if "n_recurrent_layers" in fields:
             out["n_recurrent_layers"] = None
+    out.update(aliased_sizes(config, fields, sizes, out))
+    out.update(listed_sizes(fields, out))
+    if sizes is not TOWER_SIZES:
+        if "num_key_value_heads" in fields and "num_attention_heads" in out and not _repeats_heads(config):
+            out["num_key_value_heads"] = out["num_attention_heads"]
+        out.update(latent_attention(fields, {**TEXT_SIZES, **sizes}, TEXT_SIZES["head_dim"]))
+        out.update(experts(fields))
+        out.update(mixer_heads(fields, out))
+        out.update(repeated_pattern(fields, out))
     out.update(_every_layer_type(config, fields, out, sizes))
     rope = dict(getattr(config, "rope_parameters", None) or {})
-    if "mrope_section" in rope or _reads_mrope(config):
+    nested = bool(rope) and all(isinstance(v, dict) for v in rope.values())  # per layer type: where one has it
+    if nested:
+        rope = {k: {**v, "mrope_section": list(MROPE_SECTION)} if "mrope_section" in v else v for k, v in rope.items()}
+    elif "mrope_section" in rope or rope and _reads_mrope(config):
         rope["mrope_section"] = list(MROPE_SECTION)
     if rope:
         out["rope_parameters"] = rope
@@ -135,11 +208,26 @@ def _every_layer_type(config: Any, fields: dict[str, Any], out: dict[str, Any], 
     mechanism at all; Gemma3's and Cohere2's first two are both sliding. Types keep their first-seen order."""
     types = list(getattr(config, "layer_types", None) or [])
     layers = out.get("num_hidden_layers")
-    if "layer_types" not in fields or "layer_types" in sizes or not layers or set(types[:layers]) == set(types):
+    name = (getattr(type(config), "attribute_map", None) or {}).get("layer_types", "layer_types")  # Zamba's alias
+    if name not in fields or "layer_types" in sizes or not layers or set(types[:layers]) == set(types):
         return {}
     kinds = list(dict.fromkeys(types))
     layers = max(layers, len(kinds))
-    return {"num_hidden_layers": layers, "layer_types": [kinds[i % len(kinds)] for i in range(layers)]}
+    return {"num_hidden_layers": layers, name: [kinds[i % len(kinds)] for i in range(layers)]}
+
+
+def _repeats_heads(config: Any) -> bool:
+    """Whether the eager attention of the config's modelling module repeats key/value heads for grouped queries
+    (Unlimited-OCR's and ESM-C's do not: their small configs keep one key/value head per query head)."""
+    import importlib
+    import inspect
+
+    module_name = type(config).__module__.replace("configuration_", "modeling_")
+    try:
+        source = inspect.getsource(importlib.import_module(module_name).eager_attention_forward)
+    except Exception:  # no such module or function: the attention classes decide
+        return True
+    return "repeat_kv" in source or "num_key_value_groups" in source
 
 
 def _reads_mrope(config: Any) -> bool:

@@ -1,0 +1,103 @@
+"""Rules that keep a shrunk config consistent with itself, each derived from the config's own fields.
+
+``posdiag.testing.multimodal`` sets the headline sizes (hidden size, heads, layers); the rules here size the fields
+that depend on them, as the full default has them: latent attention, experts, state-space heads, per-stage lists,
+layer patterns, and size fields reached through a config's ``attribute_map``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+# Multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash, ...): one query/key head is a 16-dim part without
+# RoPE and a 16-dim rotated part (the small head), values 16 dims, both low-rank projections 32; a config's head_dim
+# is either the rotated part (DeepSeek) or the whole query/key head (Mistral 4), as in its default. Sizes the default
+# leaves unused (0 or None: GLM-5-Next's attention has no rotated part, Kimi's no query projection) stay so.
+LATENT_SIZES: dict[str, Any] = dict(qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, kv_lora_rank=32,
+                                    q_lora_rank=32, index_head_dim=32, index_n_heads=2)
+# Mixture-of-experts fields beyond the headline num_experts: set only where the default uses them (not None/0).
+EXPERT_SIZES: dict[str, Any] = dict(n_routed_experts=4, num_experts_per_token=2, moe_topk=2,
+                                    expert_ffn_hidden_size=32, zero_expert_num=2)
+
+
+def latent_attention(fields: dict[str, Any], sizes: dict[str, Any], small_head: int) -> dict[str, Any]:
+    """LATENT_SIZES for a config with latent attention: left to the headline head_dim alone, the rotated part kept
+    its 64 dims against a 16-dim head, and 2 key/value heads were repeated to 8 against 4 query heads."""
+    if "qk_rope_head_dim" not in fields or "kv_lora_rank" not in fields:
+        return {}
+    out = {k: v for k, v in LATENT_SIZES.items() if fields.get(k) and k not in sizes}
+    if "num_key_value_heads" in fields:  # keys and values come per head out of the latent: no grouped heads
+        out["num_key_value_heads"] = sizes["num_attention_heads"]
+    nope = out.get("qk_nope_head_dim", fields.get("qk_nope_head_dim") or 0)
+    rope = out.get("qk_rope_head_dim", fields.get("qk_rope_head_dim") or 0)
+    if fields.get("qk_head_dim") is not None:
+        out["qk_head_dim"] = nope + rope
+    head = fields.get("head_dim")
+    if head is not None and rope and sizes.get("head_dim") == small_head:  # unless head_dim is overridden
+        whole = head == (fields.get("qk_nope_head_dim") or 0) + fields["qk_rope_head_dim"]
+        out["head_dim"] = nope + rope if whole else rope
+    return out
+
+
+def experts(fields: dict[str, Any]) -> dict[str, Any]:
+    """Few experts, in the default's arrangement: a shared expert and a leading dense layer where the default has
+    them (first_k_dense_replace 3 of 61 layers would make both small layers dense), 2 expert groups of 2 with one
+    picked where the router is group-limited, and one expert per token where the default routes to one (ZAYA)."""
+    out = {k: v for k, v in EXPERT_SIZES.items() if fields.get(k)}
+    for name in ("n_shared_experts", "num_shared_experts", "first_k_dense_replace"):
+        if fields.get(name):
+            out[name] = 1
+    for name in ("n_group", "num_expert_group"):
+        if (fields.get(name) or 0) > 1:
+            out[name] = 2
+    if (fields.get("topk_group") or 0) > 1:
+        out["topk_group"] = 1
+    if fields.get("num_experts_per_tok") == 1:
+        out["num_experts_per_tok"] = 1
+    return out
+
+
+def mixer_heads(fields: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+    """A state-space mixer's heads span its expanded width (Mamba-2: num_heads * head_dim = expand * hidden_size),
+    so the head count follows the small width and head; the groups divide the heads."""
+    if not {"expand", "num_heads", "head_dim", "hidden_size"} <= fields.keys() or "hidden_size" not in out:
+        return {}
+    if fields["num_heads"] * fields["head_dim"] != fields["expand"] * fields["hidden_size"]:
+        return {}
+    head = out.get("head_dim", fields["head_dim"])
+    heads = int(fields["expand"] * out["hidden_size"]) // head
+    update: dict[str, Any] = {"num_heads": heads}
+    if fields.get("n_groups"):
+        update["n_groups"] = math.gcd(fields["n_groups"], heads)
+    return update
+
+
+def repeated_pattern(fields: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+    """A layer pattern given as [[pattern, repeats]] (GPT-Neo's attention_types) repeated to cover the small
+    layer count, which is rounded up to whole patterns."""
+    spec = fields.get("attention_types")
+    layers = out.get("num_layers", out.get("num_hidden_layers"))
+    if not isinstance(spec, list) or not spec or not isinstance(spec[0], (list, tuple)) or not layers:
+        return {}
+    pattern = list(spec[0][0])
+    repeats = max(1, math.ceil(layers / len(pattern)))
+    update: dict[str, Any] = {"attention_types": [[pattern, repeats]]}
+    for name in ("num_layers", "num_hidden_layers"):
+        if name in out:
+            update[name] = repeats * len(pattern)
+    return update
+
+
+def listed_sizes(fields: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+    """A size the default gives as a list (Molmo2's image_size [378, 378], ERNIE-VL's per-modality
+    moe_intermediate_size) stays a list of the same length."""
+    return {k: [v] * len(fields[k]) for k, v in out.items()
+            if isinstance(v, int) and isinstance(fields.get(k), (list, tuple)) and fields[k]}
+
+
+def aliased_sizes(config: Any, fields: dict[str, Any], sizes: dict[str, Any], out: dict[str, Any]) -> dict:
+    """Sizes whose field goes by another name in this config (Zamba: head_dim is attention_head_dim)."""
+    aliases = getattr(type(config), "attribute_map", None) or {}
+    return {aliases[k]: v for k, v in sizes.items()
+            if k in aliases and aliases[k] in fields and k not in fields and aliases[k] not in out}
