@@ -51,6 +51,9 @@ FINDINGS: dict[str, dict[str, str]] = {
     "falcon_mamba": {"cache": "a multi-token cache continuation restarts the recurrent state"},
     "convbert": {"batch": "its convolution branch reads padded tokens"},
     "fsmt": {"generate": "a static cache's empty slots are attended (no mask when decoding)"},
+    "rwkv": {"batch": "attention_mask accepted and ignored: left padding runs through the recurrence"},
+    "recurrent_gemma": {"batch": "without position_ids a left-padded row reads its pads into the recurrence",
+                        "cache": "a multi-token cache continuation restarts the convolution state"},
 }
 
 

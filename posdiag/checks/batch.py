@@ -150,7 +150,23 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
         "positions": {"a": pa.tolist(), "b": pb.tolist()} if takes else "derived inside the model",
         **arbitration.details,
     }
-    return _report(stack, subject.kind, m, verdicts, arbitration, notes, details, dtype)
+    left_failing = [r for r in rows if r[5] and r[0] in verdicts and verdicts[r[0]].status is Status.FAIL]
+    lead = ""
+    if left_failing and subject.is_hf and _mask_ignored(subject, stack, left_failing[0], enc, m.floor):
+        details["attention_mask_ignored"] = True
+        lead = (f"{type(subject.model).__name__} ignores its attention_mask (a left-padded row gives the same output "
+                "without it), so the pads run through the sequence mixers: ")
+    return _report(stack, subject.kind, m, verdicts, arbitration, notes, details, dtype, lead)
+
+
+def _mask_ignored(subject: Subject, stack: str, row: tuple, enc: torch.Tensor | None, floor: float) -> bool:
+    """Whether a failing left-padded row comes out the same with its padding mask replaced by ones: the forward
+    accepts attention_mask and does not read it (RWKV documents it as unused)."""
+    _name, ids, mask, pos, _key, _left = row
+    pos = None if pos is None else pos[None]
+    masked = _forward(subject, ids[None], mask[None], pos, stack, enc)
+    unmasked = _forward(subject, ids[None], torch.ones_like(mask)[None], pos, stack, enc)
+    return judge_agreement(relative_l2(unmasked, masked), floor, subject.dtype_name).status is Status.PASS
 
 
 @dataclass
@@ -202,7 +218,7 @@ def _measure(subject: Subject, stack: str, rows: list, refs: dict, enc: torch.Te
 
 
 def _report(stack: str, kind: str, m: Measured, verdicts: dict, arbitration: Any, notes: list[str], details: dict,
-            dtype: str) -> CheckResult:
+            dtype: str, lead: str = "") -> CheckResult:
     errors, first_token = m.errors, m.first_token
     failing = [r for r in errors if verdicts[r].status is Status.FAIL]
     worst = failing[0] if failing else max(errors, key=errors.get)
@@ -221,7 +237,7 @@ def _report(stack: str, kind: str, m: Measured, verdicts: dict, arbitration: Any
         summary = f"row '{worst}': {verdict.reason}"
     else:
         tok = first_token[worst]
-        summary = (f"row '{worst}' differs from the same row alone: error {verdict.residual:.3g} = "
+        summary = (f"{lead}row '{worst}' differs from the same row alone: error {verdict.residual:.3g} = "
                    f"{verdict.ratio:.3g}x "
                    f"floor {verdict.noise_floor:.2g}" + (f", from valid token {tok}" if tok is not None else "")
                    + f"{arbitration.clause(worst)}; failing rows: {', '.join(failing)}")

@@ -234,7 +234,11 @@ def family_for(config: Any) -> Family:
         kind = _guess_kind(config)
         # posdiag hands encoder-decoder stacks no position_ids (Subject.forward): positions are
         # whatever the stacks derive inside, so a "consistent" permutation cannot be built.
-        return replace(GENERIC, name=model_type, kind=kind, position_ids="ignored" if kind == "seq2seq" else "honoured")
+        generic = replace(GENERIC, name=model_type, kind=kind,
+                          position_ids="ignored" if kind == "seq2seq" else "honoured")
+        if model_type in ("deberta", "deberta-v2") and getattr(config, "relative_attention", False):
+            return _deberta_relative(generic, config)
+        return generic
     if row.kind == "encoder" and _declared_causal(config):
         # The checkpoint says what it is: an encoder family configured as a decoder (is_decoder=True, or a
         # *ForCausalLM head) attends causally and decodes with a cache, so cache, generate and causal apply.
@@ -258,6 +262,17 @@ def family_for(config: Any) -> Family:
             mixing.append("Nystrom landmarks (means of consecutive segments)")
         return replace(row, token_mixing=" and ".join(mixing))
     return row
+
+
+def _deberta_relative(row: Family, config: Any) -> Family:
+    """DeBERTa with relative_attention (every DeBERTa-v3): the disentangled c2p/p2c terms read relative positions
+    built from the storage index (build_relative_position over q/k lengths), never from position_ids, so a
+    consistent permutation is no identity (measured: 5.6e-5 off P f(x), 349x the floor, the same in float64).
+    Without position_biased_input (v3) nothing reads position_ids at all."""
+    mixing = "disentangled relative attention over positions taken from storage order (not from position_ids)"
+    if getattr(config, "position_biased_input", True):  # v2-style: an absolute table read through position_ids too
+        return replace(row, position_kind="learned", token_mixing=mixing)
+    return replace(row, position_kind="relative_bias", position_ids="ignored", token_mixing=mixing)
 
 
 # Sub-configs of the towers posdiag does not test (the language model is what carries text positions).

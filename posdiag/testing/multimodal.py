@@ -12,8 +12,10 @@ state-space heads, layer patterns). ``tiny_multimodal`` builds the image-text-to
 Hybrids keep an attention layer, as their checkpoints do, also where the default pattern has none
 (GraniteMoeHybrid's default is all Mamba) or derives it from other fields (Jamba: attention at layer 4 of 8), so
 keeping every layer type of the full default is not enough: when the small config has no attention layer and
-the modelling code builds ``full_attention`` layers, the last layer becomes one (``layer_types``), or else the
-layer count grows (up to 8) until the default pattern reaches its first attention layer.
+the modelling code builds ``full_attention`` layers (or else the full default pattern has an attention type:
+RecurrentGemma's ``sliding_attention``, derived from ``block_types``), the last layer becomes one (``layer_types``,
+or ``attn_layer_indices`` where the pattern derives from it: Bamba's default is all Mamba), or else the layer count
+grows (up to 8) until the default pattern reaches its first attention layer.
 """
 
 from __future__ import annotations
@@ -38,10 +40,12 @@ TEXT_SIZES: dict[str, Any] = dict(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
     intermediate_size=128, intermediate_size_mlp=128, moe_intermediate_size=32, vocab_size=256,
     unpadded_vocab_size=240, decoder_vocab_size=256,
-    max_position_embeddings=256, num_local_experts=4, num_experts=4, num_experts_per_tok=2,
+    max_position_embeddings=256, sliding_window=128, num_local_experts=4, num_experts=4, num_experts_per_tok=2,
     d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
     encoder_ffn_dim=128, decoder_ffn_dim=128, num_layers=2, num_heads=4, d_ff=128, d_kv=16,
 )  # fmt: skip
+# sliding_window: half the small context, so checks that run past the window (cache) see it act within 256 tokens; left
+# at RecurrentGemma's 2048 with no declared context, its cache check ran 2052 tokens (90 s).
 # unpadded_vocab_size (Inkling2): the head's rows, fewer than the padded embedding's (200058 of 201024); left at its
 # default the head would emit ids past the 256-row embedding and generate() would feed them back (IndexError).
 # Vision / audio towers: as small as their patching allows.
@@ -76,11 +80,15 @@ def small_config(model_type: str, *, image_tokens_in_vocab: bool = False, **text
         heads = text_overrides.get("num_attention_heads", TEXT_SIZES["num_attention_heads"])
         text_overrides = {**text_overrides, "num_key_value_heads": heads}
         config = _small(model_type, image_tokens_in_vocab, text_overrides)
-    if "layer_types" in text_overrides or "num_hidden_layers" in text_overrides or _has_attention(config) \
-            or not _builds_full_attention(config):
+    if "layer_types" in text_overrides or "num_hidden_layers" in text_overrides or _has_attention(config):
+        return config
+    attention = "full_attention" if _builds_full_attention(config) else _default_attention(model_type)
+    if attention is None:
         return config
     types = _text(config).layer_types
-    tries = [{"layer_types": [*types[:-1], "full_attention"]}] + [{"num_hidden_layers": n} for n in range(3, 9)]
+    last = len(types) - 1
+    tries = [{"layer_types": [*types[:-1], attention]}, {"attn_layer_indices": [last]}] \
+        + [{"num_hidden_layers": n} for n in range(3, 9)]
     for extra in tries:
         try:
             candidate = _small(model_type, image_tokens_in_vocab, {**text_overrides, **extra})
@@ -165,6 +173,16 @@ def _has_attention(config: Any) -> bool:
     return not isinstance(types, (list, tuple)) or not types or any(t not in _NOT_ATTENTION for t in types)
 
 
+def _default_attention(model_type: str) -> str | None:
+    """The first attention layer type of the full default pattern (None: it has none). RecurrentGemma derives its
+    pattern from ``block_types`` (recurrent, recurrent, attention) as sliding_attention layers, so its first two
+    layers, all a 2-layer model keeps, are both recurrent."""
+    import transformers
+
+    types = getattr(_text(transformers.AutoConfig.for_model(model_type)), "layer_types", None) or []
+    return next((t for t in types if t not in _NOT_ATTENTION), None)
+
+
 def _builds_full_attention(config: Any) -> bool:
     """Whether the modelling code of the language model dispatches a ``full_attention`` layer type."""
     return '"full_attention"' in _modelling_source(_text(config))
@@ -172,7 +190,13 @@ def _builds_full_attention(config: Any) -> bool:
 
 def _shrunk(config: Any, sizes: dict[str, Any]) -> dict[str, Any]:
     fields = config.to_dict()
-    out = {k: v for k, v in sizes.items() if k in fields}
+    # A size can be stored under the config's own name (attribute_map): GPT-J's hidden_size is n_embd, XLM's emb_dim.
+    # Matching only the standard names left GPT-J and CodeGen at 28 layers of 4096 (6B parameters).
+    out = {}
+    for name, value in sizes.items():
+        stored = name if name in fields else _stored(config, name)
+        if stored in fields:
+            out.setdefault(stored, value)
     out["model_type"] = config.model_type
     if {"n_input_layers", "n_output_layers"} <= fields.keys():
         # A looped model's layers come in sections that add up to num_hidden_layers (Dory: input, recurrent, output).
@@ -191,6 +215,7 @@ def _shrunk(config: Any, sizes: dict[str, Any]) -> dict[str, Any]:
         out.update(mixer_heads(fields, out))
         out.update(repeated_pattern(fields, out))
     out.update(_every_layer_type(config, fields, out, sizes))
+    out.update(_rotary_dim(config, fields, out))
     rope = dict(getattr(config, "rope_parameters", None) or {})
     nested = bool(rope) and all(isinstance(v, dict) for v in rope.values())  # per layer type: where one has it
     if nested:
@@ -228,6 +253,23 @@ def _repeats_heads(config: Any) -> bool:
     except Exception:  # no such module or function: the attention classes decide
         return True
     return "repeat_kv" in source or "num_key_value_groups" in source
+
+
+def _rotary_dim(config: Any, fields: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+    """A rotary_dim (GPT-J, CodeGen: 64 of a 256-dim head) kept as the same share of the small head: left at 64 it
+    exceeds the 16-dim head and the rotation no longer fits."""
+    rotary, hidden, heads = fields.get("rotary_dim"), getattr(config, "hidden_size", None), \
+        getattr(config, "num_attention_heads", None)
+    small_hidden, small_heads = out.get(_stored(config, "hidden_size")), out.get(_stored(config, "num_attention_heads"))
+    if not all(isinstance(v, int) and v > 0 for v in (rotary, hidden, heads, small_hidden, small_heads)):
+        return {}
+    small_head = small_hidden // small_heads
+    return {"rotary_dim": min(small_head, max(2, 2 * round(rotary * small_head / (hidden // heads) / 2)))}
+
+
+def _stored(config: Any, name: str) -> str:
+    """The name a config stores a standard field under (attribute_map: GPT-J's hidden_size is n_embd)."""
+    return (getattr(config, "attribute_map", None) or {}).get(name, name)
 
 
 def _reads_mrope(config: Any) -> bool:

@@ -68,7 +68,7 @@ def reference_runs(subject: Subject, scenarios: list[Scenario]) -> FinerRun[list
 def forward(subject: Subject, sc: Scenario) -> Run:
     """Hidden states of every layer (and the last position's logits) on one scenario."""
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # past_key_values -> cache rename (5.x)
+        warnings.simplefilter("ignore", FutureWarning)
         if subject.kind == "seq2seq":
             return _forward_seq2seq(subject, sc)
         return _forward_once(subject, sc)
@@ -97,7 +97,9 @@ def _forward_once(subject: Subject, sc: Scenario) -> Run:
             subject.forward_count += 1
             first = model(input_ids=sc.ids[:, :p], attention_mask=None if sc.mask is None else sc.mask[:, :p],
                           **({"position_ids": sc.position_ids[:, :p]} if sc.position_ids is not None else {}), **kwargs)
-            kwargs["past_key_values"] = first.past_key_values
+            # `cache`, transformers 5.x's name: a class without the old name's shim (Dory) takes `past_key_values`
+            # into **kwargs and silently runs the chunk without the cache.
+            kwargs["cache"] = first.cache if getattr(first, "cache", None) is not None else first.past_key_values
             ids, mask = sc.ids[:, p:], sc.mask  # the chunk sees the whole mask (cache + chunk)
             pos = None if sc.position_ids is None else sc.position_ids[:, p:]
         else:

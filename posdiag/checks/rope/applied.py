@@ -94,6 +94,7 @@ def _capture_qk(subject: Subject, layer_spec, positions: np.ndarray, token: int)
         out = run_rows(subject, [Row(ids, positions=torch.as_tensor(positions))])
     if not capture.records:
         return [], out, "the attention function was never called with q/k", {}
+    capture.first_calls()
     nope = without_rope(subject, layer_spec, capture)
     rotated = capture.rotated if len(capture.rotated) == len(capture.records) else [False] * len(capture.records)
     return capture.records, out, "", {i: (why, rotated[i] and layer_spec[i] is None) for i, why in nope.items()}

@@ -63,6 +63,19 @@ class Capture:
             return out
         return wrapped
 
+    def first_calls(self) -> None:
+        """Keep one record per attention module, its first call: a looped model (Dory) runs its recurrent layers
+        several times per forward, so the n-th call is not layer n (a later call was judged against the next
+        layer's frequencies, and FAILed)."""
+        if any(module is None for module, *_ in self.records):
+            return
+        seen: set[int] = set()
+        keep = [i for i, (module, *_) in enumerate(self.records) if not (id(module) in seen or seen.add(id(module)))]
+        if len(keep) < len(self.records):
+            if len(self.rotated) == len(self.records):
+                self.rotated[:] = [self.rotated[i] for i in keep]
+            self.records[:] = [self.records[i] for i in keep]
+
     def projection(self, attention: torch.nn.Module, name: str):
         def hook(_module, _inputs, output):
             if isinstance(output, torch.Tensor):

@@ -169,5 +169,6 @@ def _capture(subject: Subject, layer_spec, streams: np.ndarray, token: int) -> t
     hidden = getattr(out, "hidden_states", None)
     if not capture.records or not hidden:
         return [], None, "the attention function was never called with q/k", {}
+    capture.first_calls()
     return (capture.records, Outputs([h.to(subject.device) for h in hidden], None), "",
             without_rope(subject, layer_spec, capture))
