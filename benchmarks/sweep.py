@@ -46,6 +46,7 @@ FINDINGS: dict[str, dict[str, str]] = {
     "gpt-sw3": {"batch": "positions from the first padding column without position_ids"},
     "gpt_bigcode": {"batch": "positions from the first padding column without position_ids"},
     "biogpt": {"batch": "positions from the first padding column without position_ids"},
+    "ctrl": {"batch": "positions from the first padding column without position_ids"},
     "git": {"batch": "positions from the first padding column without position_ids",
             "generate": "each cached step widens the padding mask by the image patch tokens"},
     "falcon_mamba": {"cache": "a multi-token cache continuation restarts the recurrent state"},

@@ -54,9 +54,9 @@ def decided_bug(result, path: str) -> None:
 
 
 # ------------------------------------------------------------------ learned tables numbered from the first column
-@pytest.mark.parametrize("model_type", ["gpt-sw3", "gpt_bigcode", "git", "biogpt"])
+@pytest.mark.parametrize("model_type", ["gpt-sw3", "gpt_bigcode", "git", "biogpt", "ctrl"])
 def test_left_padded_default_positions_fail_like_gpt2(model_type):
-    """GPT-SW3 (GPT-2's classes), GPTBigCode, GIT and BioGPT number positions by arange when called without
+    """GPT-SW3 (GPT-2's classes), GPTBigCode, GIT, BioGPT and CTRL number positions by arange when called without
     position_ids, so a left-padded row starts at the padding: only that row fails (0.92-0.98; BioGPT, whose scaled
     embeddings dilute the table, 0.19; the same in float64), and posdiag says how to call them."""
     result = check(build(model_type), "batch")
@@ -66,6 +66,18 @@ def test_left_padded_default_positions_fail_like_gpt2(model_type):
     assert failing == {LEFT_DEFAULTS}
     assert result.details["error_per_row"][LEFT_DEFAULTS] > 0.1  # the floor is ~1e-7
     decided_bug(result, LEFT_DEFAULTS)
+
+
+@pytest.mark.parametrize("zeroed", [False, True])
+def test_ctrl_sinusoidal_buffer_is_the_table_judged(zeroed):
+    """CTRL keeps its sinusoidal table as a `pos_encoding` buffer: found (position kind sinusoidal), probed, and a
+    zeroed one (positions lost) FAILs."""
+    model = build("ctrl")
+    if zeroed:
+        model.transformer.pos_encoding.zero_()
+    result = check(model, "table")
+    assert result.status is (Status.FAIL if zeroed else Status.PASS), result.summary
+    assert from_module(model).position_kind == "sinusoidal"
 
 
 def test_positions_from_the_mask_pass_the_same_rows():

@@ -152,4 +152,6 @@ def detect_position_kind(model: torch.nn.Module) -> str:
     tables = ("position_embeddings", "positions_embed", "wpe", "embed_positions", "pos_emb")
     if any(k in n for n in params for k in tables):
         return "learned"
+    if any(n.split(".")[-1] == "pos_encoding" for n in buffers):  # CTRL: a sinusoidal table kept as a buffer
+        return "sinusoidal"
     return "none found"

@@ -10,7 +10,7 @@ from posdiag.model.subject import Subject
 
 # Parameter / buffer names that hold an absolute position table (2D: rows x dim).
 TABLE_NAMES = ("wpe", "embed_positions", "position_embeddings", "positions_embed", "position_table", "pos_emb",
-               "pos_embed")
+               "pos_embed", "pos_encoding")
 EXCLUDE = ("token_type", "relative", "inv_freq", "rotary")
 
 
