@@ -37,6 +37,8 @@ class Family:
     mask_note:        why mask_form is "none" (shown in skips).
     token_mixing:     "" when attention mixes the tokens; else what does instead (shown in reports). Such a
                       mixer reads the storage order itself, so a consistent permutation is no identity there.
+    not_causal:       "" for a causal stack; else why a family that decodes left to right attends its input
+                      bidirectionally by design (`causal` then has no future to judge).
     offsets_known:    position_offset / explicit_position_offset were measured for this row. False
                       for model types with no row: `table` then discovers which table row position 0
                       reads instead of assuming 0 (BioGPT, unknown to posdiag, reads row 2).
@@ -57,6 +59,7 @@ class Family:
     offsets_known: bool = True
     absolute_by_design: str = ""
     token_mixing: str = ""
+    not_causal: str = ""
 
     @property
     def takes_position_ids(self) -> bool:
@@ -195,6 +198,20 @@ _ROWS: dict[str, Family] = {
     "mpnet": Family("mpnet", kind="encoder", position_kind="learned", offsets_known=False,
                     token_mixing="a relative position bias computed from storage order (position_ids reach only its "
                                  "absolute table)"),
+    # XLNet (a causal LM in transformers' mapping) with its default attn_type="bi": the content stream attends every
+    # token, the future included, unless perm_mask says otherwise (permutation LM). Measured on the tiny model: changing
+    # token 1 moves output 0 by 0.014 in float32 and float64 (causal FAILed); attn_type="uni" is causal (family_for).
+    "xlnet": Family("xlnet", position_ids="ignored",
+                    not_causal="attn_type='bi': every token attends every other (permutation LM; causal only with "
+                               "attn_type='uni' or a perm_mask)"),
+    # CPM-Ant: CpmAntModel builds its mask from a `context` that is all ones, so every input token sees every other
+    # (a prefix LM: its labels give a masked-LM loss); cached steps see what precedes them only because they come last.
+    # Its attention_mask is a "dummy parameter for text-generation pipeline": padding is id 0, found from the ids.
+    # Measured: changing token 1 moves output 0 by 1.13 (causal FAILed); a padded row differs from itself alone by 1.0.
+    "cpmant": Family("cpmant", position_kind="relative_bias", position_ids="ignored", mask_form="none",
+                     mask_note="its attention_mask is a dummy parameter; id 0 is read as padding",
+                     not_causal="CpmAntModel attends every input token bidirectionally (a context mask of all ones: a "
+                                "prefix LM)"),
     # --- Encoder-decoders: the 4D pattern goes to decoder_attention_mask (a top-level mask would
     #     be reused as the cross-attention mask). Positions are derived inside. -----------------
     "t5": Family("t5", kind="seq2seq", position_kind="relative_bias", position_ids="ignored"),
@@ -219,6 +236,10 @@ def family_for(config: Any) -> Family:
     if is_multimodal(config):
         row = family_for(language_config(config))
         kind = "seq2seq" if getattr(config, "is_encoder_decoder", False) else "causal"
+        if row.kind == "encoder" and _masked_only(getattr(config, "model_type", None)):
+            # A masked LM around a bidirectional text encoder (UltraVBert: an UltraBERT with a vision tower). Taken for
+            # causal, its own default output "leaked" the future (0.25), the explicit causal mask did not reproduce it.
+            kind = "encoder"
         return replace(row, name=getattr(config, "model_type", row.name), kind=kind)
     model_type = getattr(config, "model_type", None) or "generic"
     row = _ROWS.get(model_type)
@@ -231,6 +252,8 @@ def family_for(config: Any) -> Family:
         # The checkpoint says what it is: an encoder family configured as a decoder (is_decoder=True, or a
         # *ForCausalLM head) attends causally and decodes with a cache, so cache, generate and causal apply.
         row = replace(row, kind="causal")
+    if model_type == "xlnet" and getattr(config, "attn_type", "bi") == "uni":
+        row = replace(row, not_causal="")
     if model_type == "falcon" and getattr(config, "alibi", False):
         # Falcon-alibi builds the bias from the 2D mask like Bloom.
         return replace(row, position_kind="alibi", mask_form="layer_hook", position_ids="ignored",
@@ -255,6 +278,21 @@ def family_for(config: Any) -> Family:
 # Sub-configs of the towers posdiag does not test (the language model is what carries text positions).
 _TOWERS = {"vision_config": "vision tower", "audio_config": "audio tower", "vision_tower_config": "vision tower",
            "speech_config": "speech tower"}
+
+
+def for_model(family: Family, model: Any) -> Family:
+    """The row refined by what the built model's forward declares: a forward that names no `position_ids` takes none
+    (TrOCR, RoFormer, XLNet: its **kwargs drop them, positions come from arange), so they are "ignored", as in the
+    rows measured for Bloom and MPT. Passed anyway, they were read as positions never honoured (a false FAIL)."""
+    import inspect
+
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return family
+    if family.takes_position_ids and "position_ids" not in params:
+        return replace(family, position_ids="ignored")
+    return family
 
 
 def is_multimodal(config: Any) -> bool:
