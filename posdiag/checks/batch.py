@@ -60,8 +60,9 @@ from posdiag.verdict import agreement_tolerance, judge_agreement
 
 TITLE = "Per-row positions in a padded batch"
 
-# Position schemes that do not depend on where a row starts (or that read the padding mask).
-_START_INVARIANT = ("alibi", "relative_bias")
+# Position schemes that do not depend on where a row starts (or that read the padding mask; RoPE numbered from the
+# first padding column is only shifted: RoFormer takes no position_ids).
+_START_INVARIANT = ("alibi", "relative_bias", "rope")
 
 
 def run(subject: Subject, options: RunOptions) -> CheckResult:

@@ -175,6 +175,10 @@ _ROWS: dict[str, Family] = {
     "xlm-roberta": Family("xlm-roberta", kind="encoder", position_kind="learned"),
     "camembert": Family("camembert", kind="encoder", position_kind="learned"),
     "distilbert": Family("distilbert", kind="encoder", position_kind="learned"),
+    # RoFormer rotates q and k (interleaved pairs) by sin/cos read from a fixed sinusoidal table (embed_positions,
+    # indexed by arange: no position_ids). Read as a learned table, `table` FAILed (markers in its rows move no
+    # position: the rows feed a rotation, not the embeddings) and `shift` skipped a model that is relative by design.
+    "roformer": Family("roformer", kind="encoder", position_kind="rope", position_ids="ignored"),
     # Local layers attend |q - k| <= local_attention // 2 (config.sliding_window): dict by layer type.
     "modernbert": Family("modernbert", kind="encoder", position_kind="rope", mask_form="layer_dict"),
     # FNet mixes tokens with a 2D Fourier transform (sequence x hidden), not attention, and takes no attention
