@@ -216,6 +216,10 @@ _ROWS: dict[str, Family] = {
                      mask_note="its attention_mask is a dummy parameter; id 0 is read as padding",
                      not_causal="CpmAntModel attends every input token bidirectionally (a context mask of all ones: a "
                                 "prefix LM)"),
+    # ProphetNet numbers positions from padding_idx + 1 (RoBERTa's layout; offsets set in family_for) and its decoder's
+    # predicting streams read the main stream's id + 1, unclamped: the last row is reachable only by them, so the
+    # usable context is rows - padding_idx - 2 (measured: 255 decoder tokens of a 256-row table raise IndexError).
+    "prophetnet": Family("prophetnet", kind="seq2seq", position_kind="learned", position_ids="ignored"),
     # --- Encoder-decoders: the 4D pattern goes to decoder_attention_mask (a top-level mask would
     #     be reused as the cross-attention mask). Positions are derived inside. -----------------
     "t5": Family("t5", kind="seq2seq", position_kind="relative_bias", position_ids="ignored"),
@@ -262,6 +266,9 @@ def family_for(config: Any) -> Family:
         # Falcon-alibi builds the bias from the 2D mask like Bloom.
         return replace(row, position_kind="alibi", mask_form="layer_hook", position_ids="ignored",
                        injector=_layer_mask_hook(_falcon_alibi_mask))
+    if model_type == "prophetnet":
+        pad = getattr(config, "pad_token_id", None) or 0
+        return replace(row, position_offset=pad + 1, explicit_position_offset=pad + 2)
     if model_type in ("roberta", "xlm-roberta", "camembert"):
         offset = (getattr(config, "pad_token_id", None) or 0) + 1
         return replace(row, position_offset=offset, explicit_position_offset=offset)
