@@ -123,8 +123,11 @@ def _measure(subject: Subject, ids: torch.Tensor, schedules: dict[str, list[tupl
             encoder_outputs = model.get_encoder()(input_ids=ids, return_dict=True)
         subject.forward_count += 1
 
+    whole = not seq2seq and _feeds_whole_sequence(model)
+
     def forward(start: int, end: int, cache: Any = None, with_ids: bool = False) -> torch.Tensor:
         subject.forward_count += 1
+        first = 0 if whole and cache is not None else start  # CPM-Ant slices the cached prefix off itself
         kwargs: dict[str, Any] = {"cache": cache, "use_cache": cache is not None, "return_dict": True}
         if with_ids:
             positions = torch.arange(start, end, device=ids.device)[None]
@@ -133,8 +136,8 @@ def _measure(subject: Subject, ids: torch.Tensor, schedules: dict[str, list[tupl
             if seq2seq:
                 out = model(encoder_outputs=encoder_outputs, decoder_input_ids=ids[:, start:end], **kwargs)
             else:
-                out = model(input_ids=ids[:, start:end], **kwargs)
-        return output_of(out)[0]
+                out = model(input_ids=ids[:, first:end], **kwargs)
+        return output_of(out)[0][-(end - start):]
 
     full = forward(0, length)
     if not torch.isfinite(full).all():
@@ -160,6 +163,16 @@ def _measure(subject: Subject, ids: torch.Tensor, schedules: dict[str, list[tupl
         except Exception as exc:  # a path transformers accepts that crashes: users hit it
             path.crashed, path.errors = describe_error(exc), []
     return Measurement(floor, paths)
+
+
+def _feeds_whole_sequence(model: torch.nn.Module) -> bool:
+    """Whether generate() hands this model the whole sequence at every cached step (its prepare_inputs_for_generation
+    keeps every id: CPM-Ant's forward slices the cached prefix off itself, and fed the new tokens alone it raises)."""
+    try:
+        step = model.prepare_inputs_for_generation(torch.tensor([[4, 5, 6]]), next_sequence_length=1)
+        return step["input_ids"].shape[1] > 1
+    except Exception:  # a signature of its own: steps are fed as generate() feeds most models
+        return False
 
 
 def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict], arbitration: Any,
