@@ -255,7 +255,8 @@ def family_for(config: Any) -> Family:
         kind = _guess_kind(config)
         # posdiag hands encoder-decoder stacks no position_ids (Subject.forward): positions are
         # whatever the stacks derive inside, so a "consistent" permutation cannot be built.
-        return replace(GENERIC, name=model_type, kind=kind, position_ids="ignored" if kind == "seq2seq" else "honoured")
+        return replace(GENERIC, name=model_type, kind=kind, position_ids="ignored" if kind == "seq2seq" else "honoured",
+                       token_mixing=_capacity_routing(config))
     if row.kind == "encoder" and _declared_causal(config):
         # The checkpoint says what it is: an encoder family configured as a decoder (is_decoder=True, or a
         # *ForCausalLM head) attends causally and decodes with a cache, so cache, generate and causal apply.
@@ -284,6 +285,17 @@ def family_for(config: Any) -> Family:
             mixing.append("Nystrom landmarks (means of consecutive segments)")
         return replace(row, token_mixing=" and ".join(mixing))
     return row
+
+
+def _capacity_routing(config: Any) -> str:
+    """Experts with a capacity filled in storage order (Switch Transformers, NLLB-MoE: a cumulative count along the
+    sequence; past `expert_capacity` a token skips its expert), so a token's output depends on the tokens before it.
+    Measured on the tiny Switch model (capacity 64): `shift`'s prefix of 64 invisible padding tokens moved the decoder's
+    outputs 0.149 (the prefix filled the experts), while 48 kept them within rounding."""
+    capacity = getattr(config, "expert_capacity", None)
+    if not isinstance(capacity, int) or isinstance(capacity, bool):
+        return ""
+    return f"experts with a capacity of {capacity} tokens each, filled in storage order (expert_capacity)"
 
 
 # Sub-configs of the towers posdiag does not test (the language model is what carries text positions).
