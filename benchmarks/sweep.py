@@ -48,6 +48,11 @@ FINDINGS: dict[str, dict[str, str]] = {
     "falcon_mamba": {"cache": "a multi-token cache continuation restarts the recurrent state"},
     "convbert": {"batch": "its convolution branch reads padded tokens"},
     "fsmt": {"generate": "a static cache's empty slots are attended (no mask when decoding)"},
+    "trocr": {"generate": "positions from the first padding column: the position_ids generate() derives are dropped"},
+    "yoso": {"batch": "its padding mask is a no-op (a 0/1 mask read as additive)"},
+    "prophetnet": {"cache": "crashes with a static cache", "generate": "crashes with a static cache"},
+    "cpmant": {"cache": "crashes with a static cache (prompt positions not counted)",
+               "generate": "crashes with a static cache (prompt positions not counted)"},
 }
 
 
