@@ -55,6 +55,11 @@ FINDINGS: dict[str, dict[str, str]] = {
     "rwkv": {"batch": "attention_mask accepted and ignored: left padding runs through the recurrence"},
     "recurrent_gemma": {"batch": "without position_ids a left-padded row reads its pads into the recurrence",
                         "cache": "a multi-token cache continuation restarts the convolution state"},
+    "trocr": {"generate": "positions from the first padding column: the position_ids generate() derives are dropped"},
+    "yoso": {"batch": "its padding mask is a no-op (a 0/1 mask read as additive)"},
+    "prophetnet": {"cache": "crashes with a static cache", "generate": "crashes with a static cache"},
+    "cpmant": {"cache": "crashes with a static cache (prompt positions not counted)",
+               "generate": "crashes with a static cache (prompt positions not counted)"},
 }
 
 

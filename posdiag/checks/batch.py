@@ -53,15 +53,16 @@ from posdiag.checks._shared import (
 from posdiag.model.introspect import recurrent_mixers, takes_attention_mask
 from posdiag.model.probe import Row, run_rows
 from posdiag.model.subject import Subject
-from posdiag.model.tensors import relative_l2
+from posdiag.model.tensors import relative_l2, token_states
 from posdiag.options import RunOptions, probe_ids, probe_length
 from posdiag.results import CheckResult, Status, Table, combine_stacks
 from posdiag.verdict import agreement_tolerance, judge_agreement
 
 TITLE = "Per-row positions in a padded batch"
 
-# Position schemes that do not depend on where a row starts (or that read the padding mask).
-_START_INVARIANT = ("alibi", "relative_bias")
+# Position schemes that do not depend on where a row starts (or that read the padding mask; RoPE numbered from the
+# first padding column is only shifted: RoFormer takes no position_ids).
+_START_INVARIANT = ("alibi", "relative_bias", "rope")
 
 
 def run(subject: Subject, options: RunOptions) -> CheckResult:
@@ -75,7 +76,8 @@ def _pad_id(subject: Subject) -> int:
 
 def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult:
     if not takes_attention_mask(subject, stack):  # padding would be mixed in like any token
-        return CheckResult("batch", Status.SKIP, f"{type(subject.model).__name__} takes no attention mask: padded "
+        why = f" ({subject.family.mask_note})" if subject.family.mask_note else ""
+        return CheckResult("batch", Status.SKIP, f"{type(subject.model).__name__} takes no attention mask{why}: padded "
                            "rows cannot be compared with the rows alone", details={"stack": stack})
     dtype = subject.dtype_name
     length = probe_length(subject, options)
@@ -297,7 +299,7 @@ def _forward_hf(subject: Subject, ids: torch.Tensor, mask2d: torch.Tensor, posit
             if stack == "encoder":
                 out = model.get_encoder()(input_ids=ids, attention_mask=mask2d, output_hidden_states=True,
                                           return_dict=True)
-                return (out.hidden_states or (out.last_hidden_state,))[-1]
+                return token_states(out.hidden_states or (out.last_hidden_state,), ids.shape[1])[-1]
             enc = encoder_ids[None].expand(ids.shape[0], -1).to(subject.device)
             out = model(input_ids=enc, attention_mask=torch.ones_like(enc), decoder_input_ids=ids,
                         decoder_attention_mask=mask2d, output_hidden_states=True, use_cache=False, return_dict=True)

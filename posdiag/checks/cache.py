@@ -9,8 +9,9 @@ full forward: f_cached(x)[t] = f(x)[t] in exact arithmetic. We run the same toke
 default (DynamicCache from the config: sliding layers keep only the window) and with a
 pre-allocated StaticCache (its key length is max_cache_len, not the tokens seen): transformers
 runs a static cache on any model that uses Cache objects, whatever the class declares, so it is
-judged on every one, and a crash there is a FAIL that names the exception. Steps pass no
-position_ids (the model's defaults, as in a manual decode loop); families that take position ids
+judged on every one, and a crash there is a FAIL that names the exception; a path the model asserts it does not
+support (an AssertionError in its code: ProphetNet caches one decoder token at a time) is named and not judged.
+Steps pass no position_ids (the model's defaults, as in a manual decode loop); families that take position ids
 also run decode and chunks with explicit ids. Sliding-window models run past the window.
 Per step error = ||cached − full|| / ||full|| over the step's positions; the noise floor is
 measured in the same run: cache-free forwards of prefixes of the same tokens must equal the
@@ -37,7 +38,7 @@ from posdiag.checks._shared import (
     static_cache_refusal,
     worst_error,
 )
-from posdiag.errors import describe_error
+from posdiag.errors import describe_error, raised_in_posdiag
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import relative_l2
 from posdiag.options import RunOptions, probe_ids, probe_length
@@ -59,6 +60,7 @@ class PathResult:
     explicit_ids: bool = False  # position_ids passed with each step (else the model's defaults)
     errors: list[float] = field(default_factory=list)
     crashed: str = ""  # the exception a path transformers accepts raised
+    refused: str = ""  # the model's own assertion that it does not support this path (not judged)
 
     @property
     def name(self) -> str:
@@ -67,6 +69,10 @@ class PathResult:
     @property
     def max_error(self) -> float:
         return worst_error(self.errors)
+
+    @property
+    def judged(self) -> bool:
+        return not (self.crashed or self.refused)
 
 
 @dataclass
@@ -100,9 +106,11 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     first = measure()
     if not first.finite:
         return CheckResult("cache", Status.FAIL, "non-finite outputs in the full forward", details={"seq_len": length})
-    verdicts = {p.name: judge_agreement(p.max_error, first.floor, dtype) for p in first.paths if not p.crashed}
+    verdicts = {p.name: judge_agreement(p.max_error, first.floor, dtype) for p in first.paths if p.judged}
+    if not verdicts and not any(p.crashed for p in first.paths):
+        return CheckResult("cache", Status.SKIP, f"the model refuses every cache path: {first.paths[0].refused}")
     arbitration = arbitrate(subject, measure, first.floor, verdicts, dtype,
-                            lambda m: (m.floor, {p.name: p.max_error for p in m.paths if not p.crashed}))
+                            lambda m: (m.floor, {p.name: p.max_error for p in m.paths if p.judged}))
     verdicts.update(arbitration.verdicts)
     result = _report(subject, first, verdicts, arbitration, length, dtype, refused)
     steps = int(options.for_check("cache").get("decode_steps", DECODE_STEPS))  # multimodal RoPE: after an image
@@ -120,8 +128,11 @@ def _measure(subject: Subject, ids: torch.Tensor, schedules: dict[str, list[tupl
             encoder_outputs = model.get_encoder()(input_ids=ids, return_dict=True)
         subject.forward_count += 1
 
+    whole = not seq2seq and _feeds_whole_sequence(model)
+
     def forward(start: int, end: int, cache: Any = None, with_ids: bool = False) -> torch.Tensor:
         subject.forward_count += 1
+        first = 0 if whole and cache is not None else start  # CPM-Ant slices the cached prefix off itself
         kwargs: dict[str, Any] = {"cache": cache, "use_cache": cache is not None, "return_dict": True}
         if with_ids:
             positions = torch.arange(start, end, device=ids.device)[None]
@@ -130,8 +141,8 @@ def _measure(subject: Subject, ids: torch.Tensor, schedules: dict[str, list[tupl
             if seq2seq:
                 out = model(encoder_outputs=encoder_outputs, decoder_input_ids=ids[:, start:end], **kwargs)
             else:
-                out = model(input_ids=ids[:, start:end], **kwargs)
-        return output_of(out)[0]
+                out = model(input_ids=ids[:, first:end], **kwargs)
+        return output_of(out)[0][-(end - start):]
 
     full = forward(0, length)
     if not torch.isfinite(full).all():
@@ -150,16 +161,31 @@ def _measure(subject: Subject, ids: torch.Tensor, schedules: dict[str, list[tupl
             for start, end in path.steps:
                 out = forward(start, end, cache, path.explicit_ids)
                 path.errors.append(relative_l2(out, full[start:end]))
+        except AssertionError as exc:  # the model states a precondition the path does not meet: a refusal
+            if raised_in_posdiag(exc):
+                raise
+            path.refused, path.errors = describe_error(exc), []
         except Exception as exc:  # a path transformers accepts that crashes: users hit it
             path.crashed, path.errors = describe_error(exc), []
     return Measurement(floor, paths)
+
+
+def _feeds_whole_sequence(model: torch.nn.Module) -> bool:
+    """Whether generate() hands this model the whole sequence at every cached step (its prepare_inputs_for_generation
+    keeps every id: CPM-Ant's forward slices the cached prefix off itself, and fed the new tokens alone it raises)."""
+    try:
+        step = model.prepare_inputs_for_generation(torch.tensor([[4, 5, 6]]), next_sequence_length=1)
+        return step["input_ids"].shape[1] > 1
+    except Exception:  # a signature of its own: steps are fed as generate() feeds most models
+        return False
 
 
 def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict], arbitration: Any,
             length: int, dtype: str, refused: str = "") -> CheckResult:
     floor = noise_floor(m.floor, dtype)
     tolerance = FAIL_RATIO * floor
-    judged = [p for p in m.paths if not p.crashed]
+    judged = [p for p in m.paths if p.judged]
+    refusals = [p for p in m.paths if p.refused]
     crashed = [p for p in m.paths if p.crashed]
     failing = crashed + [p for p in judged if verdicts[p.name].status is Status.FAIL]
     status = Status.worst([Status.FAIL] * bool(crashed) + [v.status for v in verdicts.values()])
@@ -167,9 +193,11 @@ def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict],
     rows, details = [], {"seq_len": length, "sliding_window": subject.sliding_window, "floor_source": FLOOR_SOURCE,
                          "paths": {}, **arbitration.details}
     for p in m.paths:
-        if p.crashed:
-            rows.append((p.name, len(p.steps), "-", "-", "-", f"crashed: {p.crashed}"))
-            details["paths"][p.name] = {"crashed": p.crashed, "status": Status.FAIL}
+        if p.crashed or p.refused:
+            rows.append((p.name, len(p.steps), "-", "-", "-", f"crashed: {p.crashed}" if p.crashed else
+                         f"refused (not judged): {p.refused}"))
+            details["paths"][p.name] = ({"crashed": p.crashed, "status": Status.FAIL} if p.crashed else
+                                        {"refused": p.refused, "status": Status.SKIP})
             continue
         bad = _first_bad(p, tolerance)
         where = "-" if bad is None else _step_name(p, bad)
@@ -182,6 +210,8 @@ def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict],
     if refused:
         details["static_not_run"] = refused
         tail += f"; static cache paths not run: {refused}"
+    if refusals:
+        tail += f"; not judged, the model refuses them: {', '.join(p.name for p in refusals)} ({refusals[0].refused})"
     note = cache_layer_note(subject)
     if note:
         details["cache_note"] = note

@@ -37,6 +37,8 @@ class Family:
     mask_note:        why mask_form is "none" (shown in skips).
     token_mixing:     "" when attention mixes the tokens; else what does instead (shown in reports). Such a
                       mixer reads the storage order itself, so a consistent permutation is no identity there.
+    not_causal:       "" for a causal stack; else why a family that decodes left to right attends its input
+                      bidirectionally by design (`causal` then has no future to judge).
     offsets_known:    position_offset / explicit_position_offset were measured for this row. False
                       for model types with no row: `table` then discovers which table row position 0
                       reads instead of assuming 0 (BioGPT, unknown to posdiag, reads row 2).
@@ -57,6 +59,7 @@ class Family:
     offsets_known: bool = True
     absolute_by_design: str = ""
     token_mixing: str = ""
+    not_causal: str = ""
 
     @property
     def takes_position_ids(self) -> bool:
@@ -180,6 +183,10 @@ _ROWS: dict[str, Family] = {
     "xlm-roberta": Family("xlm-roberta", kind="encoder", position_kind="learned"),
     "camembert": Family("camembert", kind="encoder", position_kind="learned"),
     "distilbert": Family("distilbert", kind="encoder", position_kind="learned"),
+    # RoFormer rotates q and k (interleaved pairs) by sin/cos read from a fixed sinusoidal table (embed_positions,
+    # indexed by arange: no position_ids). Read as a learned table, `table` FAILed (markers in its rows move no
+    # position: the rows feed a rotation, not the embeddings) and `shift` skipped a model that is relative by design.
+    "roformer": Family("roformer", kind="encoder", position_kind="rope", position_ids="ignored"),
     # Local layers attend |q - k| <= local_attention // 2 (config.sliding_window): dict by layer type.
     "modernbert": Family("modernbert", kind="encoder", position_kind="rope", mask_form="layer_dict"),
     # FNet mixes tokens with a 2D Fourier transform (sequence x hidden), not attention, and takes no attention
@@ -203,6 +210,24 @@ _ROWS: dict[str, Family] = {
     "mpnet": Family("mpnet", kind="encoder", position_kind="learned", offsets_known=False,
                     token_mixing="a relative position bias computed from storage order (position_ids reach only its "
                                  "absolute table)"),
+    # XLNet (a causal LM in transformers' mapping) with its default attn_type="bi": the content stream attends every
+    # token, the future included, unless perm_mask says otherwise (permutation LM). Measured on the tiny model: changing
+    # token 1 moves output 0 by 0.014 in float32 and float64 (causal FAILed); attn_type="uni" is causal (family_for).
+    "xlnet": Family("xlnet", position_ids="ignored",
+                    not_causal="attn_type='bi': every token attends every other (permutation LM; causal only with "
+                               "attn_type='uni' or a perm_mask)"),
+    # CPM-Ant: CpmAntModel builds its mask from a `context` that is all ones, so every input token sees every other
+    # (a prefix LM: its labels give a masked-LM loss); cached steps see what precedes them only because they come last.
+    # Its attention_mask is a "dummy parameter for text-generation pipeline": padding is id 0, found from the ids.
+    # Measured: changing token 1 moves output 0 by 1.13 (causal FAILed); a padded row differs from itself alone by 1.0.
+    "cpmant": Family("cpmant", position_kind="relative_bias", position_ids="ignored", mask_form="none",
+                     mask_note="its attention_mask is a dummy parameter; id 0 is read as padding",
+                     not_causal="CpmAntModel attends every input token bidirectionally (a context mask of all ones: a "
+                                "prefix LM)"),
+    # ProphetNet numbers positions from padding_idx + 1 (RoBERTa's layout; offsets set in family_for) and its decoder's
+    # predicting streams read the main stream's id + 1, unclamped: the last row is reachable only by them, so the
+    # usable context is rows - padding_idx - 2 (measured: 255 decoder tokens of a 256-row table raise IndexError).
+    "prophetnet": Family("prophetnet", kind="seq2seq", position_kind="learned", position_ids="ignored"),
     # --- Encoder-decoders: the 4D pattern goes to decoder_attention_mask (a top-level mask would
     #     be reused as the cross-attention mask). Positions are derived inside. -----------------
     "t5": Family("t5", kind="seq2seq", position_kind="relative_bias", position_ids="ignored"),
@@ -227,6 +252,10 @@ def family_for(config: Any) -> Family:
     if is_multimodal(config):
         row = family_for(language_config(config))
         kind = "seq2seq" if getattr(config, "is_encoder_decoder", False) else "causal"
+        if row.kind == "encoder" and _masked_only(getattr(config, "model_type", None)):
+            # A masked LM around a bidirectional text encoder (UltraVBert: an UltraBERT with a vision tower). Taken for
+            # causal, its own default output "leaked" the future (0.25), the explicit causal mask did not reproduce it.
+            kind = "encoder"
         return replace(row, name=getattr(config, "model_type", row.name), kind=kind)
     model_type = getattr(config, "model_type", None) or "generic"
     row = _ROWS.get(model_type)
@@ -234,19 +263,28 @@ def family_for(config: Any) -> Family:
         kind = _guess_kind(config)
         # posdiag hands encoder-decoder stacks no position_ids (Subject.forward): positions are
         # whatever the stacks derive inside, so a "consistent" permutation cannot be built.
-        generic = replace(GENERIC, name=model_type, kind=kind,
+        generic = replace(GENERIC, name=model_type, kind=kind, token_mixing=_capacity_routing(config),
                           position_ids="ignored" if kind == "seq2seq" else "honoured")
         if model_type in ("deberta", "deberta-v2") and getattr(config, "relative_attention", False):
             return _deberta_relative(generic, config)
+        if model_type == "xlm" and not getattr(config, "causal", False):
+            # XLMWithLMHeadModel sits in the causal-LM mapping, but XLM's default (causal=False: MLM/TLM
+            # checkpoints) attends bidirectionally: judged as the encoder it is (measured: "query 0 sees key 1").
+            return replace(generic, kind="encoder")
         return generic
     if row.kind == "encoder" and _declared_causal(config):
         # The checkpoint says what it is: an encoder family configured as a decoder (is_decoder=True, or a
         # *ForCausalLM head) attends causally and decodes with a cache, so cache, generate and causal apply.
         row = replace(row, kind="causal")
+    if model_type == "xlnet" and getattr(config, "attn_type", "bi") == "uni":
+        row = replace(row, not_causal="")
     if model_type == "falcon" and getattr(config, "alibi", False):
         # Falcon-alibi builds the bias from the 2D mask like Bloom.
         return replace(row, position_kind="alibi", mask_form="layer_hook", position_ids="ignored",
                        injector=_layer_mask_hook(_falcon_alibi_mask))
+    if model_type == "prophetnet":
+        pad = getattr(config, "pad_token_id", None) or 0
+        return replace(row, position_offset=pad + 1, explicit_position_offset=pad + 2)
     if model_type in ("roberta", "xlm-roberta", "camembert"):
         offset = (getattr(config, "pad_token_id", None) or 0) + 1
         return replace(row, position_offset=offset, explicit_position_offset=offset)
@@ -275,9 +313,35 @@ def _deberta_relative(row: Family, config: Any) -> Family:
     return replace(row, position_kind="relative_bias", position_ids="ignored", token_mixing=mixing)
 
 
+def _capacity_routing(config: Any) -> str:
+    """Experts with a capacity filled in storage order (Switch Transformers, NLLB-MoE: a cumulative count along the
+    sequence; past `expert_capacity` a token skips its expert), so a token's output depends on the tokens before it.
+    Measured on the tiny Switch model (capacity 64): `shift`'s prefix of 64 invisible padding tokens moved the decoder's
+    outputs 0.149 (the prefix filled the experts), while 48 kept them within rounding."""
+    capacity = getattr(config, "expert_capacity", None)
+    if not isinstance(capacity, int) or isinstance(capacity, bool):
+        return ""
+    return f"experts with a capacity of {capacity} tokens each, filled in storage order (expert_capacity)"
+
+
 # Sub-configs of the towers posdiag does not test (the language model is what carries text positions).
 _TOWERS = {"vision_config": "vision tower", "audio_config": "audio tower", "vision_tower_config": "vision tower",
            "speech_config": "speech tower"}
+
+
+def for_model(family: Family, model: Any) -> Family:
+    """The row refined by what the built model's forward declares: a forward that names no `position_ids` takes none
+    (TrOCR, RoFormer, XLNet: its **kwargs drop them, positions come from arange), so they are "ignored", as in the
+    rows measured for Bloom and MPT. Passed anyway, they were read as positions never honoured (a false FAIL)."""
+    import inspect
+
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return family
+    if family.takes_position_ids and "position_ids" not in params:
+        return replace(family, position_ids="ignored")
+    return family
 
 
 def is_multimodal(config: Any) -> bool:

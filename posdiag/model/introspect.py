@@ -122,11 +122,14 @@ def mixing_reason(subject: Any) -> str | None:
 
 def takes_attention_mask(subject: Any, stack: str) -> bool:
     """Whether the call a stack runs through names an attention mask among its arguments. FNet's forward has none
-    (its **kwargs swallow one unread); a `module:factory` model is taken at its word (the forward protocol)."""
+    (its **kwargs swallow one unread), CPM-Ant's is a dummy (`Family.mask_form` "none"); a `module:factory` model is
+    taken at its word (the forward protocol)."""
     import inspect
 
     if not subject.is_hf:
         return True
+    if subject.family.mask_form == "none":  # a family row says its mask argument is unread (CPM-Ant)
+        return False
     if subject.kind == "seq2seq":
         fn, name = ((subject.model.get_encoder().forward, "attention_mask") if stack == "encoder"
                     else (subject.model.forward, "decoder_attention_mask"))

@@ -21,7 +21,7 @@ import torch
 from posdiag.errors import PosdiagError, one_line
 from posdiag.model.checkpoint import checkpoint_dtype, weight_files
 from posdiag.model.classes import auto_class, shipped_code, text_route
-from posdiag.model.families import Family, family_for, language_config
+from posdiag.model.families import Family, family_for, for_model, language_config
 from posdiag.model.introspect import detect_position_kind
 from posdiag.model.placement import (
     device_map_kwargs,
@@ -65,6 +65,7 @@ def from_module(model: torch.nn.Module, *, name: str = "in-memory model",
     if is_hf:
         family = family_for(config)
         model, tested = text_route(model)
+        family = for_model(family, model)
         config = language_config(config) if model.config is config else model.config
         _check_attn_implementation(model, options)
     else:
@@ -241,6 +242,7 @@ def _load_pretrained(spec: str, options: LoadOptions) -> Subject:
         model = model.to(device)
     model.eval()
     model, tested = text_route(model)
+    family = for_model(family, model)
 
     param = next(iter(model.parameters()))  # its dtype; its device may be "meta" when offloaded
     info = LoadInfo(

@@ -28,7 +28,7 @@ import torch
 from posdiag.errors import PosdiagError
 from posdiag.model.families import Family
 from posdiag.model.placement import stored_weight
-from posdiag.model.tensors import additive_mask, dtype_name
+from posdiag.model.tensors import additive_mask, dtype_name, token_states
 from posdiag.options import LoadOptions
 from posdiag.results import ModelInfo
 
@@ -93,8 +93,7 @@ class Subject:
             id=self.spec, family=self.family.name, kind=self.kind,
             position_kind=self.position_kind,
             dtype=dtype_name(self.load_dtype),
-            device=str(self.device),
-            check_dtype=dtype_name(self.dtype),
+            device=str(self.device), check_dtype=dtype_name(self.dtype),
             source=self.load_info.source,
             notes=tuple(self.notes),
             model_class=type(self.model).__name__,
@@ -355,21 +354,22 @@ class Subject:
                 if stack == "encoder":
                     out = self.model.get_encoder()(input_ids=input_ids, attention_mask=mask,
                                                    output_hidden_states=True, return_dict=True)
-                    return self._gathered(out.hidden_states or (out.last_hidden_state,), None)
+                    return self._gathered(out.hidden_states or (out.last_hidden_state,), None, input_ids.shape[1])
                 enc = input_ids if encoder_ids is None else encoder_ids
                 out = self.model(input_ids=enc, decoder_input_ids=input_ids, decoder_attention_mask=mask,
                                  output_hidden_states=True, use_cache=False, return_dict=True,
                                  **{k: v for k, v in kwargs.items() if k == "logits_to_keep"})
-                return self._gathered(out.decoder_hidden_states, getattr(out, "logits", None) if want_logits else None)
+                logits = getattr(out, "logits", None) if want_logits else None
+                return self._gathered(out.decoder_hidden_states, logits, input_ids.shape[1])
             out = self.model(input_ids=input_ids, attention_mask=mask, output_hidden_states=True,
                              use_cache=False, return_dict=True, **kwargs)
             hidden = out.hidden_states if out.hidden_states is not None else (out.last_hidden_state,)
-            return self._gathered(hidden, getattr(out, "logits", None) if want_logits else None)
+            return self._gathered(hidden, getattr(out, "logits", None) if want_logits else None, input_ids.shape[1])
 
-    def _gathered(self, hidden: Any, logits: torch.Tensor | None) -> Outputs:
-        """Outputs on the input device: under a --device-map each block returns on its own GPU,
-        and the checks compare blocks with each other (no-op when everything is on one device)."""
-        return Outputs([h.to(self.device) for h in hidden], None if logits is None else logits.to(self.device))
+    def _gathered(self, hidden: Any, logits: torch.Tensor | None, length: int) -> Outputs:
+        """The tokens' states (`token_states`) on the input device (a --device-map returns blocks on their GPUs)."""
+        on_device = None if logits is None else logits.to(self.device)
+        return Outputs([h.to(self.device) for h in token_states(hidden, length)], on_device)
 
 
 def _is_oom(exc: BaseException) -> bool:

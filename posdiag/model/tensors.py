@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -66,3 +68,15 @@ def release_freed_memory() -> None:
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def token_states(hidden: Any, length: int) -> list[torch.Tensor]:
+    """Hidden-state entries as the tokens' states [B, length, ...]. Block-local encoders hand back more: PEGASUS-X's
+    encoder returns its states padded to a whole number of blocks and its last entry as a pair (token states,
+    global-token states). The tokens are the first `length` positions of the first tensor of an entry."""
+    out = []
+    for h in hidden:
+        while isinstance(h, (tuple, list)):
+            h = h[0]
+        out.append(h[:, :length] if h.ndim >= 2 and h.shape[1] > length else h)
+    return out
