@@ -157,7 +157,19 @@ def keeps_kv_cache(subject: Subject) -> bool:
             out = subject.model(input_ids=ids, use_cache=True, return_dict=True)
     except Exception:  # the checks' own cached paths will meet (and report) whatever this was
         return True
-    return getattr(out, "past_key_values", None) is not None
+    if any(getattr(out, name, None) is not None for name in ("past_key_values", "cache_params", "cache")):
+        return True
+    # A state kept inside the model and advanced by cache_position (RecurrentGemma) returns no cache object.
+    return any(name in _forward_parameters(subject.model) for name in ("cache_position", "cache_params", "cache"))
+
+
+def _forward_parameters(model: Any) -> set[str]:
+    import inspect
+
+    try:
+        return set(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):  # pragma: no cover - forward without a signature
+        return set()
 
 
 def text_config(subject: Subject) -> Any:

@@ -50,7 +50,7 @@ from posdiag.checks._shared import (
     per_token_change,
     restart_positions,
 )
-from posdiag.model.introspect import recurrent_mixers, takes_attention_mask
+from posdiag.model.introspect import attention_free, recurrent_mixers, takes_attention_mask
 from posdiag.model.probe import Row, run_rows
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import relative_l2, token_states
@@ -61,12 +61,18 @@ from posdiag.verdict import agreement_tolerance, judge_agreement
 TITLE = "Per-row positions in a padded batch"
 
 # Position schemes that do not depend on where a row starts (or that read the padding mask; RoPE numbered from the
-# first padding column is only shifted: RoFormer takes no position_ids).
+# first padding column is only shifted: RoFormer takes no position_ids). So is a model of recurrent mixers with no
+# attention and no position mechanism (RWKV, Mamba): left padding moves no position there. "none found" alone is
+# not enough: PEGASUS-X derives sinusoidal positions by arange that posdiag does not name.
 _START_INVARIANT = ("alibi", "relative_bias", "rope")
 
 
 def run(subject: Subject, options: RunOptions) -> CheckResult:
     return combine_stacks("batch", [_run_stack(subject, options, stack) for stack in subject.stacks])
+
+
+def _positionless(subject: Subject) -> bool:
+    return subject.position_kind == "none found" and attention_free(subject.model)
 
 
 def _pad_id(subject: Subject) -> int:
@@ -114,7 +120,7 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
     for left in (False, True):
         if left and no_left:
             continue
-        if left and not takes and subject.position_kind not in _START_INVARIANT:
+        if left and not takes and subject.position_kind not in _START_INVARIANT and not _positionless(subject):
             notes.append(f"left padding not tested: {subject.family.name} numbers {subject.position_kind} positions "
                          f"by arange inside and takes no position_ids, so a left-padded row is not the same input")
             continue

@@ -89,11 +89,18 @@ def gapped_positions(length: int, limit: int | None, seed: int) -> torch.Tensor 
 
 def run(subject: Subject, options: RunOptions) -> CheckResult:
     fam = subject.family
-    if not fam.takes_position_ids:
+    recurrent = recurrent_mixers(subject.model)
+    if recurrent and subject.position_kind not in ("rope", "learned", "sinusoidal", "alibi", "relative_bias"):
         return CheckResult(
             "positions", Status.SKIP,
-            f"{fam.name} takes no position_ids (accepted and dropped; {subject.position_kind} positions are "
-            f"derived inside the model), so there are none to honour",
+            f"{recurrent_reason(subject)}; and no position mechanism was found ({subject.position_kind}), so there "
+            f"are no position ids to honour", details={"recurrent_mixers": recurrent})
+    if not fam.takes_position_ids:
+        inside = ("no position mechanism was found" if subject.position_kind == "none found"
+                  else f"{subject.position_kind} positions are derived inside the model")
+        return CheckResult(
+            "positions", Status.SKIP,
+            f"{fam.name} takes no position_ids (dropped or not in its forward; {inside}), so there are none to honour",
             details={"position_ids": fam.position_ids, "position_kind": subject.position_kind})
     if subject.kind == "seq2seq":
         return CheckResult("positions", Status.SKIP,
@@ -102,12 +109,6 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     stack = subject.stacks[0]
     causal = stack == "decoder"
     dtype = subject.dtype_name
-    recurrent = recurrent_mixers(subject.model)
-    if recurrent and subject.position_kind not in ("rope", "learned", "sinusoidal", "alibi", "relative_bias"):
-        return CheckResult(
-            "positions", Status.SKIP,
-            f"{recurrent_reason(subject)}; and no position mechanism was found ({subject.position_kind}), so there "
-            f"are no position ids to honour", details={"recurrent_mixers": recurrent})
     if causal:
         ok, why = subject.explicit_mask_supported
         if not ok:
