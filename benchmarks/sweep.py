@@ -47,6 +47,8 @@ FINDINGS: dict[str, dict[str, str]] = {
     "gpt_bigcode": {"batch": "positions from the first padding column without position_ids"},
     "biogpt": {"batch": "positions from the first padding column without position_ids"},
     "ctrl": {"batch": "positions from the first padding column without position_ids"},
+    "moshi": {"cache": "cached decoding past its sliding window differs from the full forward",
+              "generate": "cached decoding past its sliding window differs from the full forward"},
     "beam": {"batch": "without position_ids its absolute query scale reads positions from the first padding column"},
     "git": {"batch": "positions from the first padding column without position_ids",
             "generate": "each cached step widens the padding mask by the image patch tokens"},
