@@ -193,3 +193,22 @@ def test_xlm_kind_follows_its_causal_flag(causal):
     model = auto_class(config, family_for(config)).from_config(config).eval()
     result = run_checks(from_module(model), ["causal"], RunOptions(seq_len=12)).check("causal")
     assert result.status is (Status.PASS if causal else Status.SKIP), result.summary
+
+
+@pytest.mark.parametrize("planted", [False, True])
+def test_rope_probes_contiguously_a_model_that_takes_no_position_ids(planted):
+    """MossTranscribeDiarize's wrapper drops position_ids (its text model numbers tokens by arange), so the rope probe
+    is one contiguous forward read back at its positions: the healthy model PASSes (it FAILed at 1.2e6x when probed at
+    sparse ids it never saw), and a rotary whose frequencies are zeroed (no rotation) FAILs."""
+    config = small_config("moss_transcribe_diarize")
+    from posdiag.model.families import family_for
+
+    torch.manual_seed(0)
+    model = auto_class(config, family_for(config)).from_config(config, attn_implementation="eager").eval()
+    if planted:
+        for module in model.modules():
+            if hasattr(module, "inv_freq") and "Rotary" in type(module).__name__:
+                module.inv_freq.zero_()
+                module.original_inv_freq = module.inv_freq.clone()
+    result = run_checks(from_module(model), ["rope"], RunOptions(seq_len=12)).check("rope")
+    assert result.status is (Status.FAIL if planted else Status.PASS), result.summary

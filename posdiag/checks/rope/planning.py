@@ -24,6 +24,9 @@ class Plan:
     notes: list[str]
 
 
+CONTIGUOUS_CAP = 4096  # tokens of one probe forward for a model that takes no position_ids
+
+
 def make_plan(subject: Subject, settings: dict, specs: list[rope_math.RopeSpec]) -> Plan:
     """Positions spread over [0, max(target, declared context)], capped by a precomputed rotary table."""
     declared = subject.max_positions
@@ -36,7 +39,16 @@ def make_plan(subject: Subject, settings: dict, specs: list[rope_math.RopeSpec])
     if cap is not None and top > cap:
         notes.append(f"positions capped at {cap - 1}: the rotary table has {cap} rows")
         top = cap
-    return Plan(target, declared, static, layer_spec, _plans(specs, top, cap), notes)
+    probes = _plans(specs, top, cap)
+    if not subject.family.takes_position_ids:
+        # The model numbers its tokens itself (no position_ids reach it: MossTranscribeDiarize's wrapper drops them),
+        # so a probe at positions p is a forward of p.max() + 1 tokens, read back at p.
+        longest = min(int(max(p.max() for _, p in probes)) + 1, CONTIGUOUS_CAP)
+        if longest < int(max(p.max() for _, p in probes)) + 1:
+            notes.append(f"positions capped at {longest - 1}: the model takes no position_ids, so each probe is one "
+                         f"contiguous forward")
+        probes = [(label, np.arange(min(int(p.max()) + 1, longest))) for label, p in probes]
+    return Plan(target, declared, static, layer_spec, probes, notes)
 
 
 def _layer_specs(subject: Subject, specs: list[rope_math.RopeSpec]) -> list[rope_math.RopeSpec | None]:
