@@ -134,3 +134,38 @@ def test_kernels_leaves_out_inputs_the_models_own_eager_forward_cannot_run():
     assert result.status is Status.PASS, result.summary
     assert "not compared (the model's own eager forward raises): decode input" in result.summary
     assert result.details["not_compared"]
+
+
+def sweep_deepseek_v4():
+    """The sweep's tiny DeepSeek-V4: every layer type of the full pattern (compressed_sparse_attention rate 4)."""
+    import torch
+    import transformers
+
+    from posdiag.testing.multimodal import small_config
+
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(small_config("deepseek_v4")).eval()
+
+
+def test_deepseek_v4_compressed_pooling_is_storage_order_mixing_and_rotation_still_judged():
+    """Compressed layers pool consecutive keys in storage order and rotate them at storage positions: no consistent
+    permutation and no relative invariance under position_ids + k (by design)."""
+    names = ["shuffle", "positions", "shift"]
+    subject = from_module(sweep_deepseek_v4())
+    assert "compress_rates: compressed_sparse_attention 4" in subject.family.token_mixing
+    healthy = api.run_checks(subject, names, RunOptions(seq_len=12))
+    for name in names:
+        assert healthy.check(name).status in (Status.PASS, Status.SKIP), (name, healthy.check(name).summary)
+    assert healthy.check("shift").status is Status.SKIP
+    assert "storage position" in healthy.check("shift").summary
+
+
+def test_deepseek_v4_left_padded_row_with_compressed_entry_differs_from_row_alone():
+    """Finding on stock transformers 5.24: the compressor pools padding into the first window, so a left-padded row
+    differs from the same row alone (0.435 relative from the first token that sees a compressed entry, the same in
+    float64); the sibling without a compressed entry in the probe (rate 128) PASSes."""
+    healthy = api.run_checks(from_module(deepseek_v4(hca_rate=128)), ["batch"], RunOptions(seq_len=12)).check("batch")
+    assert healthy.status is Status.PASS, healthy.summary
+    buggy = api.run_checks(from_module(deepseek_v4(("compressed_sparse_attention", "sliding_attention"))), ["batch"],
+                           RunOptions(seq_len=12)).check("batch")
+    assert buggy.status is Status.FAIL and "left-padded" in buggy.summary and "a bug" in buggy.summary, buggy.summary

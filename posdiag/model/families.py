@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from posdiag.model.storage_mixing import storage_order_mixing, storage_positions
+
 
 @dataclass(frozen=True)
 class Family:
@@ -263,7 +265,8 @@ def family_for(config: Any) -> Family:
         kind = _guess_kind(config)
         # posdiag hands encoder-decoder stacks no position_ids (Subject.forward): positions are
         # whatever the stacks derive inside, so a "consistent" permutation cannot be built.
-        generic = replace(GENERIC, name=model_type, kind=kind, token_mixing=_capacity_routing(config),
+        generic = replace(GENERIC, name=model_type, kind=kind, token_mixing=storage_order_mixing(config),
+                          absolute_by_design=storage_positions(config),
                           position_ids="ignored" if kind == "seq2seq" else "honoured")
         if model_type in ("deberta", "deberta-v2") and getattr(config, "relative_attention", False):
             return _deberta_relative(generic, config)
@@ -311,17 +314,6 @@ def _deberta_relative(row: Family, config: Any) -> Family:
     if getattr(config, "position_biased_input", True):  # v2-style: an absolute table read through position_ids too
         return replace(row, position_kind="learned", token_mixing=mixing)
     return replace(row, position_kind="relative_bias", position_ids="ignored", token_mixing=mixing)
-
-
-def _capacity_routing(config: Any) -> str:
-    """Experts with a capacity filled in storage order (Switch Transformers, NLLB-MoE: a cumulative count along the
-    sequence; past `expert_capacity` a token skips its expert), so a token's output depends on the tokens before it.
-    Measured on the tiny Switch model (capacity 64): `shift`'s prefix of 64 invisible padding tokens moved the decoder's
-    outputs 0.149 (the prefix filled the experts), while 48 kept them within rounding."""
-    capacity = getattr(config, "expert_capacity", None)
-    if not isinstance(capacity, int) or isinstance(capacity, bool):
-        return ""
-    return f"experts with a capacity of {capacity} tokens each, filled in storage order (expert_capacity)"
 
 
 # Sub-configs of the towers posdiag does not test (the language model is what carries text positions).
