@@ -149,11 +149,11 @@ class Subject:
         return None
 
     @property
-    def sliding_window(self) -> int | None:
-        window = getattr(self.config, "sliding_window", None) or getattr(self.config, "window_size", None)
-        if window and (getattr(self.config, "use_sliding_window", True) is not False):
-            return int(window)
-        return None
+    def sliding_window(self) -> int | None:  # a per-layer window (heterogeneous configs): the widest one of any layer
+        per_layer = getattr(self.config, "per_layer_config", None) if getattr(self.config, "is_heterogeneous", 0) else 0
+        window = (max((getattr(c, "sliding_window", None) or 0 for c in per_layer), default=0) if per_layer else
+                  getattr(self.config, "sliding_window", None) or getattr(self.config, "window_size", None))
+        return int(window) if window and getattr(self.config, "use_sliding_window", True) is not False else None
 
     def layer_types(self) -> list[str]:
         types = getattr(self.config, "layer_types", None)
