@@ -154,6 +154,9 @@ _ROWS: dict[str, Family] = {
     # moves the outputs 1.39e-05 in float64 (93.7x its floor), 1.8e-07 with that scale held at 1.
     "beam": Family("beam", position_kind="rope", absolute_by_design="queries of its NoPE layers are scaled by "
                    "(1 + (p + 1) / 2048) ** 0.1 of the absolute position p (scalable softmax)"),
+    # RecurrentGemma's RG-LRU resets its state where position_ids == 0 (document starts): a shift moves that reset.
+    "recurrent_gemma": Family("recurrent_gemma", position_kind="rope", offsets_known=False,
+                              absolute_by_design="its recurrence resets its state where position_ids is 0"),
     # --- Learned absolute tables ------------------------------------------------------------
     "gpt2": Family("gpt2", position_kind="learned"),
     # GPT-Neo ANDs a hard-coded causal `bias` buffer into every layer: a permuted mask cannot
