@@ -19,13 +19,11 @@ import pytest
 import torch
 
 from posdiag.api import run_checks
-from posdiag.model.classes import auto_class
-from posdiag.model.families import family_for
 from posdiag.model.loading import from_module
 from posdiag.options import RunOptions
 from posdiag.results import Status
 from posdiag.testing import zoo
-from posdiag.testing.multimodal import small_config
+from posdiag.testing.multimodal import small_model
 
 SHORT = RunOptions(seq_len=12, check_options={"cache": {"decode_steps": 3}, "generate": {"new_tokens": 3}})
 
@@ -33,9 +31,7 @@ SHORT = RunOptions(seq_len=12, check_options={"cache": {"decode_steps": 3}, "gen
 def _model(model_type: str, **overrides):
     """The sweep's tiny model of `model_type` (transformers' default init)."""
     warnings.filterwarnings("ignore")
-    config = small_config(model_type, **overrides)
-    torch.manual_seed(0)
-    return auto_class(config, family_for(config)).from_config(config, attn_implementation="eager").eval()
+    return small_model(model_type, **overrides)
 
 
 def _run(model, names: list[str], options: RunOptions = SHORT):

@@ -17,12 +17,10 @@ import transformers
 
 from posdiag.api import run_checks
 from posdiag.errors import refused_by_generation
-from posdiag.model.classes import auto_class
-from posdiag.model.families import family_for
 from posdiag.model.loading import from_module
 from posdiag.options import RunOptions
 from posdiag.results import Status
-from posdiag.testing.multimodal import small_config
+from posdiag.testing.multimodal import small_config, small_model
 
 OPTIONS = RunOptions(seq_len=12)
 GENERATE = RunOptions(seq_len=8, check_options={"generate": {"new_tokens": 3}})  # each failure shows by step 1
@@ -33,14 +31,7 @@ def build(model_type: str, config=None) -> torch.nn.Module:
     """The sweep's model of `model_type` (or of `config`): eager attention where the class takes it."""
     warnings.filterwarnings("ignore")
     transformers.utils.logging.set_verbosity_error()
-    config = config if config is not None else small_config(model_type)
-    auto = auto_class(config, family_for(config))
-    torch.manual_seed(0)
-    try:
-        model = auto.from_config(config, attn_implementation="eager")
-    except (ValueError, TypeError):
-        model = auto.from_config(config)
-    return model.eval()
+    return small_model(model_type, config=config)
 
 
 def check(model, name: str, options: RunOptions | None = None):

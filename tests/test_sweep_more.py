@@ -26,19 +26,15 @@ from posdiag.model.families import GENERIC, for_model
 from posdiag.model.loading import from_module
 from posdiag.options import RunOptions
 from posdiag.results import Status
-from posdiag.testing.multimodal import small_config
+from posdiag.testing.multimodal import small_config, small_model
 
 SHORT = RunOptions(seq_len=12, check_options={"cache": {"decode_steps": 3}, "generate": {"new_tokens": 3}})
 
 
 def _model(model_type: str, **overrides):
     """The sweep's tiny model of `model_type` (transformers' default init)."""
-    from posdiag.model.families import family_for
-
     warnings.filterwarnings("ignore")
-    config = small_config(model_type, **overrides)
-    torch.manual_seed(0)
-    return auto_class(config, family_for(config)).from_config(config, attn_implementation="eager").eval()
+    return small_model(model_type, **overrides)
 
 
 def _run(model, names: list[str], options: RunOptions = SHORT):

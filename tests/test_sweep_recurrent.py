@@ -16,13 +16,11 @@ import torch
 import transformers
 
 from posdiag.api import run_checks
-from posdiag.model.classes import auto_class
-from posdiag.model.families import family_for
 from posdiag.model.loading import from_module
 from posdiag.options import RunOptions
 from posdiag.results import Status
 from posdiag.testing import zoo
-from posdiag.testing.multimodal import small_config
+from posdiag.testing.multimodal import small_config, small_model
 
 OPTIONS = RunOptions(seq_len=12)
 LEFT_DEFAULTS = "a left-padded, no position_ids (the model's defaults)"
@@ -33,14 +31,7 @@ DEBERTA_V3 = dict(relative_attention=True, position_biased_input=False, pos_att_
 def build(model_type: str, **overrides) -> torch.nn.Module:
     warnings.filterwarnings("ignore")
     transformers.utils.logging.set_verbosity_error()
-    config = small_config(model_type, **overrides)
-    auto = auto_class(config, family_for(config))
-    torch.manual_seed(0)
-    try:
-        model = auto.from_config(config, attn_implementation="eager")
-    except (ValueError, TypeError):
-        model = auto.from_config(config)
-    return model.eval()
+    return small_model(model_type, **overrides)
 
 
 def test_small_config_shrinks_sizes_stored_under_the_configs_own_names():

@@ -289,6 +289,25 @@ def _modelling_source(config: Any) -> str:
         return ""
 
 
+def small_model(model_type: str, *, seed: int = 0, config: PretrainedConfig | None = None,
+                **text_overrides: Any) -> nn.Module:
+    """The sweep's tiny model of ``model_type``: ``small_config`` (or ``config``), the auto class posdiag loads that
+    config with, eager attention where the class takes it; eval mode, transformers' default init seeded."""
+    import torch
+
+    from posdiag.model.classes import auto_class
+    from posdiag.model.families import family_for
+
+    config = config if config is not None else small_config(model_type, **text_overrides)
+    auto = auto_class(config, family_for(config))
+    torch.manual_seed(seed)
+    try:
+        model = auto.from_config(config, attn_implementation="eager")
+    except (ValueError, TypeError):  # a class that takes no eager attention choice
+        model = auto.from_config(config)
+    return model.eval()
+
+
 def tiny_multimodal(model_type: str, *, seed: int = 0, attn_implementation: str | None = "eager",
                     image_tokens_in_vocab: bool = False, **text_overrides: Any) -> nn.Module:
     """A tiny image-text-to-text model of ``model_type`` (eval mode, default init seeded with ``seed``)."""
