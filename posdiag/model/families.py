@@ -46,9 +46,8 @@ class Family:
                       reads instead of assuming 0 (BioGPT, unknown to posdiag, reads row 2).
     absolute_by_design: how the family reads absolute positions on top of relative ones ("" when it
                       does not): relative invariance (`shift`) then cannot hold, by design.
-    offset_rows_in_context: max_position_embeddings counts the offset rows (RoBERTa: 514 rows for 512 tokens), so
-                      the usable context is that less explicit_position_offset; False where the table adds its
-                      offset rows on top of it (fairseq-style sinusoids: max_position_embeddings + 2 rows).
+    offset_rows_in_context: max_position_embeddings counts the offset rows (RoBERTa: 514 rows for 512 tokens);
+                      False where they come on top of it (Kosmos: max_position_embeddings + 2 rows).
     """
 
     name: str
@@ -237,15 +236,11 @@ _ROWS: dict[str, Family] = {
     # predicting streams read the main stream's id + 1, unclamped: the last row is reachable only by them, so the
     # usable context is rows - padding_idx - 2 (measured: 255 decoder tokens of a 256-row table raise IndexError).
     "prophetnet": Family("prophetnet", kind="seq2seq", position_kind="learned", position_ids="ignored"),
-    # Kosmos-2 / Kosmos-2.5 text models: a fixed sinusoidal table (the buffer `embed_positions.weights`, row
-    # padding_idx zeroed) numbered RoBERTa's way: their own ids start at padding_idx + 1 (pad-aware cumsum of the ids
-    # plus the cache length), and explicit position_ids are read as table rows (offsets set in family_for). Passed as
-    # logical 0.. they read row padding_idx (zeros) at position 1: cached decode with ids 0..7 differed from the
-    # default full forward by 0.706, in float32 and float64 alike; with ids from padding_idx + 1 it agrees to 2e-7.
-    # Their table has max_position_embeddings + 2 rows (measured: 258 rows for 256): the context is not reduced.
+    # Kosmos-2 / 2.5 text: a sinusoidal table (max_position_embeddings + 2 rows, row padding_idx zeroed) read RoBERTa's
+    # way: own ids from padding_idx + 1, explicit ids as rows (family_for). Passed 0-based, cached decode with ids 0..7
+    # was 0.706 off the default full forward (float32 and float64); from padding_idx + 1 it agrees to 2e-7.
     "kosmos_2_text_model": Family("kosmos_2_text_model", position_kind="sinusoidal", offset_rows_in_context=False),
-    "kosmos_2_5_text_model": Family("kosmos_2_5_text_model", position_kind="sinusoidal",
-                                    offset_rows_in_context=False),
+    "kosmos_2_5_text_model": Family("kosmos_2_5_text_model", position_kind="sinusoidal", offset_rows_in_context=False),
     # --- Encoder-decoders: the 4D pattern goes to decoder_attention_mask (a top-level mask would
     #     be reused as the cross-attention mask). Positions are derived inside. -----------------
     "t5": Family("t5", kind="seq2seq", position_kind="relative_bias", position_ids="ignored"),
