@@ -65,6 +65,7 @@ FINDINGS: dict[str, dict[str, str]] = {
     "prophetnet": {"cache": "crashes with a static cache", "generate": "crashes with a static cache"},
     "cpmant": {"cache": "crashes with a static cache (prompt positions not counted)",
                "generate": "crashes with a static cache (prompt positions not counted)"},
+    "kosmos-2.5": {"generate": "cached steps number a left-padded row from its first padding column"},
 }
 
 

@@ -46,6 +46,8 @@ class Family:
                       reads instead of assuming 0 (BioGPT, unknown to posdiag, reads row 2).
     absolute_by_design: how the family reads absolute positions on top of relative ones ("" when it
                       does not): relative invariance (`shift`) then cannot hold, by design.
+    offset_rows_in_context: max_position_embeddings counts the offset rows (RoBERTa: 514 rows for 512 tokens);
+                      False where they come on top of it (Kosmos: max_position_embeddings + 2 rows).
     """
 
     name: str
@@ -62,6 +64,7 @@ class Family:
     absolute_by_design: str = ""
     token_mixing: str = ""
     not_causal: str = ""
+    offset_rows_in_context: bool = True
 
     @property
     def takes_position_ids(self) -> bool:
@@ -233,6 +236,11 @@ _ROWS: dict[str, Family] = {
     # predicting streams read the main stream's id + 1, unclamped: the last row is reachable only by them, so the
     # usable context is rows - padding_idx - 2 (measured: 255 decoder tokens of a 256-row table raise IndexError).
     "prophetnet": Family("prophetnet", kind="seq2seq", position_kind="learned", position_ids="ignored"),
+    # Kosmos-2 / 2.5 text: a sinusoidal table (max_position_embeddings + 2 rows, row padding_idx zeroed) read RoBERTa's
+    # way: own ids from padding_idx + 1, explicit ids as rows (family_for). Passed 0-based, cached decode with ids 0..7
+    # was 0.706 off the default full forward (float32 and float64); from padding_idx + 1 it agrees to 2e-7.
+    "kosmos_2_text_model": Family("kosmos_2_text_model", position_kind="sinusoidal", offset_rows_in_context=False),
+    "kosmos_2_5_text_model": Family("kosmos_2_5_text_model", position_kind="sinusoidal", offset_rows_in_context=False),
     # --- Encoder-decoders: the 4D pattern goes to decoder_attention_mask (a top-level mask would
     #     be reused as the cross-attention mask). Positions are derived inside. -----------------
     "t5": Family("t5", kind="seq2seq", position_kind="relative_bias", position_ids="ignored"),
@@ -291,7 +299,7 @@ def family_for(config: Any) -> Family:
     if model_type == "prophetnet":
         pad = getattr(config, "pad_token_id", None) or 0
         return replace(row, position_offset=pad + 1, explicit_position_offset=pad + 2)
-    if model_type in ("roberta", "xlm-roberta", "camembert"):
+    if model_type in ("roberta", "xlm-roberta", "camembert", "kosmos_2_text_model", "kosmos_2_5_text_model"):
         offset = (getattr(config, "pad_token_id", None) or 0) + 1
         return replace(row, position_offset=offset, explicit_position_offset=offset)
     if model_type == "distilbert" and getattr(config, "sinusoidal_pos_embds", False):

@@ -74,7 +74,7 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
         with subject.stored_weight(t.name) as values:  # offloaded (meta) tables: read from accelerate's map
             stored = replace(t, tensor=values)
             if kind == "sinusoidal":
-                parts.append(sinusoid_part(stored, subject))
+                parts.append(sinusoid_part(stored, subject, own_offsets.get(t.name)))
             parts += health_parts(subject, stored, declared, own_offsets.get(t.name))
 
     # A passing health inspection alone (no zero or duplicate rows) probes nothing: with every probe

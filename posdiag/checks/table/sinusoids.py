@@ -1,7 +1,10 @@
 """Sinusoidal tables: the layout (interleaved sin/cos or concatenated [sin|cos], either order) is
 detected from row 0 = (sin 0, cos 0); the table must equal sin(p θ_i), cos(p θ_i), θ_i = b^(-2i/d),
 and obey PE(p+k) = R(k θ_i) PE(p) per dim pair (fitted 2x2 maps, which must be rotations). Floors:
-the same formula evaluated in the table's own dtype."""
+the same formula evaluated in the table's own dtype. Fairseq-style tables (M2M100, XGLM, Kosmos-2) zero
+the row at padding_idx, below the row position 0 reads (padding_idx + 1): an all-zero row that no position
+reads is left out of the judgement (measured on Kosmos-2.5: that row alone made the table "differ from the
+formula by 2"; with it left out the rest matches to 1.4e-5, base 10000^(d/(d-2)))."""
 
 from __future__ import annotations
 
@@ -17,11 +20,15 @@ from posdiag.results import Status
 from posdiag.verdict import agreement_tolerance, judge_agreement
 
 
-def sinusoid_part(t: PositionTable, subject: Subject) -> Part:
+def sinusoid_part(t: PositionTable, subject: Subject, offset: int | None = None) -> Part:
+    """offset: the row position 0 reads (the family's, or the one `table` discovered)."""
     where = f"{t.stack}_" if len(subject.stacks) > 1 else ""
-    rep = sinusoid_report(t.tensor.detach())
+    first = subject.family.position_offset if offset is None else offset
+    values = t.tensor.detach()
+    unread = tuple(r for r in range(1, min(first, values.shape[0])) if not bool(values[r].any()))
+    rep = sinusoid_report(values, unread)
     metrics = {k: rep[k] for k in ("formula_error", "formula_floor", "rotation_residual", "rotation_floor", "base")}
-    details = {"where": where, "layout": rep["layout"], "table": t.name}
+    details = {"where": where, "layout": rep["layout"], "table": t.name, "unread_zero_rows": list(unread)}
     if rep["status"] is Status.PASS:
         return Part("sinusoid", Status.PASS,
                     f"{t.name}: {rep['layout']} sin/cos, base {rep['base']:.6g}; formula error "
@@ -31,23 +38,27 @@ def sinusoid_part(t: PositionTable, subject: Subject) -> Part:
                 metrics, details)
 
 
-def sinusoid_report(table: torch.Tensor) -> dict[str, Any]:
-    """Detect layout and base, measure formula error and the rotation property (see the docstring)."""
+def sinusoid_report(table: torch.Tensor, unread: tuple[int, ...] = ()) -> dict[str, Any]:
+    """Detect layout and base, measure formula error and the rotation property (see the docstring).
+    unread: rows (never row 0) that no position reads and that are left out (a zeroed padding row)."""
     dtype = table.dtype if table.dtype.is_floating_point else torch.float32
     name = str(dtype).removeprefix("torch.")
     w = table.detach().double().cpu()
     p_count, d = w.shape
     layout, row0_error, got = _layout(w)
+    judged = torch.ones(p_count, dtype=torch.bool)
+    judged[list(unread)] = False
     best = None
-    for base in _base_candidates(got, d):
+    for base in _base_candidates(got, d, int(judged[1:].int().argmax()) + 1 if p_count > 1 else 1):
         exact = _formula(p_count, d, base, torch.float64)
-        err = float((got - exact).abs().max())
+        err = float((got - exact)[judged].abs().max())
         if best is None or err < best[1]:
             best = (base, err, exact)
     base, err, exact = best
     floor = float((_formula(p_count, d, base, dtype) - exact).abs().max())
     verdict = judge_agreement(err, floor, name)
-    rot, rot_floor = _rotation_residual(got), _rotation_residual(_formula(p_count, d, base, dtype))
+    tail = max(unread, default=0) + 1 if unread else 0  # the rotation is fitted on contiguous read rows
+    rot, rot_floor = _rotation_residual(got[tail:]), _rotation_residual(_formula(p_count, d, base, dtype)[tail:])
     rot_verdict = judge_agreement(rot, rot_floor, name)
     reason = ""
     if row0_error > agreement_tolerance(floor, name):
@@ -79,13 +90,14 @@ def _layout(w: torch.Tensor) -> tuple[str, float, torch.Tensor]:
     return layout, row0[layout], torch.stack([w[:, s_idx], w[:, c_idx]], -1)
 
 
-def _base_candidates(got: torch.Tensor, d: int) -> list[float]:
-    """10000, and the base fitted from row 1's angles θ_i = b^(-2i/d) (least squares on ln θ_i) when it is sane."""
+def _base_candidates(got: torch.Tensor, d: int, row: int = 1) -> list[float]:
+    """10000, and the base fitted from the angles of `row` (the first judged row after 0), r θ_i = r b^(-2i/d)
+    (least squares on ln θ_i), when it is sane: rows up to 3 keep r θ_0 = r below π, so atan2 does not wrap."""
     p_count, half = got.shape[0], got.shape[1]
     bases = [10000.0]
-    if p_count > 1:
+    if p_count > row and row <= 3:
         i = torch.arange(half, dtype=torch.float64)
-        theta = torch.atan2(got[1, :, 0], got[1, :, 1])
+        theta = torch.atan2(got[row, :, 0], got[row, :, 1]) / row
         ok = (theta[1:] > 0) & torch.isfinite(theta[1:])
         if bool(ok.all()) and half > 1:
             x = 2 * i[1:] / d
