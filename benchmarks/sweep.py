@@ -66,6 +66,11 @@ FINDINGS: dict[str, dict[str, str]] = {
     "cpmant": {"cache": "crashes with a static cache (prompt positions not counted)",
                "generate": "crashes with a static cache (prompt positions not counted)"},
     "kosmos-2.5": {"generate": "cached steps number a left-padded row from its first padding column"},
+    **{t: {"generate": "static cache past the sliding window crashes (hybrid_sliding mask sized for full layers)"}
+       for t in ("inkling2", "inkling2_loop", "inkling2_loop_text", "inkling2_text")},
+    **{t: {"generate": "static cache past the sliding window crashes (hybrid_sliding mask sized for full layers)",
+           "cache": "static cache: the relative bias reads the query offset after the update has grown it"}
+       for t in ("inkling_text", "inkling_mm_model")},
 }
 
 
