@@ -121,3 +121,15 @@ def test_zaya_honours_position_ids_in_plain_transformers():
             gapped = model(input_ids=ids, position_ids=gaps).logits
             assert (shifted - base).abs().max() <= 1e-5
             assert bool((gapped - base).abs().max() > 1e-3) is moves
+
+
+def test_equal_scores_from_a_rotation_that_zeroes_q_and_k_still_fail():
+    # Equal scores excuse no signal only beside a sound rotation: here the rotary module itself returns cos = sin = 0
+    # (q and k zeroed by the position mechanism: a position bug), so default-init Zaya FAILs again.
+    model = build("zaya")
+    rotary = model.model.rotary_emb
+    plain = rotary.forward
+    rotary.forward = lambda *a, **k: tuple(t * 0 for t in plain(*a, **k))
+    results = statuses(model, "zaya", ["positions", "shift"])
+    assert {n: r.status for n, r in results.items()} == {"positions": Status.FAIL, "shift": Status.FAIL}, \
+        {n: r.summary for n, r in results.items()}

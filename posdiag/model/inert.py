@@ -7,13 +7,17 @@ adds nothing, so a token's output depends on that token alone), Zaya zeroes the 
 (every key is 0, every score equal: attention is a uniform average of the visible values). Permuting the tokens or
 moving the position ids then changes nothing in exact arithmetic, and `shuffle`, `positions` and `shift` would FAIL
 a model that is healthy, only untrained. A lost position (ids ignored, an identity rotation, a removed table) keeps
-both paths — tokens still interact and scores still vary with the key — so its FAIL stands.
+both paths — tokens still interact and scores still vary with the key — so its FAIL stands; so does a rotation that
+itself zeroes q and k (equal scores are then the position bug): equal scores count only beside a rotary module seen
+returning a sound rotation.
 
 Both probes run only where a check found no position signal; each is one small forward with the model's own mask
 and positions.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -48,22 +52,32 @@ def isolated_tokens(subject: Subject, stack: str, ids: torch.Tensor) -> str:
 
 def constant_scores(subject: Subject, stack: str, ids: torch.Tensor) -> str:
     """Ask the model for its attention probabilities: if in every attention layer each query's weights are equal
-    over the keys it sees, q·k does not vary with the key and a rotation by position cannot change any score."""
-    maps = _attention_maps(subject, stack, ids[None])
-    if not maps:
+    over the keys it sees, q·k does not vary with the key, and a rotation by position cannot change any score.
+
+    Equal scores are a position bug too when the rotation itself zeroes q and k (a RoFormer whose sinusoid table is
+    zero: cos = sin = 0), so this holds only where the rotary modules (transformers' kind, frequencies in an
+    `inv_freq` buffer) were seen returning a sound rotation in the same forward: cos² + sin² one constant > 0."""
+    maps, rotations = _attention_maps(subject, stack, ids[None])
+    if not maps or not rotations or not all(_sound(r) for r in rotations):
         return ""
     spread = max(_spread(a) for a in maps)
     if spread > FAIL_RATIO * _eps(subject):
         return ""
     return (f"attention scores are constant: in all {len(maps)} attention layers each query weighs the keys it sees "
-            f"equally (relative spread {spread:.2g}): q·k does not vary with the key (as with a key scale initialised "
-            "to zero), so no rotation by position can change a score; nothing to judge")
+            f"equally (relative spread {spread:.2g}) while the rotary module returns a sound rotation: q·k does not "
+            "vary with the key (as with a key scale initialised to zero), so no rotation by position can change a "
+            "score; nothing to judge")
 
 
-def _attention_maps(subject: Subject, stack: str, ids: torch.Tensor) -> list[torch.Tensor]:
-    """The attention probabilities [B, H, T, S] per layer the model returns for output_attentions (none: [])."""
+def _attention_maps(subject: Subject, stack: str, ids: torch.Tensor) -> tuple[list[torch.Tensor], list[Any]]:
+    """The attention probabilities [B, H, T, S] per layer the model returns for output_attentions (none: []), and
+    what each rotary module returned during that forward."""
     if not subject.is_hf:
-        return []
+        return [], []
+    rotations: list[Any] = []
+    hooks = [m.register_forward_hook(lambda _m, _a, out: rotations.append(out))
+             for m in subject.language_model.modules()
+             if any(n.endswith("inv_freq") for n, _ in m.named_buffers(recurse=False))]
     subject.forward_count += 1
     try:
         with torch.inference_mode():
@@ -74,8 +88,28 @@ def _attention_maps(subject: Subject, stack: str, ids: torch.Tensor) -> list[tor
                 out = subject.model(input_ids=ids, output_attentions=True, return_dict=True)
                 maps = out.attentions
     except Exception:  # a model that returns no attentions: no second opinion, the check's verdict stands
-        return []
-    return [a for a in maps or () if isinstance(a, torch.Tensor) and a.dim() >= 2 and a.is_floating_point()]
+        return [], []
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [a for a in maps or () if isinstance(a, torch.Tensor) and a.dim() >= 2 and a.is_floating_point()], rotations
+
+
+def _sound(rotation: Any) -> bool:
+    """A rotary module's output is a rotation up to one scale: (cos, sin) with cos² + sin² the same positive
+    number everywhere (attention scaling allowed), or complex factors of one modulus. Anything else: unknown."""
+    if isinstance(rotation, torch.Tensor) and rotation.is_complex():
+        norm = rotation.abs().double()
+    elif (isinstance(rotation, (tuple, list)) and len(rotation) == 2
+          and all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in rotation)
+          and rotation[0].shape == rotation[1].shape):
+        norm = (rotation[0].double() ** 2 + rotation[1].double() ** 2).sqrt()
+    else:
+        return False
+    if norm.numel() == 0:
+        return False
+    lo, hi = float(norm.min()), float(norm.max())
+    return lo > 0 and hi - lo <= 1e-2 * hi  # half-precision tables round cos and sin to ~4e-3
 
 
 def _spread(weights: torch.Tensor) -> float:
