@@ -30,7 +30,9 @@ recurrence: no consistent permutation exists, so measurement 1 is not run (said 
 verdict rests on measurement 2 — tokens and pattern unchanged, only the ids move, so only layers that read
 position ids can respond. Such a model with no position mechanism at all (Jamba: NoPE attention + Mamba)
 has no ids to honour and is skipped. Likewise a family whose tokens are mixed by something other than
-attention (`Family.token_mixing`: FNet's Fourier transform reads the storage order itself).
+attention (`Family.token_mixing`: FNet's Fourier transform reads the storage order itself). Ids that change
+nothing FAIL only where the outputs could carry positions at all: tokens that never interact or attention scores
+that are all equal (zero-initialised branches, `posdiag.model.inert`) SKIP with that reason.
 
 The jitter noise floor it uses lives in checks/_shared.py (batch, causal, shift and shuffle use it too).
 """
@@ -47,6 +49,7 @@ from posdiag.checks._shared import (
     position_limit,
     restart_positions,
 )
+from posdiag.model.inert import inert_reason
 from posdiag.model.introspect import mixing_reason, recurrent_mixers, recurrent_reason
 from posdiag.model.probe import (
     Row,
@@ -233,6 +236,10 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     if status is Status.FAIL and perms and agree.status is Status.FAIL and signal.status is Status.FAIL:
         parts.insert(0, "position_ids ignored")
     summary = "; ".join(parts) + f" [noise floor {agree.noise_floor:.2g}, {length} tokens]"
+    inert = inert_reason(subject, stack, ids) if signal.status is Status.FAIL and agree.status is Status.PASS else ""
+    if inert:  # outputs that cannot carry positions at all (zero-initialised branches): not ignored ids
+        details["inert"] = inert
+        status, summary = Status.SKIP, f"no verdict: {inert} ({summary})"
 
     table_rows = tuple(
         (layer_name(l, layers), f"{max(consistent[l]):.3e}" if perms else "not run", *[f"{m:.3e}" for m in moved[l]],

@@ -39,6 +39,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from posdiag.checks._shared import FLOOR_SOURCE, jittered, layer_name, stack_result
+from posdiag.model.inert import inert_reason
 from posdiag.model.introspect import mixing_reason, recurrent_mixers
 from posdiag.model.precision import run_finer
 from posdiag.model.probe import Row, fidelity_rows, judge_fidelity, run_rows
@@ -118,13 +119,8 @@ def _decided_in_float64(subject: Subject, options: RunOptions) -> CheckResult:
 
 
 def _ladder(k_max: int) -> list[int]:
-    ks, k = [], 1
-    while k < k_max:
-        ks.append(k)
-        k *= 2
-    if k_max >= 1:
-        ks.append(k_max)
-    return ks
+    """1, 2, 4, ... below k_max, then k_max itself (none when k_max < 1)."""
+    return [2 ** i for i in range(max(0, k_max - 1).bit_length())] + ([k_max] if k_max >= 1 else [])
 
 
 def _build(subject: Subject, options: RunOptions, stack: str) -> _Probe | str:
@@ -288,7 +284,7 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
     signal = delta1 / floor
     metrics["unit_shift_ratio"] = signal
     if not signal >= FAIL_RATIO:
-        return _no_position_effect(subject, delta1, signal, probe, metrics, details, table)
+        return _no_position_effect(subject, stack, delta1, signal, probe, metrics, details, table)
 
     holds_up_to = None
     if breaks is not None:
@@ -344,13 +340,14 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
     return CheckResult("shift", Status.PASS, summary, metrics, details, (table,))
 
 
-def _no_position_effect(subject: Subject, delta1: float, signal: float, probe: _Probe, metrics: dict, details: dict,
-                        table: Table) -> CheckResult:
+def _no_position_effect(subject: Subject, stack: str, delta1: float, signal: float, probe: _Probe, metrics: dict,
+                        details: dict, table: Table) -> CheckResult:
     """Moving half the tokens one position further changed nothing measurable. For a model that declares
     relative positions that is the bug itself (an identity rotation, position ids ignored, a zeroed
     bias): invariance holds trivially, so a PASS or a SKIP would hide it. Absolute models keep the SKIP
     (their positions are judged by `shuffle` and `table`); a half-precision run cannot tell a weak
-    signal from none (WARN, naming the float32 run that would decide)."""
+    signal from none (WARN, naming the float32 run that would decide); outputs that cannot carry positions
+    at all (tokens that never interact, equal attention scores: `posdiag.model.inert`) SKIP, saying so."""
     kind, dtype = subject.position_kind, subject.dtype_name
     moved = ("the second half of the probe one position further away" if not probe.prefix
              else "the second half of the probe one padding slot further away")
@@ -363,6 +360,9 @@ def _no_position_effect(subject: Subject, delta1: float, signal: float, probe: _
         return CheckResult("shift", Status.WARN, f"inconclusive in {dtype}: {measured}, within half-precision rounding "
                            f"of the {kind} position signal; rerun in float32 (without --no-upcast) to decide whether "
                            "positions enter", metrics, details, (table,))
+    if inert := inert_reason(subject, stack, probe.rows[probe.base].ids[:probe.span]):
+        details["inert"] = inert
+        return CheckResult("shift", Status.SKIP, f"no verdict: {inert} ({measured})", metrics, details, (table,))
     return CheckResult("shift", Status.FAIL,
                        f"positions move nothing: the model declares {kind} positions, yet {measured}; relative "
                        "offsets never reach attention (an identity rotation, position ids ignored, a zeroed bias), so "

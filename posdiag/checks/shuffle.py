@@ -13,6 +13,10 @@ recurrence, so no consistent permutation exists: the floor is then the baseline 
 embeddings jittered by ~1 ulp (see `positions`), and a PASS says that order enters the model, not that
 positions reach its attention layers (`positions`, `shift` and `rope` judge those). The same holds for a family
 whose tokens are mixed by something other than attention (`Family.token_mixing`: FNet's Fourier transform).
+
+A FAIL needs outputs that could carry positions: where tokens never interact (NeoMME's zero-initialised output
+projections) or every attention score is equal (Zaya's zero-initialised key scale), `posdiag.model.inert` says so
+and the check SKIPs with that reason instead.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from collections.abc import Iterator
 import torch
 
 from posdiag.checks._shared import FLOOR_SOURCE, jittered, layer_name, stack_result
+from posdiag.model.inert import inert_reason
 from posdiag.model.introspect import attention_free, recurrent_mixers, recurrent_reason
 from posdiag.model.precision import run_finer
 from posdiag.model.probe import (
@@ -163,6 +168,11 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
     metrics.update({"residual": verdict.residual, "noise_floor": verdict.noise_floor, "ratio": verdict.ratio})
     details["position_enters_at"] = enters
     details["reason"] = verdict.reason
+    inert = inert_reason(subject, stack, ids) if verdict.status is Status.FAIL else ""
+    if inert:  # outputs that cannot carry positions at all (zero-initialised branches): not a lost position
+        details["inert"] = inert
+        return CheckResult("shuffle", Status.SKIP, f"no verdict: {inert} (residual {verdict.residual:.3g} = "
+                           f"{verdict.ratio:.3g}x noise floor)", metrics, details)
     where = f"; enters at {enters}" if enters and verdict.status is Status.PASS else ""
     summary = (f"{verdict.reason}: residual {verdict.residual:.3g} = {verdict.ratio:.3g}x noise floor "
                f"{verdict.noise_floor:.2g} ({len(perms)} permutations, {length} tokens{where})")
