@@ -105,17 +105,17 @@ def _small(model_type: str, image_tokens_in_vocab: bool, text_overrides: dict[st
     config_class = type(transformers.AutoConfig.for_model(model_type))
     base = config_class()
     kwargs: dict[str, Any] = {}
+    text_sizes = {**_text_sizes(_text(base)), **text_overrides}
     for name in _SUB_CONFIGS:
         sub = getattr(base, name, None)
         if sub is None or not hasattr(sub, "to_dict"):
             continue
-        sizes = {**TEXT_SIZES, **text_overrides} if name == "text_config" else TOWER_SIZES
+        sizes = text_sizes if name == "text_config" else TOWER_SIZES
         kwargs[name] = _shrunk(sub, sizes)
         if name == "vision_config" and "embed_dim" in kwargs[name] and "hidden_size" in kwargs[name]:
             # Qwen2-VL's tower: embed_dim is its width, hidden_size the merger's output (the language model's)
             kwargs[name]["hidden_size"] = text_overrides.get("hidden_size", TEXT_SIZES["hidden_size"])
         if name != "text_config":  # a tower's text_* size is the language model's (Inkling2's text_hidden_size)
-            text_sizes = {**TEXT_SIZES, **text_overrides}
             kwargs[name].update({k: text_sizes[k[5:]] for k in sub.to_dict() if k[5:] in text_sizes
                                  and k.startswith("text_")})
     vocab = text_overrides.get("vocab_size", TEXT_SIZES["vocab_size"])
@@ -126,10 +126,37 @@ def _small(model_type: str, image_tokens_in_vocab: bool, text_overrides: dict[st
     if image_tokens_in_vocab:
         kwargs.update({k: vocab - 1 - i for i, k in enumerate(SPECIAL_TOKENS) if getattr(base, k, None) is not None})
     if not kwargs:  # a text-only config: shrink it directly
-        fields = _shrunk(base, {**TEXT_SIZES, **text_overrides})
+        fields = _shrunk(base, text_sizes)
         fields.pop("model_type")
         return transformers.AutoConfig.for_model(model_type, **{**fields, **_moved(base.to_dict(), moves)})
     return config_class(**kwargs, **_moved(base.to_dict(), moves))
+
+
+def _text_sizes(text: Any) -> dict[str, Any]:
+    """TEXT_SIZES for this language model: a sliding_window its type leaves unset stays unset where the text model's
+    forward builds no sliding-window mask. DynamicCache(config) infers sliding layers from the field alone, so a window
+    the forward never applies made cached decoding keep window - 1 tokens while the full forward attended all of
+    them (Qwen3-VL-MoE, whose config pins it to None, and Qwen3-Omni's thinker, whose checkpoints carry null: 0.2
+    relative at the first step past the window, the same in float64). Types that set a window keep it shrunk."""
+    if text.to_dict().get("sliding_window", 0) is not None or _applies_window(text):  # per-layer windows: a dict
+        return TEXT_SIZES
+    return {k: v for k, v in TEXT_SIZES.items() if k != "sliding_window"}
+
+
+def _applies_window(config: Any) -> bool:
+    """Whether a model class built on this config builds a sliding-window mask in its forward (Mistral, Phi-3 and
+    Qwen2 do when their window is set, from a default of None)."""
+    import importlib
+    import inspect
+
+    module_name = type(config).__module__.replace("configuration_", "modeling_")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception:  # no modelling module of that name: keep the window
+        return True
+    classes = [c for c in vars(module).values() if isinstance(c, type) and "forward" in vars(c)
+               and getattr(c, "config_class", None) is type(config)]
+    return not classes or any("sliding" in inspect.getsource(c.forward) for c in classes)
 
 
 def _token_moves(configs: list[Any], vocab: int) -> dict[int, int]:
