@@ -38,7 +38,10 @@ _NOT_MIXER = re.compile(r"(Norm|NormGated|MLP|Mlp|FeedForward|Embeddings?|Model|
 # Parameters / buffers that only a recurrence owns.
 _STATE = ("A_log", "dt_bias", "slope_rate", "time_decay", "time_first", "recurrent_param")
 # Config layer types that are attention; anything else in a layer-type list is taken as a recurrent mixer.
-_ATTENTION_TYPES = re.compile(r"^(full|sliding|chunked|global|local|sparse|compressed\w*|heavily\w*)?_?attention$"
+# indexed_attention: DeepSeek sparse attention (an indexer picks the keys each query attends); reference_sliding:
+# unlimited_ocr's window over the tokens after the prefill. Both are softmax attention over rotated q/k.
+_ATTENTION_TYPES = re.compile(r"^(full|sliding|chunked|global|local|sparse|compressed\w*|heavily\w*|indexed"
+                              r"|reference_sliding)?_?attention$"
                               r"|^(global|local|full|sliding|attn)$")
 _ATTENTION_CLASS = re.compile(r"(Attention|Attn)$")
 _LAYER_TYPE_FIELDS = ("layer_types", "layers_block_type", "block_types")
