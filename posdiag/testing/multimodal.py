@@ -29,6 +29,7 @@ from posdiag.testing.shrink_rules import (
     listed_sizes,
     mixer_heads,
     repeated_pattern,
+    undeclared_placeholders,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -123,13 +124,16 @@ def _small(model_type: str, image_tokens_in_vocab: bool, text_overrides: dict[st
     moves = _token_moves([base, text or {}], vocab)
     if "text_config" in kwargs:
         kwargs["text_config"].update(_moved(text.to_dict(), moves))
+    placeholders = undeclared_placeholders(base, SPECIAL_TOKENS, _modelling_source(base))
     if image_tokens_in_vocab:
-        kwargs.update({k: vocab - 1 - i for i, k in enumerate(SPECIAL_TOKENS) if getattr(base, k, None) is not None})
+        placeholders.update({k: vocab - 1 - i for i, k in enumerate(SPECIAL_TOKENS)
+                             if getattr(base, k, None) is not None or k in placeholders})
     if not kwargs:  # a text-only config: shrink it directly
         fields = _shrunk(base, text_sizes)
         fields.pop("model_type")
-        return transformers.AutoConfig.for_model(model_type, **{**fields, **_moved(base.to_dict(), moves)})
-    return config_class(**kwargs, **_moved(base.to_dict(), moves))
+        return transformers.AutoConfig.for_model(model_type, **{**fields, **_moved(base.to_dict(), moves),
+                                                                **placeholders})
+    return config_class(**kwargs, **_moved(base.to_dict(), moves), **placeholders)
 
 
 def _text_sizes(text: Any) -> dict[str, Any]:

@@ -101,3 +101,27 @@ def aliased_sizes(config: Any, fields: dict[str, Any], sizes: dict[str, Any], ou
     aliases = getattr(type(config), "attribute_map", None) or {}
     return {aliases[k]: v for k, v in sizes.items()
             if k in aliases and aliases[k] in fields and k not in fields and aliases[k] not in out}
+
+
+def undeclared_placeholders(config: Any, names: tuple[str, ...], modelling_source: str) -> dict[str, Any]:
+    """Placeholder ids the modelling code reads from this config although its class declares no default, set to the
+    default another config class of the same model declares. Qwen2.5-Omni's and Qwen3-Omni's thinkers compute their
+    mRoPE positions from ``config.vision_start_token_id`` on every forward without position_ids; the thinker configs
+    lack the field (their talker configs declare it: 151652), while the released checkpoints' thinker configs and
+    transformers' own tests set it. Left out, every call without position_ids raised AttributeError."""
+    import importlib
+    import inspect
+    import re
+
+    read = set(re.findall(r"\bconfig\.(\w+)\b", modelling_source))
+    missing = [n for n in names if n in read and not hasattr(config, n)]
+    if not missing:
+        return {}
+    module = importlib.import_module(type(config).__module__)
+    siblings = [c for _, c in inspect.getmembers(module, inspect.isclass) if c.__module__ == module.__name__]
+    out: dict[str, Any] = {}
+    for name in missing:
+        declared = [getattr(c, name) for c in siblings if isinstance(getattr(c, name, None), int)]
+        if declared:
+            out[name] = declared[0]
+    return out
