@@ -26,6 +26,7 @@ from posdiag.testing.shrink_rules import (
     aliased_sizes,
     experts,
     latent_attention,
+    linear_attention_heads,
     listed_sizes,
     mixer_heads,
     repeated_pattern,
@@ -242,6 +243,7 @@ def _shrunk(config: Any, sizes: dict[str, Any]) -> dict[str, Any]:
         if "num_key_value_heads" in fields and "num_attention_heads" in out and not _repeats_heads(config):
             out["num_key_value_heads"] = out["num_attention_heads"]
         out.update(latent_attention(fields, {**TEXT_SIZES, **sizes}, TEXT_SIZES["head_dim"]))
+        out.update(linear_attention_heads(config, {**TEXT_SIZES, **sizes}))
         out.update(experts(fields))
         out.update(mixer_heads(fields, out))
         out.update(repeated_pattern(fields, out))

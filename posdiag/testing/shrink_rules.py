@@ -125,3 +125,28 @@ def undeclared_placeholders(config: Any, names: tuple[str, ...], modelling_sourc
         if declared:
             out[name] = declared[0]
     return out
+
+
+def linear_attention_heads(config: Any, sizes: dict[str, Any]) -> dict[str, Any]:
+    """A linear-attention mixer (Kimi delta attention: Kimi Linear, GLM-5-Next; gated delta rule: Qwen3-Next, Qwen3.5)
+    gets the small attention's head size and count, value heads keeping the default's share of key heads, as
+    Bailing-Hybrid's and OLMo-Hybrid's configs derive theirs (left None in those classes, so not set here). Left at
+    GLM-5-Next's 64 heads of 128 dims (a 8192-wide mixer on a 64-wide model), its chunked kernel's per-channel decay
+    mask for a batch of 17 rows took 2.3 GB and the causal check ran out of the sweep's 6 GB."""
+    head, heads = sizes["head_dim"], sizes["num_attention_heads"]
+    declared = {k: getattr(type(config), k, None) for k in ("linear_num_heads", "linear_head_dim",
+                                                             "linear_num_key_heads", "linear_num_value_heads",
+                                                             "linear_key_head_dim", "linear_value_head_dim")}
+    declared = {k: v for k, v in declared.items() if isinstance(v, int) and not isinstance(v, bool) and v > 0}
+    out: dict[str, Any] = {}
+    if "linear_num_heads" in declared:
+        out["linear_num_heads"] = heads
+    if "linear_head_dim" in declared:
+        out["linear_head_dim"] = head
+    if {"linear_num_key_heads", "linear_num_value_heads"} <= declared.keys():
+        share = declared["linear_num_value_heads"] // declared["linear_num_key_heads"] or 1
+        out.update(linear_num_value_heads=heads, linear_num_key_heads=max(1, heads // share))
+    if {"linear_key_head_dim", "linear_value_head_dim"} <= declared.keys():
+        out.update(linear_key_head_dim=head,
+                   linear_value_head_dim=head * declared["linear_value_head_dim"] // declared["linear_key_head_dim"])
+    return out
