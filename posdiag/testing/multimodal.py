@@ -6,8 +6,9 @@ patches) with whatever size fields each sub-config has. Multimodal RoPE sections
 Qwen-VL rotary classes default to a 128-dim head) are scaled to the small head: 4 + 2 + 2 of its 8 pairs.
 Special text ids (padding, bos, eos, decoder start, ...) beyond the small vocabulary move to its top, and the fields
 that depend on the headline sizes follow them (``posdiag.testing.shrink_rules``: latent attention, experts,
-state-space heads, layer patterns). ``tiny_multimodal`` builds the image-text-to-text model
-(``AutoModelForImageTextToText``) from it.
+state-space and linear-attention heads, layer patterns). Placeholder ids the modelling code reads but the config
+class does not declare are set as the model's other configs declare them. ``tiny_multimodal`` builds the
+image-text-to-text model (``AutoModelForImageTextToText``) from it.
 
 Hybrids keep an attention layer, as their checkpoints do, also where the default pattern has none
 (GraniteMoeHybrid's default is all Mamba) or derives it from other fields (Jamba: attention at layer 4 of 8), so

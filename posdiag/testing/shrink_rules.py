@@ -1,8 +1,9 @@
 """Rules that keep a shrunk config consistent with itself, each derived from the config's own fields.
 
 ``posdiag.testing.multimodal`` sets the headline sizes (hidden size, heads, layers); the rules here size the fields
-that depend on them, as the full default has them: latent attention, experts, state-space heads, per-stage lists,
-layer patterns, and size fields reached through a config's ``attribute_map``.
+that depend on them, as the full default has them: latent attention, experts, state-space and linear-attention heads,
+per-stage lists, layer patterns, and size fields reached through a config's ``attribute_map``; and placeholder ids the
+modelling code reads that the config class leaves undeclared.
 """
 
 from __future__ import annotations
