@@ -86,3 +86,14 @@ def test_linear_attention_mixers_follow_the_small_attention():
 def test_glm5_next_causal_passes():
     result = _result("glm5_next", "causal")
     assert result.status is Status.PASS, result.summary
+
+
+def test_batch_fails_naming_a_crash_of_the_models_own_defaults_path():
+    # The model's own forward raising on a call transformers accepts (a padded batch without position_ids) is a FAIL
+    # naming the exception, as in generate, not a posdiag error: a thinker config without vision_start_token_id.
+    model = small_model("qwen2_5_omni_thinker")
+    del model.config.vision_start_token_id
+    result = run_checks(from_module(model, name="no vision_start_token_id"), ["batch"],
+                        RunOptions(seq_len=12)).check("batch")
+    assert result.status is Status.FAIL, result.summary
+    assert "crashed: AttributeError" in result.summary and "vision_start_token_id" in result.summary, result.summary
