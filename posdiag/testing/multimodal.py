@@ -126,15 +126,15 @@ def _small(model_type: str, image_tokens_in_vocab: bool, text_overrides: dict[st
     moves = _token_moves([base, text or {}], vocab)
     if "text_config" in kwargs:
         kwargs["text_config"].update(_moved(text.to_dict(), moves))
-    placeholders = undeclared_placeholders(base, SPECIAL_TOKENS, _modelling_source(base))
     if image_tokens_in_vocab:
-        placeholders.update({k: vocab - 1 - i for i, k in enumerate(SPECIAL_TOKENS)
-                             if getattr(base, k, None) is not None or k in placeholders})
+        kwargs.update({k: vocab - 1 - i for i, k in enumerate(SPECIAL_TOKENS) if getattr(base, k, None) is not None})
     if not kwargs:  # a text-only config: shrink it directly
         fields = _shrunk(base, text_sizes)
         fields.pop("model_type")
-        return transformers.AutoConfig.for_model(model_type, **{**fields, **_moved(base.to_dict(), moves),
-                                                                **placeholders})
+        return transformers.AutoConfig.for_model(model_type, **{**fields, **_moved(base.to_dict(), moves)})
+    placeholders = undeclared_placeholders(base, SPECIAL_TOKENS, _modelling_source(base))
+    if image_tokens_in_vocab:
+        placeholders = {k: vocab - 1 - SPECIAL_TOKENS.index(k) for k in placeholders}
     return config_class(**kwargs, **_moved(base.to_dict(), moves), **placeholders)
 
 
