@@ -71,8 +71,6 @@ FINDINGS: dict[str, dict[str, str]] = {
     **{t: {"generate": "static cache past the sliding window crashes (hybrid_sliding mask sized for full layers)",
            "cache": "static cache: the relative bias reads the query offset after the update has grown it"}
        for t in ("inkling_text", "inkling_mm_model")},
-    "qwen3_omni_moe_thinker": {"cache": "its cache evicts keys past a sliding window its attention never applies",
-                               "generate": "its cache evicts keys past a sliding window its attention never applies"},
 }
 
 
