@@ -50,6 +50,7 @@ from posdiag.checks._shared import (
     per_token_change,
     restart_positions,
 )
+from posdiag.errors import describe_error, raised_in_posdiag
 from posdiag.model.introspect import attention_free, recurrent_mixers, takes_attention_mask
 from posdiag.model.probe import Row, run_rows
 from posdiag.model.subject import Subject
@@ -164,6 +165,10 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
         details["attention_mask_ignored"] = True
         lead = (f"{type(subject.model).__name__} ignores its attention_mask (a left-padded row gives the same output "
                 "without it), so the pads run through the sequence mixers: ")
+    if m.crashed:
+        details["defaults_crashed"] = m.crashed
+        return CheckResult("batch", Status.FAIL, f"rows with {DEFAULTS} crashed: {m.crashed} (a call transformers "
+                           "accepts for this model)", details=details)
     return _report(stack, subject.kind, m, verdicts, arbitration, notes, details, dtype, lead)
 
 
@@ -185,6 +190,7 @@ class Measured:
     has_jitter: bool
     non_finite: str = ""
     non_finite_row: str = ""
+    crashed: str = ""  # the exception the model's own forward raised on its defaults path (no position_ids)
 
 
 def _measure(subject: Subject, stack: str, rows: list, refs: dict, enc: torch.Tensor | None, seed: int, pads: int,
@@ -214,15 +220,21 @@ def _measure(subject: Subject, stack: str, rows: list, refs: dict, enc: torch.Te
     floor = relative_l2(out[jitter_row, :n], out[0, :n]) if has_jitter else 0.0
     floor_tok = float(per_token_change(out[jitter_row, :n], out[0, :n]).max()) if has_jitter else 0.0
     compared = compared[:jitter_row]
+    crashed = ""
     if default_path:
-        compared += _default_path(subject, refs["a"][0], pads, pad, stack)
+        try:
+            compared += _default_path(subject, refs["a"][0], pads, pad, stack)
+        except Exception as exc:  # the model's own forward on a call transformers accepts: users hit it
+            if raised_in_posdiag(exc):
+                raise
+            crashed = describe_error(exc)
     errors: dict[str, float] = {}
     first_token: dict[str, int | None] = {}
     for name, got, want in compared:
         errors[name] = relative_l2(got, want)
         bad = (per_token_change(got, want) > agreement_tolerance(floor_tok, dtype)).nonzero().flatten()
         first_token[name] = int(bad[0]) if bad.numel() else None
-    return Measured(errors, first_token, floor, has_jitter)
+    return Measured(errors, first_token, floor, has_jitter, crashed=crashed)
 
 
 def _report(stack: str, kind: str, m: Measured, verdicts: dict, arbitration: Any, notes: list[str], details: dict,

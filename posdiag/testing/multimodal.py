@@ -6,8 +6,9 @@ patches) with whatever size fields each sub-config has. Multimodal RoPE sections
 Qwen-VL rotary classes default to a 128-dim head) are scaled to the small head: 4 + 2 + 2 of its 8 pairs.
 Special text ids (padding, bos, eos, decoder start, ...) beyond the small vocabulary move to its top, and the fields
 that depend on the headline sizes follow them (``posdiag.testing.shrink_rules``: latent attention, experts,
-state-space heads, layer patterns). ``tiny_multimodal`` builds the image-text-to-text model
-(``AutoModelForImageTextToText``) from it.
+state-space and linear-attention heads, layer patterns). Placeholder ids the modelling code reads but the config
+class does not declare are set as the model's other configs declare them. ``tiny_multimodal`` builds the
+image-text-to-text model (``AutoModelForImageTextToText``) from it.
 
 Hybrids keep an attention layer, as their checkpoints do, also where the default pattern has none
 (GraniteMoeHybrid's default is all Mamba) or derives it from other fields (Jamba: attention at layer 4 of 8), so
@@ -26,9 +27,11 @@ from posdiag.testing.shrink_rules import (
     aliased_sizes,
     experts,
     latent_attention,
+    linear_attention_heads,
     listed_sizes,
     mixer_heads,
     repeated_pattern,
+    undeclared_placeholders,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -129,7 +132,10 @@ def _small(model_type: str, image_tokens_in_vocab: bool, text_overrides: dict[st
         fields = _shrunk(base, text_sizes)
         fields.pop("model_type")
         return transformers.AutoConfig.for_model(model_type, **{**fields, **_moved(base.to_dict(), moves)})
-    return config_class(**kwargs, **_moved(base.to_dict(), moves))
+    placeholders = undeclared_placeholders(base, SPECIAL_TOKENS, _modelling_source(base))
+    if image_tokens_in_vocab:
+        placeholders = {k: vocab - 1 - SPECIAL_TOKENS.index(k) for k in placeholders}
+    return config_class(**kwargs, **_moved(base.to_dict(), moves), **placeholders)
 
 
 def _text_sizes(text: Any) -> dict[str, Any]:
@@ -238,6 +244,7 @@ def _shrunk(config: Any, sizes: dict[str, Any]) -> dict[str, Any]:
         if "num_key_value_heads" in fields and "num_attention_heads" in out and not _repeats_heads(config):
             out["num_key_value_heads"] = out["num_attention_heads"]
         out.update(latent_attention(fields, {**TEXT_SIZES, **sizes}, TEXT_SIZES["head_dim"]))
+        out.update(linear_attention_heads(config, {**TEXT_SIZES, **sizes}))
         out.update(experts(fields))
         out.update(mixer_heads(fields, out))
         out.update(repeated_pattern(fields, out))

@@ -1,8 +1,9 @@
 """Rules that keep a shrunk config consistent with itself, each derived from the config's own fields.
 
 ``posdiag.testing.multimodal`` sets the headline sizes (hidden size, heads, layers); the rules here size the fields
-that depend on them, as the full default has them: latent attention, experts, state-space heads, per-stage lists,
-layer patterns, and size fields reached through a config's ``attribute_map``.
+that depend on them, as the full default has them: latent attention, experts, state-space and linear-attention heads,
+per-stage lists, layer patterns, and size fields reached through a config's ``attribute_map``; and placeholder ids the
+modelling code reads that the config class leaves undeclared.
 """
 
 from __future__ import annotations
@@ -101,3 +102,52 @@ def aliased_sizes(config: Any, fields: dict[str, Any], sizes: dict[str, Any], ou
     aliases = getattr(type(config), "attribute_map", None) or {}
     return {aliases[k]: v for k, v in sizes.items()
             if k in aliases and aliases[k] in fields and k not in fields and aliases[k] not in out}
+
+
+def undeclared_placeholders(config: Any, names: tuple[str, ...], modelling_source: str) -> dict[str, Any]:
+    """Placeholder ids the modelling code reads from this config although its class declares no default, set to the
+    default another config class of the same model declares. Qwen2.5-Omni's and Qwen3-Omni's thinkers compute their
+    mRoPE positions from ``config.vision_start_token_id`` on every forward without position_ids; the thinker configs
+    lack the field (their talker configs declare it: 151652), while the released checkpoints' thinker configs and
+    transformers' own tests set it. Left out, every call without position_ids raised AttributeError."""
+    import importlib
+    import inspect
+    import re
+
+    read = set(re.findall(r"\bconfig\.(\w+)\b", modelling_source))
+    missing = [n for n in names if n in read and not hasattr(config, n)]
+    if not missing:
+        return {}
+    module = importlib.import_module(type(config).__module__)
+    siblings = [c for _, c in inspect.getmembers(module, inspect.isclass) if c.__module__ == module.__name__]
+    out: dict[str, Any] = {}
+    for name in missing:
+        declared = [getattr(c, name) for c in siblings if isinstance(getattr(c, name, None), int)]
+        if declared:
+            out[name] = declared[0]
+    return out
+
+
+def linear_attention_heads(config: Any, sizes: dict[str, Any]) -> dict[str, Any]:
+    """A linear-attention mixer (Kimi delta attention: Kimi Linear, GLM-5-Next; gated delta rule: Qwen3-Next, Qwen3.5)
+    gets the small attention's head size and count, value heads keeping the default's share of key heads, as
+    Bailing-Hybrid's and OLMo-Hybrid's configs derive theirs (left None in those classes, so not set here). Left at
+    GLM-5-Next's 64 heads of 128 dims (a 8192-wide mixer on a 64-wide model), its chunked kernel's per-channel decay
+    mask for a batch of 17 rows took 2.3 GB and the causal check ran out of the sweep's 6 GB."""
+    head, heads = sizes["head_dim"], sizes["num_attention_heads"]
+    declared = {k: getattr(type(config), k, None) for k in ("linear_num_heads", "linear_head_dim",
+                                                             "linear_num_key_heads", "linear_num_value_heads",
+                                                             "linear_key_head_dim", "linear_value_head_dim")}
+    declared = {k: v for k, v in declared.items() if isinstance(v, int) and not isinstance(v, bool) and v > 0}
+    out: dict[str, Any] = {}
+    if "linear_num_heads" in declared:
+        out["linear_num_heads"] = heads
+    if "linear_head_dim" in declared:
+        out["linear_head_dim"] = head
+    if {"linear_num_key_heads", "linear_num_value_heads"} <= declared.keys():
+        share = declared["linear_num_value_heads"] // declared["linear_num_key_heads"] or 1
+        out.update(linear_num_value_heads=heads, linear_num_key_heads=max(1, heads // share))
+    if {"linear_key_head_dim", "linear_value_head_dim"} <= declared.keys():
+        out.update(linear_key_head_dim=head,
+                   linear_value_head_dim=head * declared["linear_value_head_dim"] // declared["linear_key_head_dim"])
+    return out
