@@ -69,6 +69,7 @@ def run_checks(subject: Any, names: Iterable[str] | None = None, options: RunOpt
             if on_progress:
                 on_progress(name)
             results.append(_run_one(subject, name, options))
+            _forget_call_state(subject.model)
             if large:
                 gc.collect()
             if torch.cuda.is_available():
@@ -98,6 +99,15 @@ def _run_one(subject: Any, name: str, options: RunOptions) -> CheckResult:
                              details={"error": error, "exception": type(exc).__name__,
                                       "where": f"{Path(where.filename).name}:{where.lineno} in {where.name}"})
     return _timed(result, time.perf_counter() - start, subject.forward_count - passes)
+
+
+def _forget_call_state(model: Any) -> None:
+    """Each check starts from the model as loaded. mRoPE models keep the `rope_deltas` of their last call and reuse
+    them on a later cached call (measured: after `generate` on a batch of 3, Qwen3-Omni's thinker crashed `cache`'s
+    batch-1 decode, "expected size 1 but got size 0")."""
+    for module in model.modules():
+        if getattr(module, "rope_deltas", None) is not None:
+            module.rope_deltas = None
 
 
 def _timed(result: CheckResult, seconds: float, passes: int) -> CheckResult:

@@ -97,3 +97,12 @@ def test_batch_fails_naming_a_crash_of_the_models_own_defaults_path():
                         RunOptions(seq_len=12)).check("batch")
     assert result.status is Status.FAIL, result.summary
     assert "crashed: AttributeError" in result.summary and "vision_start_token_id" in result.summary, result.summary
+
+
+def test_each_check_starts_from_the_model_as_loaded():
+    """generate() leaves the thinker's rope_deltas of a batch of 3 on the model; a later batch-1 cached decode reused
+    them and crashed ("expected size 1 but got size 0"). run_checks clears that state between checks."""
+    subject = from_module(small_model("qwen3_omni_moe_thinker"), name="qwen3_omni_moe_thinker")
+    report = run_checks(subject, ["generate", "cache"], RunOptions(seq_len=12))
+    assert report.check("cache").status is Status.PASS, report.check("cache").summary
+    assert all(getattr(m, "rope_deltas", None) is None for m in subject.model.modules())
