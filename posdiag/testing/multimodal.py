@@ -24,7 +24,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from posdiag.testing.shrink_rules import (
-    aliased_sizes,
     experts,
     latent_attention,
     linear_attention_heads,
@@ -238,7 +237,6 @@ def _shrunk(config: Any, sizes: dict[str, Any]) -> dict[str, Any]:
         out.update(num_hidden_layers=3, n_input_layers=1, n_output_layers=1)
         if "n_recurrent_layers" in fields:
             out["n_recurrent_layers"] = None
-    out.update(aliased_sizes(config, fields, sizes, out))
     out.update(listed_sizes(fields, out))
     if sizes is not TOWER_SIZES:
         if "num_key_value_heads" in fields and "num_attention_heads" in out and not _repeats_heads(config):

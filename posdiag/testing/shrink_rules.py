@@ -97,13 +97,6 @@ def listed_sizes(fields: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
             if isinstance(v, int) and isinstance(fields.get(k), (list, tuple)) and fields[k]}
 
 
-def aliased_sizes(config: Any, fields: dict[str, Any], sizes: dict[str, Any], out: dict[str, Any]) -> dict:
-    """Sizes whose field goes by another name in this config (Zamba: head_dim is attention_head_dim)."""
-    aliases = getattr(type(config), "attribute_map", None) or {}
-    return {aliases[k]: v for k, v in sizes.items()
-            if k in aliases and aliases[k] in fields and k not in fields and aliases[k] not in out}
-
-
 def undeclared_placeholders(config: Any, names: tuple[str, ...], modelling_source: str) -> dict[str, Any]:
     """Placeholder ids the modelling code reads from this config although its class declares no default, set to the
     default another config class of the same model declares. Qwen2.5-Omni's and Qwen3-Omni's thinkers compute their
