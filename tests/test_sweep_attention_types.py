@@ -1,5 +1,6 @@
-"""Layer types that are attention under another name must not be read as recurrent mixers: that read turned the
-consistent permutation off and left `rope` unable to observe the applied rotation (a WARN on every DSA model)."""
+"""Layer types that are attention under another name, and convolutions in a tower the text never reaches, must not be
+read as recurrent mixers of the language model: that read turned the consistent permutation off and left `rope`
+unable to observe the applied rotation (a WARN on every DSA model and on VibeVoice-ASR)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from posdiag.model.introspect import recurrent_mixers
 from posdiag.model.loading import from_module
 from posdiag.options import RunOptions
 from posdiag.results import Status
-from posdiag.testing.multimodal import small_model
+from posdiag.testing.multimodal import small_config, small_model
 
 
 @pytest.fixture(autouse=True)
@@ -36,3 +37,35 @@ def test_a_layer_type_that_is_no_attention_is_still_a_mixer():
     model = small_model("granitemoehybrid")  # linear_attention layers: Mamba2 mixers
     assert "linear_attention" in set(model.config.layer_types)
     assert recurrent_mixers(model) == ["GraniteMoeHybridMambaLayer"]
+
+
+@pytest.mark.parametrize("model_type, towers", [
+    ("granite_speech", "encoder_config and projector_config"),
+    ("vibevoice_asr", "acoustic_tokenizer_encoder_config and semantic_tokenizer_encoder_config"),
+    ("llava", "vision tower"),
+])
+def test_any_sub_config_next_to_the_text_config_is_a_tower_not_tested(model_type, towers):
+    from types import SimpleNamespace
+
+    from posdiag.model.towers import tested_tower
+
+    model = SimpleNamespace(config=small_config(model_type))
+    assert tested_tower(model) == f"language model of SimpleNamespace; {towers} not tested"
+
+
+def test_text_models_and_encoder_decoders_have_no_towers():
+    from types import SimpleNamespace
+
+    from posdiag.model.towers import tested_tower
+
+    for model_type in ("llama", "t5", "encoder-decoder"):
+        assert tested_tower(SimpleNamespace(config=small_config(model_type))) == "", model_type
+
+
+def test_a_towers_convolutions_are_no_mixers_of_the_language_model():
+    """VibeVoice-ASR's acoustic tokenizer holds causal convolutions; searched in the whole model they were taken for
+    recurrent mixers of its Qwen2 language model, and `rope` could not observe the applied rotation (a WARN)."""
+    subject = from_module(small_model("vibevoice_asr"), name="vibevoice_asr")
+    assert recurrent_mixers(subject.model) and not recurrent_mixers(subject.language_model)
+    rope = run_checks(subject, ["rope"], RunOptions(seq_len=12)).check("rope")
+    assert rope.status is Status.PASS, rope.summary

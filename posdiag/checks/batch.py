@@ -73,7 +73,7 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
 
 
 def _positionless(subject: Subject) -> bool:
-    return subject.position_kind == "none found" and attention_free(subject.model)
+    return subject.position_kind == "none found" and attention_free(subject.language_model)
 
 
 def _pad_id(subject: Subject) -> int:
@@ -96,7 +96,7 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
     dev = subject.device
     takes = subject.family.takes_position_ids and subject.kind != "seq2seq"
     notes: list[str] = []
-    recurrent = recurrent_mixers(subject.model)
+    recurrent = recurrent_mixers(subject.language_model)
     no_left = recurrent and not subject.is_hf
     if no_left:
         notes.append(f"left padding not tested: {subject.family.name} has recurrent sequence mixers "

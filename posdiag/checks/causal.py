@@ -72,7 +72,7 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
 
     paths = [("default mask", False)]
     ok, why = subject.explicit_mask_supported
-    if ok and attention_free(subject.model):
+    if ok and attention_free(subject.language_model):
         ok, why = False, "no attention layer reads it (only recurrent sequence mixers)"
     if ok:
         paths.append(("explicit mask", True))
@@ -108,7 +108,7 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
         details["image_mask"] = image
     if not ok:
         details["explicit_mask"] = f"not run: {why}"
-    recurrent = recurrent_mixers(subject.model)
+    recurrent = recurrent_mixers(subject.language_model)
     if recurrent:
         details["recurrent_mixers"] = recurrent
         details["explicit_mask_reaches"] = "attention layers only (the recurrent mixers are causal by construction)"

@@ -92,7 +92,7 @@ def gapped_positions(length: int, limit: int | None, seed: int) -> torch.Tensor 
 
 def run(subject: Subject, options: RunOptions) -> CheckResult:
     fam = subject.family
-    recurrent = recurrent_mixers(subject.model)
+    recurrent = recurrent_mixers(subject.language_model)
     if recurrent and subject.position_kind not in ("rope", "learned", "sinusoidal", "alibi", "relative_bias"):
         return CheckResult(
             "positions", Status.SKIP,

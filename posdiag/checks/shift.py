@@ -77,7 +77,7 @@ class _Probe:
 def run(subject: Subject, options: RunOptions) -> CheckResult:
     kind = subject.position_kind
     if kind not in RELATIVE_KINDS + ABSOLUTE_KINDS:
-        recurrent = recurrent_mixers(subject.model)
+        recurrent = recurrent_mixers(subject.language_model)
         why = (f"; order enters through {subject.family.name}'s recurrent sequence mixers ({', '.join(recurrent)}), "
                f"which read no position ids") if recurrent else ""
         return CheckResult("shift", Status.SKIP, f"no position mechanism found ({kind}): nothing to shift{why}")
@@ -129,7 +129,7 @@ def _build(subject: Subject, options: RunOptions, stack: str) -> _Probe | str:
     if declared is not None:
         length = min(length, max(4, declared // 2))  # leave room for the ladder
     prefix = not subject.family.takes_position_ids
-    recurrent = bool(recurrent_mixers(subject.model)) or bool(subject.family.token_mixing)
+    recurrent = bool(recurrent_mixers(subject.language_model)) or bool(subject.family.token_mixing)
     if prefix and recurrent:
         return (f"{mixing_reason(subject)}; nor can positions be shifted by an invisible prefix (the family "
                 f"takes no position_ids, and a 4D mask hides the prefix from attention only, not from these mixers)")
@@ -235,8 +235,8 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
         if has_jitter:
             measured_floor = relative_l2(out.hidden[final][probe.jitter], out.hidden[final][probe.base])
         floor_source = f"{FLOOR_SOURCE if has_jitter else f'{dtype} machine epsilon'} ({mixing_reason(subject)})"
-        if recurrent_mixers(subject.model):
-            details["recurrent_mixers"] = recurrent_mixers(subject.model)
+        if recurrent_mixers(subject.language_model):
+            details["recurrent_mixers"] = recurrent_mixers(subject.language_model)
     floor = noise_floor(measured_floor, dtype)
     eps = MACHINE_EPSILON.get(dtype, MACHINE_EPSILON["float32"])
     details["floor_source"] = floor_source

@@ -63,14 +63,14 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
             return CheckResult("shuffle", Status.SKIP, f"cannot permute the causal mask: {why}",
                                details={"stack": stack})
 
-    if attention_free(subject.model):
+    if attention_free(subject.language_model):
         return CheckResult("shuffle", Status.SKIP,
                            f"{recurrent_reason(subject)}; and no layer is attention, so there is no mask to permute: "
                            f"order enters through the recurrence by construction", details={"stack": stack})
     ids = probe_ids(subject, options)[0]
     length = ids.shape[0]
     perms = [p.to(subject.device) for p in moving_permutations(length, options.permutations, options.seed + 7919)]
-    recurrent = recurrent_mixers(subject.model)
+    recurrent = recurrent_mixers(subject.language_model)
     mixing = subject.family.token_mixing  # not attention: it reads the storage order, like a recurrence
     floor_by_jitter = bool(recurrent or mixing)
     consistent = subject.family.takes_position_ids and not floor_by_jitter

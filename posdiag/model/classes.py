@@ -12,8 +12,9 @@ from typing import Any
 import torch
 
 from posdiag.errors import one_line
-from posdiag.model.families import Family, tested_tower
+from posdiag.model.families import Family
 from posdiag.model.placement import input_device
+from posdiag.model.towers import tested_tower
 
 
 def text_route(model: torch.nn.Module) -> tuple[torch.nn.Module, str]:

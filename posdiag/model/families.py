@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from posdiag.model.storage_mixing import storage_order_mixing, storage_positions
+from posdiag.model.towers import is_multimodal, language_config
 
 
 @dataclass(frozen=True)
@@ -327,11 +328,6 @@ def _deberta_relative(row: Family, config: Any) -> Family:
     return replace(row, position_kind="relative_bias", position_ids="ignored", token_mixing=mixing)
 
 
-# Sub-configs of the towers posdiag does not test (the language model is what carries text positions).
-_TOWERS = {"vision_config": "vision tower", "audio_config": "audio tower", "vision_tower_config": "vision tower",
-           "speech_config": "speech tower"}
-
-
 def for_model(family: Family, model: Any) -> Family:
     """The row refined by what the built model's forward declares: a forward that names no `position_ids` takes none
     (TrOCR, RoFormer, XLNet: its **kwargs drop them, positions come from arange), so they are "ignored", as in the
@@ -345,29 +341,6 @@ def for_model(family: Family, model: Any) -> Family:
     if family.takes_position_ids and "position_ids" not in params:
         return replace(family, position_ids="ignored")
     return family
-
-
-def is_multimodal(config: Any) -> bool:
-    """A config holding a language model next to other towers (vision-language, audio-language)."""
-    if not any(getattr(config, name, None) is not None for name in _TOWERS):
-        return False
-    get = getattr(config, "get_text_config", None)
-    return callable(get) and get(decoder=True) is not config
-
-
-def language_config(config: Any) -> Any:
-    """The config the checks read (sizes, RoPE, windows, layer types): a multimodal model's text config
-    (the top config of Qwen2-VL, LLaVA, Gemma3... holds none of them), else the config itself."""
-    return config.get_text_config(decoder=True) if is_multimodal(config) else config
-
-
-def tested_tower(model: Any) -> str:
-    """What the checks run on, for the report header: "" for a text model."""
-    config = getattr(model, "config", None)
-    if config is None or not is_multimodal(config):
-        return ""
-    towers = sorted({label for name, label in _TOWERS.items() if getattr(config, name, None) is not None})
-    return f"language model of {type(model).__name__}; {' and '.join(towers)} not tested"
 
 
 def _declared_causal(config: Any) -> bool:

@@ -105,8 +105,9 @@ def attention_free(model: torch.nn.Module) -> bool:
 
 
 def recurrent_reason(subject: Any) -> str | None:
-    """The skip reason for checks that need a consistent permutation, or None for pure attention models."""
-    names = recurrent_mixers(subject.model)
+    """The skip reason for checks that need a consistent permutation, or None for pure attention models. Searched in
+    the language model only: a tower's convolutions (VibeVoice-ASR's acoustic tokenizer) never see the text."""
+    names = recurrent_mixers(subject.language_model)
     if not names:
         return None
     return (f"{subject.family.name} has recurrent sequence mixers ({', '.join(names)}): order enters through the "
@@ -117,7 +118,7 @@ def mixing_reason(subject: Any) -> str | None:
     """Why no consistent permutation exists: recurrent mixers (recurrent_reason), or a family whose tokens are mixed
     by something other than attention (`Family.token_mixing`, FNet's Fourier transform); None for attention."""
     mixing = subject.family.token_mixing
-    if recurrent_mixers(subject.model) or not mixing:
+    if recurrent_mixers(subject.language_model) or not mixing:
         return recurrent_reason(subject)
     return (f"{subject.family.name} mixes tokens by {mixing}, not by attention alone: a consistent permutation is "
             "not expected to reproduce P f(x)")

@@ -21,7 +21,7 @@ import torch
 from posdiag.errors import PosdiagError, one_line
 from posdiag.model.checkpoint import checkpoint_dtype, weight_files
 from posdiag.model.classes import auto_class, shipped_code, text_route
-from posdiag.model.families import Family, family_for, for_model, language_config
+from posdiag.model.families import Family, family_for, for_model
 from posdiag.model.introspect import detect_position_kind
 from posdiag.model.placement import (
     device_map_kwargs,
@@ -35,6 +35,7 @@ from posdiag.model.placement import (
 from posdiag.model.precision import memory_allows, weight_bytes
 from posdiag.model.subject import LoadInfo, Subject
 from posdiag.model.tensors import DTYPES, dtype_name
+from posdiag.model.towers import language_config
 from posdiag.options import LoadOptions
 
 

@@ -76,7 +76,7 @@ class Subject:
     batch_limit: int | None = None  # lowered after an out-of-memory fallback
     is_hf: bool = True
     notes: list[str] = field(default_factory=list)
-    tested: str = ""  # multimodal models: the tower the checks run on (families.tested_tower)
+    tested: str = ""  # multimodal models: the tower the checks run on (towers.tested_tower)
     mask_refusals: dict[str, str] = field(default_factory=dict)  # stack -> why it refuses explicit masks ("": takes)
     cleanup: list[Any] = field(default_factory=list, repr=False)  # weakref.finalize: temporary offload folders
 

@@ -81,7 +81,7 @@ def _not_applicable(subject: Subject) -> CheckResult | None:
         return CheckResult("kernels", Status.SKIP, "factory models have a single attention path: nothing to compare")
     if not hasattr(subject.model, "set_attn_implementation"):
         return CheckResult("kernels", Status.SKIP, "the model cannot switch attention implementations")
-    if attention_free(subject.model):
+    if attention_free(subject.language_model):
         return CheckResult("kernels", Status.SKIP, f"{recurrent_reason(subject)}; and no layer is attention, so no "
                                                    "attention kernel runs: nothing to compare")
     return None
