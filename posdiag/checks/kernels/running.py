@@ -132,7 +132,8 @@ def implementation(subject: Subject, name: str) -> Iterator[str]:
             model.set_attn_implementation(name)
         except Exception as exc:
             text = str(exc).strip().splitlines()
-            raise Refused((text[0] if text else type(exc).__name__)[:200]) from None
+            refusal = (text[0] if text else type(exc).__name__)[:200]
+            note = _language_model_only(model, subject.config, name, refusal)
         if model.config._attn_implementation != name:
             flag = SUPPORT_FLAG.get(name)
             if flag and getattr(model, flag, False):
@@ -146,6 +147,21 @@ def implementation(subject: Subject, name: str) -> Iterator[str]:
     finally:
         for c, value in saved:
             c._attn_implementation_internal = value
+
+
+def _language_model_only(model: torch.nn.Module, text_config: Any, name: str, refusal: str) -> str:
+    """A tower refusing the implementation (VibeVoice-ASR's acoustic tokenizer has no SDPA) does not keep the language
+    model the checks drive from switching: set it on the top model and the text sub-config only. Raises Refused with
+    the tower's refusal when the model has no such sub-config, or refuses that too."""
+    key = next((k for k in getattr(model.config, "sub_configs", {}) or {}
+                if getattr(model.config, k, None) is text_config), None)
+    if key is None:
+        raise Refused(refusal)
+    try:
+        model.set_attn_implementation({"": name, key: name})
+    except Exception:
+        raise Refused(refusal) from None
+    return f"set on the language model only (a tower refuses {name})"
 
 
 def _configs(model: torch.nn.Module) -> list[Any]:
