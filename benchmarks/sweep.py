@@ -47,6 +47,7 @@ FINDINGS: dict[str, dict[str, str]] = {
     "gpt-sw3": {"batch": "positions from the first padding column without position_ids"},
     "gpt_bigcode": {"batch": "positions from the first padding column without position_ids"},
     "biogpt": {"batch": "positions from the first padding column without position_ids"},
+    "xglm": {"batch": "positions from the first padding column without position_ids"},
     "ctrl": {"batch": "positions from the first padding column without position_ids"},
     "moshi": {"cache": "its forward ignores the sliding window its cache applies",
               "generate": "its forward ignores the sliding window its cache applies"},

@@ -39,7 +39,7 @@ import torch
 from posdiag.errors import one_line
 from posdiag.model.placement import is_dispatched
 from posdiag.model.subject import Subject
-from posdiag.model.tensors import dtype_name
+from posdiag.model.tensors import default_dtype, dtype_name
 
 T = TypeVar("T")
 
@@ -83,14 +83,14 @@ def run_finer(subject: Subject, compute: Callable[[], T], preferred: torch.dtype
             return FinerRun(compute(), preferred, "no conversion")
     candidates = [preferred] + [d for d in (torch.float32,) if preferred.itemsize > d.itemsize > subject.dtype.itemsize]
     failure = ""
-    for dtype in candidates:
-        for how in conversion_ways(subject):
+    for dtype in candidates:  # last resort: torch's default dtype too, for constants the model builds in it
+        for how, default in [(how, None) for how in conversion_ways(subject)] + [(conversion_ways(subject)[-1], dtype)]:
             passes = subject.forward_count
             try:
-                with finer_dtype(subject, dtype, how, guard_padding=guard_padding) as done:
+                with finer_dtype(subject, dtype, how, guard_padding=guard_padding) as done, default_dtype(default):
                     value = compute()
                 if reached is None or reached(value, dtype):
-                    return FinerRun(value, dtype, done)
+                    return FinerRun(value, dtype, done + (", as torch's default dtype too" if default else ""))
                 failure = f"{dtype_name(dtype)}: the conversion did not reach every module"
             except (RuntimeError, TypeError) as exc:
                 subject.forward_count = passes

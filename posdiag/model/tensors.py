@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -61,7 +63,6 @@ def dtype_name(dtype: torch.dtype) -> str:
 def release_freed_memory() -> None:
     """Hand the heap that freed finer-dtype copies leave behind back to the system (glibc keeps it otherwise:
     every float64 re-run would raise the process's resident memory a little more). A no-op elsewhere."""
-    import contextlib
     import ctypes
     import sys
 
@@ -80,3 +81,17 @@ def token_states(hidden: Any, length: int) -> list[torch.Tensor]:
             h = h[0]
         out.append(h[:, :length] if h.ndim >= 2 and h.shape[1] > length else h)
     return out
+
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
+    """torch's default dtype set to `dtype` inside the block (None: unchanged). A model converted to float64 still
+    builds constants in the default dtype: XGLM's `torch.full((), finfo(float64).min)` overflows float32."""
+    saved = torch.get_default_dtype()
+    if dtype is not None:
+        torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)
