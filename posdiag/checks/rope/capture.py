@@ -12,6 +12,8 @@ import torch
 
 from posdiag.model.subject import Subject
 
+APPLY_SOURCE = "apply_rotary_pos_emb inputs"  # the un-rotated q/k handed to the apply function, its output beside
+
 
 class Capture:
     """Record q/k as attention consumes them (eager function) or as the apply function returns them,
@@ -30,7 +32,7 @@ class Capture:
 
     def eager(self, original):
         def wrapped(module, query, key, value, *args, **kwargs):
-            plain = [] if self.pending is None else [(*self.pending[:2], "apply_rotary_pos_emb inputs",
+            plain = [] if self.pending is None else [(*self.pending[:2], APPLY_SOURCE,
                                                       *self.pending[2:])]
             self.pending = None
             proj = self.projected.pop(id(module), {})
@@ -58,7 +60,7 @@ class Capture:
                 self.pending = None if plain is None else (*plain, out[0].detach().clone(), out[1].detach().clone())
             else:
                 self.records.append((None, out[0].detach().clone(), out[1].detach().clone(),
-                                     [(*plain, "apply_rotary_pos_emb inputs", None, None)] if plain else []))
+                                     [(*plain, APPLY_SOURCE, None, None)] if plain else []))
                 self.rotated.append(True)
             return out
         return wrapped
@@ -75,6 +77,18 @@ class Capture:
             if len(self.rotated) == len(self.records):
                 self.rotated[:] = [self.rotated[i] for i in keep]
             self.records[:] = [self.records[i] for i in keep]
+
+    def layer_indices(self, layers: int) -> list[int]:
+        """The decoder layer of each record. Attention calls are the layers on a pure attention model; a hybrid calls
+        attention in some layers only (Qwen3-Next every fourth), so its records are numbered by the modules'
+        layer_idx when every module has a distinct one."""
+        order = list(range(len(self.records)))
+        if len(self.records) >= layers:
+            return order
+        idx = [getattr(module, "layer_idx", None) for module, *_ in self.records]
+        if all(isinstance(i, int) and 0 <= i < layers for i in idx) and len(set(idx)) == len(idx):
+            return idx
+        return order
 
     def projection(self, attention: torch.nn.Module, name: str):
         def hook(_module, _inputs, output):
