@@ -112,7 +112,8 @@ def _capture_qk(subject: Subject, layer_spec, positions: np.ndarray, token: int)
         return [], out, "the attention function was never called with q/k", {}
     capture.first_calls()
     layers = capture.layer_indices(len(layer_spec))
-    nope = {i: why for i, why in without_rope(subject, layer_spec, capture).items() if i in layers}
+    mapped = layers if layers != list(range(len(layers))) else None
+    nope = {i: why for i, why in without_rope(subject, layer_spec, capture, mapped).items() if i in layers}
     rotated = dict(zip(layers, capture.rotated if len(capture.rotated) == len(layers) else [False] * len(layers),
                        strict=True))
     records = [(layer, *record) for layer, record in zip(layers, capture.records, strict=True)]
