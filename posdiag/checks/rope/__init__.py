@@ -28,7 +28,8 @@ tolerance is the rounding bound of one honest rotation (a few units of the dtype
 PASS within it, WARN up to FAIL_RATIO times it (inconclusive), FAIL above.
 
 Where each lives: planning.py (positions, per-layer specs), tables.py (probe 1), capture.py (observing
-q/k), applied.py (probe 2), paired.py (its un-rotated q/k for recurrent models), factor.py (probe 3), findings.py (`Finding`), report.py (tables, metrics).
+q/k), applied.py (probe 2), paired.py (probe 2's un-rotated q/k for recurrent models), factor.py (probe 3),
+findings.py (`Finding`), report.py (tables, metrics).
 """
 
 from __future__ import annotations

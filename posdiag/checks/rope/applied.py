@@ -29,14 +29,14 @@ LAYOUTS = _PLACED + tuple(f"{lay}, reversed" for lay in _PLACED)
 def probe_applied(subject: Subject, layer_spec, refs, positions: np.ndarray, token: int):
     """-> (findings, [(position, worst ratio)], observed, why not, attention-factor rows, factor not measured at,
     {layer: why it runs without RoPE})."""
-    records, out, why, nope = _capture_qk(subject, layer_spec, positions, token)
-    if why:
-        return [], [], False, why, [], [], {}
     # The same token at every position gives the same pre-rotation q/k only when nothing before the
     # attention layer reads order; a recurrent mixer does (healthy Qwen3-Next, LFM2, Bamba FAILed here
     # at 1e2-7e5x). There the rotation is judged against the un-rotated q/k of the same call (paired.py);
     # the attention factor (rotated / un-rotated length) needs no such premise either.
     recurrent = recurrent_reason(subject)
+    records, out, why, nope = _capture_qk(subject, layer_spec, positions, token, bool(recurrent))
+    if why:
+        return [], [], False, why, [], [], {}
     eps = MACHINE_EPSILON.get(subject.dtype_name, 1.2e-7)
     findings: list[Finding] = []
     factors: list[Finding] = []
@@ -98,9 +98,11 @@ def probe_applied(subject: Subject, layer_spec, refs, positions: np.ndarray, tok
     return findings + factors, rows, True, "", factors, no_factor, {i: why for i, (why, _) in nope.items()}
 
 
-def _capture_qk(subject: Subject, layer_spec, positions: np.ndarray, token: int) -> tuple[list, object, str, dict]:
+def _capture_qk(subject: Subject, layer_spec, positions: np.ndarray, token: int,
+                hybrid: bool) -> tuple[list, object, str, dict]:
     """One forward of the same token at `positions`, q/k captured per attention call.
-    -> ([(layer, module, q, k, plain)], output, why not, {layer: (why it runs without RoPE, rotated anyway)})."""
+    -> ([(layer, module, q, k, plain)], output, why not, {layer: (why it runs without RoPE, rotated anyway)}).
+    hybrid: recurrent mixers take some layers, so records are numbered by decoder layer (Capture.layer_indices)."""
     eager = getattr(rope_math.text_config(subject.config), "_attn_implementation", "eager") in ("eager", None)
     capture = Capture(eager)
     ids = torch.full((len(positions),), token, dtype=torch.long, device=subject.device)
@@ -111,13 +113,15 @@ def _capture_qk(subject: Subject, layer_spec, positions: np.ndarray, token: int)
     if not capture.records:
         return [], out, "the attention function was never called with q/k", {}
     capture.first_calls()
-    layers = capture.layer_indices(len(layer_spec))
-    mapped = layers if layers != list(range(len(layers))) else None
-    nope = {i: why for i, why in without_rope(subject, layer_spec, capture, mapped).items() if i in layers}
+    layers = capture.layer_indices(len(layer_spec)) if hybrid else list(range(len(capture.records)))
+    mapped = layers != list(range(len(layers)))
+    nope = without_rope(subject, layer_spec, capture, layers if mapped else None)
+    if mapped:  # a layer without attention calls (a recurrent mixer's) is no NoPE layer
+        nope = {i: why for i, why in nope.items() if i in layers}
     rotated = dict(zip(layers, capture.rotated if len(capture.rotated) == len(layers) else [False] * len(layers),
                        strict=True))
     records = [(layer, *record) for layer, record in zip(layers, capture.records, strict=True)]
-    return records, out, "", {i: (why, rotated[i] and layer_spec[i] is None) for i, why in nope.items()}
+    return records, out, "", {i: (why, rotated.get(i, False) and layer_spec[i] is None) for i, why in nope.items()}
 
 
 def judged_qk(q: torch.Tensor, k: torch.Tensor, plain: list[tuple]) -> tuple[torch.Tensor, torch.Tensor, str]:
