@@ -12,7 +12,9 @@ their switch point):
    dims unchanged: wrong pairing, partial-dim mistakes, q/k layout mismatch, a key never rotated
    show here even when tables look right. Math: R_p rotates pair (a_i, b_i) by p·θ_i. A model that rotates
    by -p·θ_i (NanoChat) in q and k alike is relative too (<R_-m q, R_-n k> = <q, R_(m-n) k>) and passes, the
-   direction named in the summary; q and k rotated in opposite directions fail.
+   direction named in the summary; q and k rotated in opposite directions fail. Behind a recurrent mixer the
+   premise fails (the attention layer's input differs per position): there each rotated q/k is judged against
+   the un-rotated q/k of the same apply_rotary_pos_emb call, rotated(p) = R_p unrotated(p) (paired.py).
 3. attention factor (YaRN/longrope "mscale"): q(p) = s·R_p u scales every position alike, so probe 2
    cannot see s, and nor can anything else observed after the rotation (weights scaled by s are the
    same model). It is measured against the un-rotated q/k of the same forward (the inputs of
@@ -26,7 +28,8 @@ tolerance is the rounding bound of one honest rotation (a few units of the dtype
 PASS within it, WARN up to FAIL_RATIO times it (inconclusive), FAIL above.
 
 Where each lives: planning.py (positions, per-layer specs), tables.py (probe 1), capture.py (observing
-q/k), applied.py (probe 2), factor.py (probe 3), findings.py (`Finding`), report.py (tables, metrics).
+q/k), applied.py (probe 2), paired.py (probe 2's un-rotated q/k for recurrent models), factor.py (probe 3),
+findings.py (`Finding`), report.py (tables, metrics).
 """
 
 from __future__ import annotations

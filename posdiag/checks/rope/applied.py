@@ -10,6 +10,7 @@ import torch
 from posdiag.checks.rope.capture import Capture, capturing, heads, without_rope
 from posdiag.checks.rope.factor import factor_finding
 from posdiag.checks.rope.findings import Finding
+from posdiag.checks.rope.paired import lined_up
 from posdiag.model.introspect import recurrent_reason
 from posdiag.model.probe import Row, run_rows
 from posdiag.model.subject import Subject
@@ -28,19 +29,22 @@ LAYOUTS = _PLACED + tuple(f"{lay}, reversed" for lay in _PLACED)
 def probe_applied(subject: Subject, layer_spec, refs, positions: np.ndarray, token: int):
     """-> (findings, [(position, worst ratio)], observed, why not, attention-factor rows, factor not measured at,
     {layer: why it runs without RoPE})."""
-    records, out, why, nope = _capture_qk(subject, layer_spec, positions, token)
-    if why:
-        return [], [], False, why, [], [], {}
     # The same token at every position gives the same pre-rotation q/k only when nothing before the
     # attention layer reads order; a recurrent mixer does (healthy Qwen3-Next, LFM2, Bamba FAILed here
-    # at 1e2-7e5x). The attention factor (rotated / un-rotated length) needs no such premise.
+    # at 1e2-7e5x). There the rotation is judged against the un-rotated q/k of the same call (paired.py);
+    # the attention factor (rotated / un-rotated length) needs no such premise either.
     recurrent = recurrent_reason(subject)
+    records, out, why, nope = _capture_qk(subject, layer_spec, positions, token, bool(recurrent))
+    if why:
+        return [], [], False, why, [], [], {}
     eps = MACHINE_EPSILON.get(subject.dtype_name, 1.2e-7)
     findings: list[Finding] = []
     factors: list[Finding] = []
     no_factor: list[str] = []  # "layer L q": no un-rotated capture lines up with that q/k
+    unpaired: list[str] = []  # the same, where the rotation itself must be judged against it (recurrent models)
+    judged = 0
     by_pos = np.zeros(len(positions))
-    for layer, (_module, q, k, plain) in enumerate(records):
+    for layer, _module, q, k, plain in records:
         if layer in nope:
             if nope[layer][1]:  # the config gives the layer no rotation, yet one was applied before its attention
                 findings.append(Finding("layout", float("inf"), layer=layer, message=(
@@ -49,7 +53,7 @@ def probe_applied(subject: Subject, layer_spec, refs, positions: np.ndarray, tok
         q, k, judged_at = judged_qk(q, k, plain)
         spec = layer_spec[min(layer, len(layer_spec) - 1)]
         freqs, scaling = refs[id(spec)]
-        spread = input_spread(out, layer)
+        spread = 0.0 if recurrent else input_spread(out, layer)  # judged pairwise: no premise, no spread
         arrays = {name: heads(t, len(positions)) for name, t in (("q", q), ("k", k))}
         for name, t in (("q", q), ("k", k)):
             if arrays[name] is None:
@@ -61,30 +65,44 @@ def probe_applied(subject: Subject, layer_spec, refs, positions: np.ndarray, tok
                 findings.append(non_finite(arr, positions, layer, name))
                 fits[name] = None
                 continue
-            fits[name] = None if recurrent else {
-                lay: judge_applied(arr, freqs, spec, positions, lay, eps,
-                                    max(spread, eps), layer, name) for lay in layouts_for(freqs, arr.shape[-1])}
             factor = factor_finding(arr, plain, name, freqs, scaling, eps, positions, layer)
             if factor is not None:
                 factors.append(factor)
             else:
                 no_factor.append(f"layer {layer} {name}")
+            if not recurrent:
+                fits[name] = {lay: judge_applied(arr, freqs, spec, positions, lay, eps, max(spread, eps), layer, name)
+                              for lay in layouts_for(freqs, arr.shape[-1])}
+                continue
+            pair = lined_up(arr, plain, name, min(2 * freqs.shape[0], arr.shape[-1]), positions, eps)
+            if pair is None:
+                unpaired.append(f"layer {layer} {name}")
+                fits[name] = None
+                continue
+            after, before, judged_at = pair
+            scale = scaling if factor is None else factor.extra["measured_factor"]  # the factor is judged apart
+            fits[name] = {lay: judge_applied(after, freqs, spec, positions, lay, eps, eps, layer, name, base=before,
+                                             scale=scale) for lay in layouts_for(freqs, after.shape[-1])}
         if fits["q"] is None or fits["k"] is None:
             continue
         layer_findings, layer_by_pos = best_fits(fits, layer, spread, judged_at)
+        judged += 1
         findings += layer_findings
         by_pos = np.maximum(by_pos, layer_by_pos)
     findings += mixed_directions(findings)
-    if recurrent:
-        return (findings + factors, [], False, f"{recurrent} (the same token gives a different q/k at each position)",
-                factors, no_factor, {})
+    if recurrent and (unpaired or not judged):  # a layer judged pairwise still FAILs on its own findings
+        where = f"; no un-rotated q/k lined up with the rotated one at {', '.join(unpaired)}" if unpaired else ""
+        return (findings + factors, [], False,
+                f"{recurrent} (the same token gives a different q/k at each position){where}", factors, no_factor, {})
     rows = [(int(p), float(r)) for p, r in zip(positions, by_pos, strict=True)]
     return findings + factors, rows, True, "", factors, no_factor, {i: why for i, (why, _) in nope.items()}
 
 
-def _capture_qk(subject: Subject, layer_spec, positions: np.ndarray, token: int) -> tuple[list, object, str, dict]:
+def _capture_qk(subject: Subject, layer_spec, positions: np.ndarray, token: int,
+                hybrid: bool) -> tuple[list, object, str, dict]:
     """One forward of the same token at `positions`, q/k captured per attention call.
-    -> (records, output, why not, {layer: (why it runs without RoPE, rotated anyway)})."""
+    -> ([(layer, module, q, k, plain)], output, why not, {layer: (why it runs without RoPE, rotated anyway)}).
+    hybrid: recurrent mixers take some layers, so records are numbered by decoder layer (Capture.layer_indices)."""
     eager = getattr(rope_math.text_config(subject.config), "_attn_implementation", "eager") in ("eager", None)
     capture = Capture(eager)
     ids = torch.full((len(positions),), token, dtype=torch.long, device=subject.device)
@@ -95,9 +113,15 @@ def _capture_qk(subject: Subject, layer_spec, positions: np.ndarray, token: int)
     if not capture.records:
         return [], out, "the attention function was never called with q/k", {}
     capture.first_calls()
-    nope = without_rope(subject, layer_spec, capture)
-    rotated = capture.rotated if len(capture.rotated) == len(capture.records) else [False] * len(capture.records)
-    return capture.records, out, "", {i: (why, rotated[i] and layer_spec[i] is None) for i, why in nope.items()}
+    layers = capture.layer_indices(len(layer_spec)) if hybrid else list(range(len(capture.records)))
+    mapped = layers != list(range(len(layers)))
+    nope = without_rope(subject, layer_spec, capture, layers if mapped else None)
+    if mapped:  # a layer without attention calls (a recurrent mixer's) is no NoPE layer
+        nope = {i: why for i, why in nope.items() if i in layers}
+    rotated = dict(zip(layers, capture.rotated if len(capture.rotated) == len(layers) else [False] * len(layers),
+                       strict=True))
+    records = [(layer, *record) for layer, record in zip(layers, capture.records, strict=True)]
+    return records, out, "", {i: (why, rotated.get(i, False) and layer_spec[i] is None) for i, why in nope.items()}
 
 
 def judged_qk(q: torch.Tensor, k: torch.Tensor, plain: list[tuple]) -> tuple[torch.Tensor, torch.Tensor, str]:
@@ -195,18 +219,21 @@ def _pairs(layout: str, rotary_dim: int, dim: int) -> tuple[np.ndarray, np.ndarr
 
 
 def judge_applied(arr: np.ndarray, freqs: np.ndarray, spec, positions: np.ndarray, layout: str, eps: float,
-                  floor: float, layer: int, name: str, angles: np.ndarray | None = None) -> tuple[Finding, np.ndarray]:
+                  floor: float, layer: int, name: str, angles: np.ndarray | None = None,
+                  base: np.ndarray | None = None, scale: float = 1.0) -> tuple[Finding, np.ndarray]:
     """arr [H, T, D]: observed rotated vectors; q(p) must be R_p q(0) (R_-p for a reversed layout) on the rotary
     dims, q(0) elsewhere.
-    angles [T, pairs]: each pair's reference angle where it is not p·θ_i (mRoPE streams that differ)."""
+    angles [T, pairs]: each pair's reference angle where it is not p·θ_i (mRoPE streams that differ).
+    base [H, T, D]: the un-rotated q/k of each position (paired.py): q(p) must be scale·R_p base(p) on the rotary
+    dims, base(p) elsewhere, with no same-token premise."""
     heads, _, dim = arr.shape
     rot = min(2 * freqs.shape[0], dim)
     freqs = freqs[: rot // 2]
     a_idx, b_idx = _pairs(layout, rot, dim)
-    x0 = arr[:, :1]
+    x0 = arr[:, :1] if base is None else base
     ang = (rope_math.reference_angles(freqs, positions) if angles is None else angles[:, : rot // 2])[None]
     c, s = np.cos(ang), np.sin(ang) * (-1.0 if layout.endswith("reversed") else 1.0)
-    xa, xb = x0[..., a_idx], x0[..., b_idx]
+    xa, xb = scale * x0[..., a_idx], scale * x0[..., b_idx]
     ea, eb = xa * c - xb * s, xb * c + xa * s
     err_pair = np.sqrt((arr[..., a_idx] - ea) ** 2 + (arr[..., b_idx] - eb) ** 2)  # [H, T, pairs]
     norm_pair = np.sqrt(xa ** 2 + xb ** 2)
@@ -226,15 +253,16 @@ def judge_applied(arr: np.ndarray, freqs: np.ndarray, spec, positions: np.ndarra
     if rot < dim:
         rest_idx = np.setdiff1d(np.arange(dim), np.concatenate([a_idx, b_idx]))  # the dims that must not move
         rest = arr[..., rest_idx]
-        err = np.abs(rest - x0[..., rest_idx])
-        tol = norm_head * (4 * eps + 2 * floor) + 1e-30
+        kept = np.broadcast_to(x0[..., rest_idx], rest.shape)
+        err = np.abs(rest - kept)
+        tol = np.broadcast_to(norm_head * (4 * eps + 2 * floor) + 1e-30, rest.shape)
         r = err / tol
         j = np.unravel_index(int(np.argmax(r)), r.shape)
         by_pos = np.maximum(by_pos, r.max(axis=(0, 2)))
         if r[j] > worst.ratio:
-            worst = Finding("pass-through dims", float(r[j]), error=float(err[j]), tolerance=float(tol[j[0], 0, 0]),
+            worst = Finding("pass-through dims", float(r[j]), error=float(err[j]), tolerance=float(tol[j]),
                             layer=layer,
                             tensor=name, head=int(j[0]), position=int(positions[j[1]]), dim=int(rest_idx[j[2]]),
-                            expected=float(x0[j[0], 0, rest_idx[j[2]]]), actual=float(rest[j]),
+                            expected=float(kept[j]), actual=float(rest[j]),
                             extra={"rotary_dim": rot, "head_dim": dim})
     return worst, by_pos

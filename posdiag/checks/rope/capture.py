@@ -12,6 +12,8 @@ import torch
 
 from posdiag.model.subject import Subject
 
+APPLY_SOURCE = "apply_rotary_pos_emb inputs"  # the un-rotated q/k handed to the apply function, its output beside
+
 
 class Capture:
     """Record q/k as attention consumes them (eager function) or as the apply function returns them,
@@ -30,7 +32,7 @@ class Capture:
 
     def eager(self, original):
         def wrapped(module, query, key, value, *args, **kwargs):
-            plain = [] if self.pending is None else [(*self.pending[:2], "apply_rotary_pos_emb inputs",
+            plain = [] if self.pending is None else [(*self.pending[:2], APPLY_SOURCE,
                                                       *self.pending[2:])]
             self.pending = None
             proj = self.projected.pop(id(module), {})
@@ -58,7 +60,7 @@ class Capture:
                 self.pending = None if plain is None else (*plain, out[0].detach().clone(), out[1].detach().clone())
             else:
                 self.records.append((None, out[0].detach().clone(), out[1].detach().clone(),
-                                     [(*plain, "apply_rotary_pos_emb inputs", None, None)] if plain else []))
+                                     [(*plain, APPLY_SOURCE, None, None)] if plain else []))
                 self.rotated.append(True)
             return out
         return wrapped
@@ -76,6 +78,18 @@ class Capture:
                 self.rotated[:] = [self.rotated[i] for i in keep]
             self.records[:] = [self.records[i] for i in keep]
 
+    def layer_indices(self, layers: int) -> list[int]:
+        """The decoder layer of each record. Attention calls are the layers on a pure attention model; a hybrid calls
+        attention in some layers only (Qwen3-Next every fourth), so its records are numbered by the modules'
+        layer_idx when every module has a distinct one."""
+        order = list(range(len(self.records)))
+        if len(self.records) >= layers:
+            return order
+        idx = [getattr(module, "layer_idx", None) for module, *_ in self.records]
+        if all(isinstance(i, int) and 0 <= i < layers for i in idx) and len(set(idx)) == len(idx):
+            return idx
+        return order
+
     def projection(self, attention: torch.nn.Module, name: str):
         def hook(_module, _inputs, output):
             if isinstance(output, torch.Tensor):
@@ -83,25 +97,31 @@ class Capture:
         return hook
 
 
-def without_rope(subject: Subject, layer_spec: list, capture: Capture) -> dict[int, str]:
+def without_rope(subject: Subject, layer_spec: list, capture: Capture,
+                 layers: list[int] | None = None) -> dict[int, str]:
     """Layers that run without RoPE by design -> why: the config gives their layer no rotary block (Beam's
     rope_parameters["full_attention"] is None, SmolLM3's no_rope_layers), or, seen in the run, no rotation is
     applied before attention at any layer of one layer type while layers of another type rotate (Cohere2 and
     Flint rotate only their sliding-window layers). An unrotated layer of a type that rotates elsewhere has no
-    such reason: it is judged (and fails)."""
+    such reason: it is judged (and fails). layers: the decoder layer of each record where a hybrid calls attention
+    in some layers only (Capture.layer_indices); a layer type without attention calls (recurrent mixers) is no such
+    type."""
     config = getattr(subject.config, "text_config", None) or subject.config
     types = list(getattr(config, "layer_types", None) or [])
     nope = "the config marks it NoPE (no_rope_layers or layer_rope_theta)"
     out = {i: (f"the config gives '{types[i]}' layers no rotary block" if len(types) == len(layer_spec) else nope)
            for i, spec in enumerate(layer_spec) if spec is None}
-    rotated = capture.rotated
-    if len(rotated) != len(types) or len(rotated) != len(capture.records) or not any(rotated):
+    if layers is None:
+        layers = list(range(len(types))) if len(capture.records) == len(types) else []
+    if (len(capture.rotated) != len(capture.records) or len(layers) != len(capture.records)
+            or not all(i < len(types) for i in layers) or not any(capture.rotated)):
         return out
+    rotated = dict(zip(layers, capture.rotated, strict=True))
     for kind in dict.fromkeys(types):
-        layers = [i for i, t in enumerate(types) if t == kind]
-        if not any(rotated[i] for i in layers):
+        of_kind = [i for i in rotated if types[i] == kind]
+        if of_kind and not any(rotated[i] for i in of_kind):
             out.update({i: out.get(i, f"no rotation is applied at any '{kind}' layer while the other layer types "
-                                      "rotate") for i in layers})
+                                      "rotate") for i in of_kind})
     return out
 
 

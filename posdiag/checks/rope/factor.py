@@ -23,13 +23,13 @@ def factor_finding(arr: np.ndarray, plain: list[tuple], name: str, freqs: np.nda
         if after is None or not np.isfinite(after).all():
             continue
         rot = min(2 * freqs.shape[0], after.shape[-1])
-        before = _unrotated(q0 if name == "q" else k0, after.shape, rot, len(positions))
+        before = unrotated(q0 if name == "q" else k0, after.shape, rot, len(positions))
         if before is not None and positions[0] == 0 and same_vectors(after, before, rot, eps):
             return _judge_factor(after, before, rot, scaling, eps, positions, layer, name, source)
     return None
 
 
-def _unrotated(t: torch.Tensor, shape: tuple, rot: int, n: int) -> np.ndarray | None:
+def unrotated(t: torch.Tensor, shape: tuple, rot: int, n: int) -> np.ndarray | None:
     """The un-rotated q/k as [H, T, D] like the rotated capture (or only its rotary dims, as partial-rotary
     attention hands them to the apply function), or None when it does not line up."""
     if t.ndim == 3 and t.shape[-1] % shape[-1] == 0:  # projection output [B, T, H*D]
