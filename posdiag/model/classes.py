@@ -47,10 +47,10 @@ def text_route(model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
                 untested += f" and {name}'s cross-attention to its features"
             return sub.eval(), (f"text model {type(sub).__name__} ({name}) of {outer}, driven alone ({outer}.forward "
                                 f"raised {error} on text inputs); {untested} not tested")
-        why.append(f"{type(sub).__name__} ({name}) {ran}")
+        why.append(f"{type(sub).__name__} ({name}) {ran[:100]}")
     reason = "; ".join(why) or "it holds no text model of its own"
     return model, (f"{tested + '; ' if tested else ''}not drivable by text alone: {outer}.forward raised {error}; "
-                   f"{reason}")[:400]
+                   f"{reason}")[:600]
 
 
 def _sub_models(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
