@@ -155,7 +155,8 @@ def auto_class(config: Any, family: Family):
     type: a Llama4 checkpoint saved as Llama4ForConditionalGeneration loads as that (AutoModelForCausalLM
     would build the text-only Llama4ForCausalLM and re-initialise every weight under its other prefix).
     Otherwise by kind: encoders as the base model (its last_hidden_state is the representation),
-    encoder-decoders with their LM head (or their decoder's, where only a causal-LM class has one), decoders with theirs, then image-text-to-text, then the base model.
+    encoder-decoders with their LM head (or their decoder's, where only a causal-LM class has one), decoders
+    with theirs, then image-text-to-text, then the base model.
     Model types in no mapping (remote code) go to AutoModelForCausalLM, which says what it cannot build.
     """
     import transformers
