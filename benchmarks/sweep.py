@@ -117,8 +117,9 @@ def check_one(model_type: str, seq_len: int = 16, threads: int = 1) -> dict:
     try:  # a small config transformers builds but cannot run (inconsistent sizes) is not a model to judge
         subject.forward(subject.sample_ids(1, min(seq_len, 8), 0))
     except Exception as exc:
-        row["unbuildable"] = (f"builds, but a plain forward of the small config fails: {type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0] if str(exc) else ''}")[:200]
+        why = subject.tested[subject.tested.find("not drivable by text alone"):] if "not drivable" in subject.tested \
+            else f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        row["unbuildable"] = f"builds, but a plain forward of the small config fails: {why}"[:300]
         return row
     names = [n for n in checks.available() if n != "load"]
     report = run_checks(subject, names, RunOptions(seq_len=seq_len))

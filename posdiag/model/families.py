@@ -338,6 +338,10 @@ def for_model(family: Family, model: Any) -> Family:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return family
+    if family.kind == "seq2seq" and "decoder_input_ids" not in params and "input_ids" in params:
+        # An encoder-decoder's text decoder driven alone (Pix2StructTextModel, whose config keeps the encoder-decoder
+        # flag): it takes no decoder inputs, so it is a causal LM.
+        family = replace(family, kind="causal")
     if family.takes_position_ids and "position_ids" not in params:
         return replace(family, position_ids="ignored")
     return family

@@ -64,9 +64,9 @@ def from_module(model: torch.nn.Module, *, name: str = "in-memory model",
     device = input_device(model)
     tested = ""
     if is_hf:
-        family = family_for(config)
-        model, tested = text_route(model)
-        family = for_model(family, model)
+        inner, tested = text_route(model)
+        family = for_model(family_for(config if inner is model else inner.config), inner)
+        model = inner
         config = language_config(config) if model.config is config else model.config
         _check_attn_implementation(model, options)
     else:
@@ -242,8 +242,9 @@ def _load_pretrained(spec: str, options: LoadOptions) -> Subject:
     if device is not None:
         model = model.to(device)
     model.eval()
-    model, tested = text_route(model)
-    family = for_model(family, model)
+    inner, tested = text_route(model)
+    family = for_model(family if inner is model else family_for(inner.config), inner)
+    model = inner
 
     param = next(iter(model.parameters()))  # its dtype; its device may be "meta" when offloaded
     info = LoadInfo(

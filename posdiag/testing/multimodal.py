@@ -130,11 +130,28 @@ def _small(model_type: str, image_tokens_in_vocab: bool, text_overrides: dict[st
     if not kwargs:  # a text-only config: shrink it directly
         fields = _shrunk(base, text_sizes)
         fields.pop("model_type")
-        return transformers.AutoConfig.for_model(model_type, **{**fields, **_moved(base.to_dict(), moves)})
+        return transformers.AutoConfig.for_model(model_type, **{**fields, **_moved(base.to_dict(), moves),
+                                                                **_required_defaults(base)})
     placeholders = undeclared_placeholders(base, SPECIAL_TOKENS, _modelling_source(base))
     if image_tokens_in_vocab:
         placeholders = {k: vocab - 1 - SPECIAL_TOKENS.index(k) for k in placeholders}
     return config_class(**kwargs, **_moved(base.to_dict(), moves), **placeholders)
+
+
+def _required_defaults(base: Any) -> dict[str, Any]:
+    """Fields a default config leaves unset that every forward needs, as its checkpoints set them.
+
+    X-MOD's forward raises "Input language unknown" until a language is chosen; transformers documents
+    ``set_default_language`` (which sets ``config.default_language``) as the call that chooses it: the first of
+    ``config.languages``. ESM counts its positions from the padding id (RoBERTa's create_position_ids_from_input_ids),
+    which its default config leaves None (a TypeError in every forward); its checkpoints use 1."""
+    out: dict[str, Any] = {}
+    languages = getattr(base, "languages", None)
+    if hasattr(base, "default_language") and base.default_language is None and languages:
+        out["default_language"] = list(languages)[0]
+    if getattr(base, "pad_token_id", 0) is None and "create_position_ids_from_input_ids(" in _modelling_source(base):
+        out["pad_token_id"] = 1
+    return out
 
 
 def _text_sizes(text: Any) -> dict[str, Any]:
