@@ -48,6 +48,12 @@ FINDINGS: dict[str, dict[str, str]] = {
     "gpt_bigcode": {"batch": "positions from the first padding column without position_ids"},
     "biogpt": {"batch": "positions from the first padding column without position_ids"},
     "xglm": {"batch": "positions from the first padding column without position_ids"},
+    "blip": {"batch": "positions from the first padding column without position_ids"},
+    "vision-encoder-decoder": {"batch": "positions from the first padding column without position_ids"},
+    "whisper": {"generate": "positions from the first padding column: its forward takes position_ids only through "
+                            "**kwargs, so generate() derives none"},
+    "kosmos-2": {"cache": "crashes with a static cache",
+                 "generate": "cached steps count a left-padded row's pads into its positions; static cache crashes"},
     "ctrl": {"batch": "positions from the first padding column without position_ids"},
     "moshi": {"cache": "its forward ignores the sliding window its cache applies",
               "generate": "its forward ignores the sliding window its cache applies"},

@@ -45,7 +45,8 @@ def decided_bug(result, path: str) -> None:
 
 
 # ------------------------------------------------------------------ learned tables numbered from the first column
-@pytest.mark.parametrize("model_type", ["gpt-sw3", "gpt_bigcode", "git", "biogpt", "ctrl", "xglm"])
+@pytest.mark.parametrize("model_type", ["gpt-sw3", "gpt_bigcode", "git", "biogpt", "ctrl", "xglm", "blip",
+                                        "vision-encoder-decoder"])
 def test_left_padded_default_positions_fail_like_gpt2(model_type):
     """GPT-SW3 (GPT-2's classes), GPTBigCode, GIT, BioGPT, CTRL and XGLM number positions by arange when called
     without position_ids, so a left-padded row starts at the padding: only that row fails (0.8-0.98; BioGPT, whose

@@ -63,3 +63,46 @@ def test_small_config_sets_what_every_forward_needs(model_type):
     subject = from_module(small_model(model_type), name=model_type)
     subject.forward(subject.sample_ids(1, 8, 0))
     assert _judged(subject)["shuffle"].status is Status.PASS
+
+
+# ------------------------------------------------------------------ upstream findings on the text models driven alone
+GENERATE = RunOptions(seq_len=8, check_options={"generate": {"new_tokens": 3}})
+
+
+@pytest.mark.parametrize("names_position_ids", [False, True])
+def test_whisper_causal_lm_generate_numbers_a_left_padded_row_from_its_padding(names_position_ids, monkeypatch):
+    """WhisperForCausalLM.forward takes position_ids only through **kwargs, so generate() derives none and a
+    left-padded row is numbered from its first padding column (1.01, the same in float64; the seq2seq class computes
+    decoder_position_ids from the mask). The twin whose forward names position_ids gets them from generate() and
+    PASSes."""
+    from transformers.models.whisper import modeling_whisper
+
+    if names_position_ids:
+        original = modeling_whisper.WhisperForCausalLM.forward
+
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs):
+            return original(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            **kwargs)
+
+        monkeypatch.setattr(modeling_whisper.WhisperForCausalLM, "forward", forward)
+    subject = from_module(small_model("whisper"), name="whisper")
+    result = run_checks(subject, ["generate"], GENERATE).check("generate")
+    if names_position_ids:
+        assert result.status is Status.PASS, result.summary
+    else:
+        assert result.status is Status.FAIL and result.summary.startswith("dynamic/batch"), result.summary
+        assert "a bug" in result.summary
+
+
+def test_kosmos2_text_model_static_cache_crashes_and_cached_steps_count_the_pads():
+    """Kosmos2TextForCausalLM (Kosmos-2's text model, driven alone): every static-cache path crashes (its mask is
+    expanded for the cache's length, not the keys'), the dynamic ones agree with the full forward; generate() on a
+    left-padded batch counts the pads into the cached steps' positions (0.69, as Kosmos-2.5 does)."""
+    subject = from_module(small_model("kosmos-2"), name="kosmos-2")
+    report = run_checks(subject, ["cache", "generate"], GENERATE)
+    cache, generate = report.check("cache"), report.check("generate")
+    assert cache.status is Status.FAIL and "crashed" in cache.summary, cache.summary
+    paths = cache.details["paths"]
+    assert all(p["status"] == "pass" for name, p in paths.items() if name.startswith("dynamic/")), paths
+    assert all(p["status"] == "fail" for name, p in paths.items() if name.startswith("static/")), paths
+    assert generate.status is Status.FAIL and generate.summary.startswith("dynamic/batch"), generate.summary
