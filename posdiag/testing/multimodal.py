@@ -29,6 +29,7 @@ from posdiag.testing.shrink_rules import (
     linear_attention_heads,
     listed_sizes,
     mixer_heads,
+    nested_configs,
     repeated_pattern,
     undeclared_placeholders,
 )
@@ -41,7 +42,7 @@ if TYPE_CHECKING:  # pragma: no cover
 TEXT_SIZES: dict[str, Any] = dict(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
     intermediate_size=128, intermediate_size_mlp=128, moe_intermediate_size=32, vocab_size=256,
-    unpadded_vocab_size=240, decoder_vocab_size=256,
+    unpadded_vocab_size=240, decoder_vocab_size=256, encoder_hash_byte_group_vocab=256,
     max_position_embeddings=256, sliding_window=128, num_local_experts=4, num_experts=4, num_experts_per_tok=2,
     d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
     encoder_ffn_dim=128, decoder_ffn_dim=128, num_layers=2, num_heads=4, d_ff=128, d_kv=16,
@@ -123,6 +124,11 @@ def _small(model_type: str, image_tokens_in_vocab: bool, text_overrides: dict[st
     vocab = text_overrides.get("vocab_size", TEXT_SIZES["vocab_size"])
     text = getattr(base, "text_config", None)
     moves = _token_moves([base, text or {}], vocab)
+    nested = nested_configs(base, text_sizes, TOWER_SIZES, _shrunk, set(_SUB_CONFIGS))
+    for name, fields in nested.items():
+        kwargs[name] = {**kwargs.get(name, {}), **fields}
+    if kwargs and text is None:  # the language model is the top level itself (IDEFICS, Phi-4-multimodal)
+        kwargs.update({k: v for k, v in _shrunk(base, text_sizes).items() if k != "model_type"})
     if "text_config" in kwargs:
         kwargs["text_config"].update(_moved(text.to_dict(), moves))
     if image_tokens_in_vocab:

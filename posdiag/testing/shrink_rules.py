@@ -144,3 +144,54 @@ def linear_attention_heads(config: Any, sizes: dict[str, Any]) -> dict[str, Any]
         out.update(linear_key_head_dim=head,
                    linear_value_head_dim=head * declared["linear_value_head_dim"] // declared["linear_key_head_dim"])
     return out
+
+
+# Sub-configs whose name says they are a vision or audio tower are shrunk as towers; others as their parent is.
+TOWER_NAMES = ("vision", "audio", "speech", "sam", "image", "perceiver")
+
+
+def nested_configs(base: Any, text_sizes: dict[str, Any], tower_sizes: dict[str, Any], shrink: Any,
+                   handled: set[str]) -> dict[str, Any]:
+    """Every sub-config the config class declares (``sub_configs``) shrunk, at any depth: BLT's patcher, local
+    encoder/decoder and global transformer, T5Gemma's encoder and decoder, PI0's PaliGemma and action expert,
+    DeepSeek-OCR-2's SAM and Qwen2 encoders inside its vision tower. Left at their defaults they kept 4.6B (BLT) to
+    5.6B (T5Gemma) parameters, past the sweep's 6 GB. ``handled`` top-level names are shrunk by the caller; only their
+    own sub-configs are added. A field naming another module's width (T5Gemma's cross_attention_hidden_size, BLT's
+    hidden_size_global) follows the module whose default width it equals."""
+    widths: dict[int, set[int]] = {}
+
+    def collect(config: Any, sizes: dict[str, Any]) -> None:
+        if isinstance(getattr(config, "hidden_size", None), int) and "hidden_size" in sizes:
+            widths.setdefault(config.hidden_size, set()).add(sizes["hidden_size"])
+        for name, sub, sub_sizes in _children(config, sizes, text_sizes, tower_sizes):
+            collect(sub, sub_sizes)
+
+    def walk(config: Any, sizes: dict[str, Any], top: bool) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, sub, sub_sizes in _children(config, sizes, text_sizes, tower_sizes):
+            children = walk(sub, sub_sizes, False)
+            if top and name in handled:
+                if children:
+                    out[name] = children
+                continue
+            fields = {**shrink(sub, sub_sizes), **children}
+            for key, value in sub.to_dict().items():
+                if "hidden_size" in key and key not in fields and len(widths.get(value, ())) == 1 \
+                        and not isinstance(value, bool):
+                    fields[key] = next(iter(widths[value]))
+            out[name] = fields
+        return out
+
+    collect(base, text_sizes)
+    return walk(base, text_sizes, True)
+
+
+def _children(config: Any, sizes: dict[str, Any], text_sizes: dict[str, Any], tower_sizes: dict[str, Any]) -> list:
+    out = []
+    for name in getattr(type(config), "sub_configs", None) or {}:
+        sub = getattr(config, name, None)
+        if sub is None or not hasattr(sub, "to_dict"):
+            continue
+        kind = tower_sizes if any(t in name for t in TOWER_NAMES) else text_sizes if name == "text_config" else sizes
+        out.append((name, sub, kind))
+    return out
