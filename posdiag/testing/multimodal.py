@@ -27,9 +27,12 @@ from posdiag.testing.shrink_rules import (
     experts,
     latent_attention,
     linear_attention_heads,
+    linked_widths,
     listed_sizes,
     mixer_heads,
     nested_configs,
+    parts_of_sizes,
+    per_layer,
     repeated_pattern,
     undeclared_placeholders,
 )
@@ -43,6 +46,7 @@ TEXT_SIZES: dict[str, Any] = dict(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
     intermediate_size=128, intermediate_size_mlp=128, moe_intermediate_size=32, vocab_size=256,
     unpadded_vocab_size=240, decoder_vocab_size=256, encoder_hash_byte_group_vocab=256,
+    vocab_size_per_layer_input=256,
     max_position_embeddings=256, sliding_window=128, num_local_experts=4, num_experts=4, num_experts_per_tok=2,
     d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
     encoder_ffn_dim=128, decoder_ffn_dim=128, num_layers=2, num_heads=4, d_ff=128, d_kv=16,
@@ -253,6 +257,9 @@ def _shrunk(config: Any, sizes: dict[str, Any]) -> dict[str, Any]:
         out.update(mixer_heads(fields, out))
         out.update(repeated_pattern(fields, out))
     out.update(_every_layer_type(config, fields, out, sizes))
+    out.update(per_layer(fields, out))
+    out.update(parts_of_sizes(fields, out))
+    out.update(linked_widths(fields, out))
     out.update(_rotary_dim(config, fields, out))
     rope = dict(getattr(config, "rope_parameters", None) or {})
     nested = bool(rope) and all(isinstance(v, dict) for v in rope.values())  # per layer type: where one has it

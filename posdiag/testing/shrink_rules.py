@@ -163,7 +163,7 @@ def nested_configs(base: Any, text_sizes: dict[str, Any], tower_sizes: dict[str,
     def collect(config: Any, sizes: dict[str, Any]) -> None:
         if isinstance(getattr(config, "hidden_size", None), int) and "hidden_size" in sizes:
             widths.setdefault(config.hidden_size, set()).add(sizes["hidden_size"])
-        for name, sub, sub_sizes in _children(config, sizes, text_sizes, tower_sizes):
+        for _, sub, sub_sizes in _children(config, sizes, text_sizes, tower_sizes):
             collect(sub, sub_sizes)
 
     def walk(config: Any, sizes: dict[str, Any], top: bool) -> dict[str, Any]:
@@ -195,3 +195,54 @@ def _children(config: Any, sizes: dict[str, Any], text_sizes: dict[str, Any], to
         kind = tower_sizes if any(t in name for t in TOWER_NAMES) else text_sizes if name == "text_config" else sizes
         out.append((name, sub, kind))
     return out
+
+
+def per_layer(fields: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+    """Lists with one entry per layer of the full default (Gemma 3n's intermediate_size and
+    activation_sparsity_pattern, 35 each) keep their first entries, one per small layer; the count of trailing layers
+    that share another layer's keys and values (Gemma 3n's num_kv_shared_layers, 15 of 35) keeps its share, rounded
+    down. Left at 35 entries against 2 layers, the config refused itself."""
+    full, small = fields.get("num_hidden_layers"), out.get("num_hidden_layers")
+    if not isinstance(full, int) or not isinstance(small, int) or full <= small:
+        return {}
+    update: dict[str, Any] = {}
+    for key, value in fields.items():
+        value = out.get(key, value)
+        if key != "layer_types" and isinstance(value, list) and len(value) == full:
+            update[key] = value[:small]
+        elif "shared_layers" in key and isinstance(value, int) and 0 < value < full:
+            update[key] = value * small // full
+    return update
+
+
+def parts_of_sizes(fields: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+    """A list that splits a shrunk size into parts keeps the parts' shares: Reformer's axial position embedding
+    dims (64 + 192 of a 256 hidden size) and its axial shape (64 x 64 = 4096 positions), which the model checks
+    against hidden_size and max_position_embeddings."""
+    update: dict[str, Any] = {}
+    for key, value in fields.items():
+        if key in out or not isinstance(value, list) or len(value) < 2 \
+                or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value):
+            continue
+        for name, small in out.items():
+            full = fields.get(name)
+            if not isinstance(small, int) or not isinstance(full, int) or full < 64 or small >= full:
+                continue
+            if sum(value) == full and all(v * small % full == 0 for v in value):
+                update[key] = [v * small // full for v in value]
+            elif math.prod(value) == full and round(small ** (1 / len(value))) ** len(value) == small:
+                update[key] = [round(small ** (1 / len(value)))] * len(value)
+            else:
+                continue
+            break
+    return update
+
+
+def linked_widths(fields: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+    """A width field that equals the hidden size in the default (SqueezeBERT's embedding_size, which its first
+    layer requires to equal hidden_size) follows the small hidden size."""
+    full, small = fields.get("hidden_size"), out.get("hidden_size")
+    if not isinstance(full, int) or not isinstance(small, int):
+        return {}
+    return {k: small for k, v in fields.items() if k not in out and v == full and not isinstance(v, bool)
+            and (k == "embedding_size" or "hidden_size" in k)}
