@@ -33,6 +33,7 @@ from posdiag.testing.shrink_rules import (
     nested_configs,
     parts_of_sizes,
     per_layer,
+    per_layer_overrides,
     repeated_pattern,
     undeclared_placeholders,
 )
@@ -125,6 +126,7 @@ def _small(model_type: str, image_tokens_in_vocab: bool, text_overrides: dict[st
         if name != "text_config":  # a tower's text_* size is the language model's (Inkling2's text_hidden_size)
             kwargs[name].update({k: text_sizes[k[5:]] for k in sub.to_dict() if k[5:] in text_sizes
                                  and k.startswith("text_")})
+            kwargs[name].update(_outputs_to_text(sub, _text(base), text_sizes, kwargs[name]))
     vocab = text_overrides.get("vocab_size", TEXT_SIZES["vocab_size"])
     text = getattr(base, "text_config", None)
     moves = _token_moves([base, text or {}], vocab)
@@ -145,6 +147,14 @@ def _small(model_type: str, image_tokens_in_vocab: bool, text_overrides: dict[st
     if image_tokens_in_vocab:
         placeholders = {k: vocab - 1 - SPECIAL_TOKENS.index(k) for k in placeholders}
     return config_class(**kwargs, **_moved(base.to_dict(), moves), **placeholders)
+
+
+def _outputs_to_text(tower: Any, text: Any, text_sizes: dict[str, Any], done: dict[str, Any]) -> dict[str, Any]:
+    """A tower's output width set to the language model's hidden size where the default has them equal (dots3's
+    adapter_out_dim, which its config requires to match the text hidden size)."""
+    width = getattr(text, "hidden_size", None) if text is not tower else None
+    return {k: text_sizes["hidden_size"] for k, v in tower.to_dict().items() if k not in done and "out" in k
+            and ("dim" in k or "size" in k) and isinstance(width, int) and v == width and not isinstance(v, bool)}
 
 
 def _text_sizes(text: Any) -> dict[str, Any]:
@@ -260,6 +270,7 @@ def _shrunk(config: Any, sizes: dict[str, Any]) -> dict[str, Any]:
     out.update(per_layer(fields, out))
     out.update(parts_of_sizes(fields, out))
     out.update(linked_widths(fields, out))
+    out.update(per_layer_overrides(fields, out))
     out.update(_rotary_dim(config, fields, out))
     rope = dict(getattr(config, "rope_parameters", None) or {})
     nested = bool(rope) and all(isinstance(v, dict) for v in rope.values())  # per layer type: where one has it
@@ -303,8 +314,8 @@ def _repeats_heads(config: Any) -> bool:
 def _rotary_dim(config: Any, fields: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
     """A rotary_dim (GPT-J, CodeGen: 64 of a 256-dim head) kept as the same share of the small head: left at 64 it
     exceeds the 16-dim head and the rotation no longer fits."""
-    rotary, hidden, heads = fields.get("rotary_dim"), getattr(config, "hidden_size", None), \
-        getattr(config, "num_attention_heads", None)
+    rotary, hidden, heads = fields.get("rotary_dim"), fields.get(_stored(config, "hidden_size")), \
+        fields.get(_stored(config, "num_attention_heads"))  # per-layer heads (dots3) raise on attribute reads
     small_hidden, small_heads = out.get(_stored(config, "hidden_size")), out.get(_stored(config, "num_attention_heads"))
     if not all(isinstance(v, int) and v > 0 for v in (rotary, hidden, heads, small_hidden, small_heads)):
         return {}

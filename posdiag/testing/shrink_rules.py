@@ -240,9 +240,37 @@ def parts_of_sizes(fields: dict[str, Any], out: dict[str, Any]) -> dict[str, Any
 
 def linked_widths(fields: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
     """A width field that equals the hidden size in the default (SqueezeBERT's embedding_size, which its first
-    layer requires to equal hidden_size) follows the small hidden size."""
+    layer requires to equal hidden_size; dots3's adapter_in_dim and adapter_input_size) follows the small one."""
     full, small = fields.get("hidden_size"), out.get("hidden_size")
     if not isinstance(full, int) or not isinstance(small, int):
         return {}
     return {k: small for k, v in fields.items() if k not in out and v == full and not isinstance(v, bool)
-            and (k == "embedding_size" or "hidden_size" in k)}
+            and (k == "embedding_size" or "hidden_size" in k or k.endswith(("in_dim", "input_size")))}
+
+
+def per_layer_overrides(fields: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+    """A heterogeneous config's per-layer overrides (dots3's per_layer_config: 64 heads, a 1024 latent rank and
+    192-dim unrotated query/key parts on its sliding-window layers, 128 heads on its indexed ones) given to each small
+    layer from the first full layer of its type, each shrunk size scaled as the override scales the default, and a
+    head that the override makes the sum of its parts (head_dim = qk_nope_head_dim + qk_rope_head_dim) kept so."""
+    table, small = fields.get("per_layer_config"), out.get("num_hidden_layers")
+    full_types = fields.get("layer_types") or []
+    small_types = out.get("layer_types") or full_types[:small or 0]
+    if not isinstance(table, dict) or not table or not isinstance(small, int):
+        return {}
+    width = len(next(iter(table)))
+    kept: dict[str, Any] = {}
+    for i, kind in enumerate(small_types):
+        source = next((j for j, t in enumerate(full_types) if t == kind), i)
+        entry = table.get(str(source).zfill(width))
+        if not isinstance(entry, dict):
+            continue
+        entry = {k: (max(1, v * out[k] // fields[k]) if isinstance(v, int) and isinstance(out.get(k), int)
+                     and isinstance(fields.get(k), int) and fields[k] else v) for k, v in entry.items()}
+        nope = entry.get("qk_nope_head_dim", out.get("qk_nope_head_dim"))
+        rope = entry.get("qk_rope_head_dim", out.get("qk_rope_head_dim"))
+        if "qk_nope_head_dim" in entry and fields.get("head_dim") == table[str(source).zfill(width)][
+                "qk_nope_head_dim"] + fields.get("qk_rope_head_dim", 0):
+            entry["head_dim"] = nope + rope
+        kept[str(i).zfill(width)] = entry
+    return {"per_layer_config": kept}
