@@ -317,7 +317,7 @@ def _forward_hf(subject: Subject, ids: torch.Tensor, mask2d: torch.Tensor, posit
             if stack == "encoder":
                 out = model.get_encoder()(input_ids=ids, attention_mask=mask2d, output_hidden_states=True,
                                           return_dict=True)
-                return token_states(out.hidden_states or (out.last_hidden_state,), ids.shape[1])[-1]
+                return token_states(out.hidden_states or (out.last_hidden_state,), ids.shape)[-1]
             enc = encoder_ids[None].expand(ids.shape[0], -1).to(subject.device)
             out = model(input_ids=enc, attention_mask=torch.ones_like(enc), decoder_input_ids=ids,
                         decoder_attention_mask=mask2d, output_hidden_states=True, use_cache=False, return_dict=True)
