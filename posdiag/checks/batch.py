@@ -321,7 +321,7 @@ def _forward_hf(subject: Subject, ids: torch.Tensor, mask2d: torch.Tensor, posit
             enc = encoder_ids[None].expand(ids.shape[0], -1).to(subject.device)
             out = model(input_ids=enc, attention_mask=torch.ones_like(enc), decoder_input_ids=ids,
                         decoder_attention_mask=mask2d, output_hidden_states=True, use_cache=False, return_dict=True)
-            return out.decoder_hidden_states[-1]
+            return token_states(out.decoder_hidden_states[-1:], ids.shape)[-1]
         kwargs: dict[str, Any] = {}
         if positions is not None:
             kwargs["position_ids"] = subject.position_ids_for(positions.to(subject.device))
@@ -331,4 +331,4 @@ def _forward_hf(subject: Subject, ids: torch.Tensor, mask2d: torch.Tensor, posit
             kwargs["logits_to_keep"] = 1
         out = model(input_ids=ids, attention_mask=mask2d, output_hidden_states=True, return_dict=True, **kwargs)
         hidden = out.hidden_states if out.hidden_states is not None else (out.last_hidden_state,)
-        return hidden[-1]
+        return token_states(hidden[-1:], ids.shape)[-1]
