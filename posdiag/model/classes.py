@@ -108,10 +108,10 @@ def auto_class(config: Any, family: Family):
         order = ("AutoModel", "AutoModelForMaskedLM")
     else:
         order = ("AutoModelForCausalLM", "AutoModelForImageTextToText", "AutoModelForSeq2SeqLM", "AutoModel")
-    for auto in order:
-        if built[auto]:
+    for auto in order:  # a mapping of several classes (Funnel's AutoModel: FunnelModel, FunnelBaseModel) picks
+        if len(built[auto]) == 1:  # by the declared architecture; without one, transformers raises TypeError
             return getattr(transformers, auto)
-    return transformers.AutoModelForCausalLM
+    return next((getattr(transformers, a) for a in order if built[a]), transformers.AutoModelForCausalLM)
 
 
 def _names(entry: Any) -> set[str]:
