@@ -121,9 +121,11 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
     for left in (False, True):
         if left and no_left:
             continue
-        if left and not takes and subject.position_kind not in _START_INVARIANT and not _positionless(subject):
+        absolute = subject.position_kind not in _START_INVARIANT or subject.family.absolute_by_design
+        if left and not takes and absolute and not _positionless(subject):
             notes.append(f"left padding not tested: {subject.family.name} numbers {subject.position_kind} positions "
-                         f"by arange inside and takes no position_ids, so a left-padded row is not the same input")
+                         f"by arange inside and takes no position_ids, so a left-padded row is not the same input"
+                         + (f" ({subject.family.absolute_by_design})" if subject.family.absolute_by_design else ""))
             continue
         ids, mask = padded(a, left)
         rows.append((f"a {'left' if left else 'right'}-padded", ids, mask,
