@@ -109,7 +109,7 @@ def auto_class(config: Any, family: Family):
     else:
         order = ("AutoModelForCausalLM", "AutoModelForImageTextToText", "AutoModelForSeq2SeqLM", "AutoModel")
     for auto in order:  # a mapping of several classes (Funnel's AutoModel: FunnelModel, FunnelBaseModel) picks
-        if len(built[auto]) == 1:  # by the declared architecture; without one, transformers raises TypeError
+        if len(built[auto]) == 1 or declared & built[auto]:  # by the declared one; without, a TypeError
             return getattr(transformers, auto)
     return next((getattr(transformers, a) for a in order if built[a]), transformers.AutoModelForCausalLM)
 
