@@ -10,7 +10,16 @@ from typing import Any
 
 def storage_order_mixing(config: Any) -> str:
     """What mixes the tokens in storage order for this config ("" when nothing does besides attention)."""
-    return _capacity_routing(config) or _compressed_pooling(config)
+    return _capacity_routing(config) or _compressed_pooling(config) or _hashed_ngrams(config)
+
+
+def _hashed_ngrams(config: Any) -> str:
+    """BLT adds to each byte's embedding hash embeddings of the n bytes ending at it (encoder_hash_byte_group_size:
+    3 to 8), taken in storage order: a consistent permutation feeds every byte other n-grams, so it is no identity."""
+    sizes = getattr(config, "encoder_hash_byte_group_size", None)
+    if not isinstance(sizes, (list, tuple)) or not sizes:
+        return ""
+    return f"hash embeddings of the {', '.join(map(str, sizes))} bytes ending at each byte, in storage order"
 
 
 def _capacity_routing(config: Any) -> str:
