@@ -120,3 +120,21 @@ def test_merged_cross_attention_is_absolute_by_design_and_its_twin_is_not():
 
     assert "absolute position" in family_for(small_config("t5gemma2")).absolute_by_design
     assert family_for(small_config("t5gemma")).absolute_by_design == ""
+
+
+def test_blt_generate_crashes_upstream_and_a_healthy_decoder_passes():
+    # transformers 5.24: BLT's forward builds DynamicCache(config=BltConfig) whenever use_cache is set, and BltConfig
+    # has no top-level num_hidden_layers (AttributeError), so every generate() call crashes, in float64 too.
+    # `cache` cannot build the cache either: it skips and leaves the crash to `generate`.
+    from posdiag.testing import zoo
+    from posdiag.api import run_checks
+    from posdiag.model.loading import from_module
+    from posdiag.options import RunOptions
+
+    blt = from_module(small_model("blt"), name="blt")
+    report = {c.name: c for c in run_checks(blt, ["generate", "cache"], RunOptions(seq_len=12)).checks}
+    assert report["generate"].status.value == "fail" and "num_hidden_layers" in report["generate"].summary
+    assert report["cache"].status.value == "skip" and "DynamicCache" in report["cache"].summary
+    healthy = from_module(zoo.tiny_model("llama"), name="llama")
+    (check,) = run_checks(healthy, ["generate"], RunOptions(seq_len=12)).checks
+    assert check.status.value == "pass"
