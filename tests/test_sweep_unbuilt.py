@@ -126,10 +126,10 @@ def test_blt_generate_crashes_upstream_and_a_healthy_decoder_passes():
     # transformers 5.24: BLT's forward builds DynamicCache(config=BltConfig) whenever use_cache is set, and BltConfig
     # has no top-level num_hidden_layers (AttributeError), so every generate() call crashes, in float64 too.
     # `cache` cannot build the cache either: it skips and leaves the crash to `generate`.
-    from posdiag.testing import zoo
     from posdiag.api import run_checks
     from posdiag.model.loading import from_module
     from posdiag.options import RunOptions
+    from posdiag.testing import zoo
 
     blt = from_module(small_model("blt"), name="blt")
     report = {c.name: c for c in run_checks(blt, ["generate", "cache"], RunOptions(seq_len=12)).checks}
@@ -138,3 +138,16 @@ def test_blt_generate_crashes_upstream_and_a_healthy_decoder_passes():
     healthy = from_module(zoo.tiny_model("llama"), name="llama")
     (check,) = run_checks(healthy, ["generate"], RunOptions(seq_len=12)).checks
     assert check.status.value == "pass"
+
+
+def test_funnel_pooling_between_blocks_skips_batch_and_a_single_block_twin_passes():
+    from posdiag.api import run_checks
+    from posdiag.model.loading import from_module
+    from posdiag.options import RunOptions
+
+    truncating = from_module(small_model("funnel"), name="funnel")
+    (check,) = run_checks(truncating, ["batch"], RunOptions(seq_len=12)).checks
+    assert check.status.value == "skip" and "block_sizes" in check.summary
+    kept = from_module(small_model("funnel", block_sizes=[2], block_repeats=[1]), name="funnel")
+    (check,) = run_checks(kept, ["batch"], RunOptions(seq_len=12)).checks
+    assert check.status.value == "pass", check.summary

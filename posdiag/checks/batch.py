@@ -53,6 +53,7 @@ from posdiag.checks._shared import (
 from posdiag.errors import describe_error, raised_in_posdiag
 from posdiag.model.introspect import attention_free, recurrent_mixers, takes_attention_mask
 from posdiag.model.probe import Row, run_rows
+from posdiag.model.storage_mixing import length_dependent_pooling
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import relative_l2, token_states
 from posdiag.options import RunOptions, probe_ids, probe_length
@@ -69,6 +70,11 @@ _START_INVARIANT = ("alibi", "relative_bias", "rope")
 
 
 def run(subject: Subject, options: RunOptions) -> CheckResult:
+    pooling = length_dependent_pooling(subject.config)
+    if pooling:
+        return CheckResult("batch", Status.SKIP, f"{subject.family.name} mixes tokens by {pooling}: which tokens "
+                           "it keeps depends on the padded length, so a padded row is not the same input as the row "
+                           "alone")
     return combine_stacks("batch", [_run_stack(subject, options, stack) for stack in subject.stacks])
 
 
