@@ -111,19 +111,24 @@ def check_one(model_type: str, seq_len: int = 16, threads: int = 1) -> dict:
     try:
         subject = from_module(small_model(model_type), name=model_type)
     except Exception as exc:  # not instantiable from a small config on CPU: listed with the reason
-        row["unbuildable"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+        row["unbuildable"] = f"{type(exc).__name__}: {_first_line(exc)}"[:200]
         return row
     row.update(position_kind=subject.position_kind, family_kind=subject.kind, tested=subject.tested)
     try:  # a small config transformers builds but cannot run (inconsistent sizes) is not a model to judge
         subject.forward(subject.sample_ids(1, min(seq_len, 8), 0))
     except Exception as exc:
         row["unbuildable"] = (f"builds, but a plain forward of the small config fails: {type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0] if str(exc) else ''}")[:200]
+                              f"{_first_line(exc)}")[:200]
         return row
     names = [n for n in checks.available() if n != "load"]
     report = run_checks(subject, names, RunOptions(seq_len=seq_len))
     row["checks"] = {c.name: [c.status.value, c.summary[:240]] for c in report.checks}
     return row
+
+
+def _first_line(exc: BaseException) -> str:
+    """The exception's first non-blank line (transformers' missing-backend ImportError starts with a newline)."""
+    return next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
 
 
 def done() -> dict[str, dict]:
