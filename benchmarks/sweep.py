@@ -63,6 +63,7 @@ FINDINGS: dict[str, dict[str, str]] = {
     "trocr": {"generate": "positions from the first padding column: the position_ids generate() derives are dropped"},
     "yoso": {"batch": "its padding mask is a no-op (a 0/1 mask read as additive)"},
     "bamba": {"cache": "a cached forward without position_ids numbers the new tokens from 0"},
+    "blt": {"generate": "every cached forward crashes: DynamicCache(config) reads a num_hidden_layers BltConfig lacks"},
     "prophetnet": {"cache": "crashes with a static cache", "generate": "crashes with a static cache"},
     "cpmant": {"cache": "crashes with a static cache (prompt positions not counted)",
                "generate": "crashes with a static cache (prompt positions not counted)"},
