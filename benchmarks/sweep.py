@@ -69,6 +69,7 @@ FINDINGS: dict[str, dict[str, str]] = {
     "trocr": {"generate": "positions from the first padding column: the position_ids generate() derives are dropped"},
     "yoso": {"batch": "its padding mask is a no-op (a 0/1 mask read as additive)"},
     "bamba": {"cache": "a cached forward without position_ids numbers the new tokens from 0"},
+    "blt": {"generate": "every cached forward crashes: DynamicCache(config) reads a num_hidden_layers BltConfig lacks"},
     "prophetnet": {"cache": "crashes with a static cache", "generate": "crashes with a static cache"},
     "cpmant": {"cache": "crashes with a static cache (prompt positions not counted)",
                "generate": "crashes with a static cache (prompt positions not counted)"},
@@ -117,20 +118,25 @@ def check_one(model_type: str, seq_len: int = 16, threads: int = 1) -> dict:
     try:
         subject = from_module(small_model(model_type), name=model_type)
     except Exception as exc:  # not instantiable from a small config on CPU: listed with the reason
-        row["unbuildable"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+        row["unbuildable"] = f"{type(exc).__name__}: {_first_line(exc)}"[:200]
         return row
     row.update(position_kind=subject.position_kind, family_kind=subject.kind, tested=subject.tested)
     try:  # a small config transformers builds but cannot run (inconsistent sizes) is not a model to judge
         subject.forward(subject.sample_ids(1, min(seq_len, 8), 0))
     except Exception as exc:
         why = subject.tested[subject.tested.find("not drivable by text alone"):] if "not drivable" in subject.tested \
-            else f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            else f"{type(exc).__name__}: {_first_line(exc)}"
         row["unbuildable"] = f"builds, but a plain forward of the small config fails: {why}"[:300]
         return row
     names = [n for n in checks.available() if n != "load"]
     report = run_checks(subject, names, RunOptions(seq_len=seq_len))
     row["checks"] = {c.name: [c.status.value, c.summary[:240]] for c in report.checks}
     return row
+
+
+def _first_line(exc: BaseException) -> str:
+    """The exception's first non-blank line (transformers' missing-backend ImportError starts with a newline)."""
+    return next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
 
 
 def done() -> dict[str, dict]:

@@ -233,10 +233,17 @@ def static_cache_refusal(subject: Subject) -> str:
     """Why transformers cannot build a StaticCache for this model ("" when it can). generate(cache_implementation=
     "static") builds the same StaticCache(config) first, so a config it refuses (DeepSeek-V4: no static layer for
     its compressed-attention layer types, KeyError) is a path users cannot run, not a crash to judge."""
+    return cache_refusal(subject, "static")
+
+
+def cache_refusal(subject: Subject, kind: str) -> str:
+    """Why transformers cannot build this kind of cache ("dynamic", "static") from the config ("" when it can).
+    BLT's config has no num_hidden_layers at its top level, so DynamicCache(config) raises AttributeError: its own
+    forward builds that cache whenever use_cache is set, so generate() crashes too (judged by `generate`)."""
     try:
-        new_cache(subject, "static", max_len=8, encoder_len=8)
+        new_cache(subject, kind, max_len=8, encoder_len=8)
     except Exception as exc:
-        return f"transformers cannot build a StaticCache for this config ({describe_error(exc)})"
+        return f"transformers cannot build a {kind.capitalize()}Cache for this config ({describe_error(exc)})"
     return ""
 
 

@@ -53,6 +53,7 @@ from posdiag.checks._shared import (
 from posdiag.errors import describe_error, raised_in_posdiag
 from posdiag.model.introspect import attention_free, recurrent_mixers, takes_attention_mask
 from posdiag.model.probe import Row, run_rows
+from posdiag.model.storage_mixing import length_dependent_pooling
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import relative_l2, token_states
 from posdiag.options import RunOptions, probe_ids, probe_length
@@ -69,6 +70,11 @@ _START_INVARIANT = ("alibi", "relative_bias", "rope")
 
 
 def run(subject: Subject, options: RunOptions) -> CheckResult:
+    pooling = length_dependent_pooling(subject.config)
+    if pooling:
+        return CheckResult("batch", Status.SKIP, f"{subject.family.name} mixes tokens by {pooling}: which tokens "
+                           "it keeps depends on the padded length, so a padded row is not the same input as the row "
+                           "alone")
     return combine_stacks("batch", [_run_stack(subject, options, stack) for stack in subject.stacks])
 
 
@@ -121,9 +127,11 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
     for left in (False, True):
         if left and no_left:
             continue
-        if left and not takes and subject.position_kind not in _START_INVARIANT and not _positionless(subject):
+        absolute = subject.position_kind not in _START_INVARIANT or subject.family.absolute_by_design
+        if left and not takes and absolute and not _positionless(subject):
             notes.append(f"left padding not tested: {subject.family.name} numbers {subject.position_kind} positions "
-                         f"by arange inside and takes no position_ids, so a left-padded row is not the same input")
+                         f"by arange inside and takes no position_ids, so a left-padded row is not the same input"
+                         + (f" ({subject.family.absolute_by_design})" if subject.family.absolute_by_design else ""))
             continue
         ids, mask = padded(a, left)
         rows.append((f"a {'left' if left else 'right'}-padded", ids, mask,
@@ -317,11 +325,11 @@ def _forward_hf(subject: Subject, ids: torch.Tensor, mask2d: torch.Tensor, posit
             if stack == "encoder":
                 out = model.get_encoder()(input_ids=ids, attention_mask=mask2d, output_hidden_states=True,
                                           return_dict=True)
-                return token_states(out.hidden_states or (out.last_hidden_state,), ids.shape[1])[-1]
+                return token_states(out.hidden_states or (out.last_hidden_state,), ids.shape)[-1]
             enc = encoder_ids[None].expand(ids.shape[0], -1).to(subject.device)
             out = model(input_ids=enc, attention_mask=torch.ones_like(enc), decoder_input_ids=ids,
                         decoder_attention_mask=mask2d, output_hidden_states=True, use_cache=False, return_dict=True)
-            return out.decoder_hidden_states[-1]
+            return token_states(out.decoder_hidden_states[-1:], ids.shape)[-1]
         kwargs: dict[str, Any] = {}
         if positions is not None:
             kwargs["position_ids"] = subject.position_ids_for(positions.to(subject.device))
@@ -331,4 +339,4 @@ def _forward_hf(subject: Subject, ids: torch.Tensor, mask2d: torch.Tensor, posit
             kwargs["logits_to_keep"] = 1
         out = model(input_ids=ids, attention_mask=mask2d, output_hidden_states=True, return_dict=True, **kwargs)
         hidden = out.hidden_states if out.hidden_states is not None else (out.last_hidden_state,)
-        return hidden[-1]
+        return token_states(hidden[-1:], ids.shape)[-1]

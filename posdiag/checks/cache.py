@@ -33,6 +33,7 @@ from posdiag.checks._image_decode import decode_after_image, with_image_decode
 from posdiag.checks._shared import (
     arbitrate,
     cache_layer_note,
+    cache_refusal,
     cache_support,
     keeps_kv_cache,
     new_cache,
@@ -95,6 +96,10 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
         return CheckResult("cache", Status.SKIP, f"{type(subject.model).__name__} keeps no KV cache (a forward with "
                            "use_cache=True returns none; a cache handed to it stays empty): there is no cached "
                            "decoding to compare, and generate() re-runs the whole prefix each step (see `generate`)")
+    no_dynamic = cache_refusal(subject, "dynamic")
+    if no_dynamic:
+        return CheckResult("cache", Status.SKIP, f"{no_dynamic}: no cached decoding to compare (generate() builds "
+                           "the same cache: see `generate`)")
     length = _length(subject, options)
     ids = subject.sample_ids(1, length, options.seed) if options.token_ids is None else probe_ids(subject, options)[:1]
     schedules = _schedules(length, int(options.for_check("cache").get("decode_steps", DECODE_STEPS)))

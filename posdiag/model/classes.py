@@ -105,9 +105,11 @@ def _cross_attends(sub: torch.nn.Module) -> bool:
 def _text_forward_error(model: torch.nn.Module, logits: bool = False) -> str | None:
     """Why a forward on two token ids fails (None: it runs; with `logits`, it must also give logits)."""
     ids = torch.tensor([[4, 5]], device=input_device(model))
+    # an encoder-decoder on text is driven with decoder ids too (EncoderDecoderModel raises without them)
+    decoder = {"decoder_input_ids": ids} if getattr(getattr(model, "config", None), "is_encoder_decoder", False) else {}
     try:
         with torch.inference_mode():
-            out = model(input_ids=ids, use_cache=False, output_hidden_states=True, return_dict=True)
+            out = model(input_ids=ids, use_cache=False, output_hidden_states=True, return_dict=True, **decoder)
     except Exception as exc:
         return f"{type(exc).__name__}: {one_line(exc)}"[:160]
     if logits and getattr(out, "logits", None) is None:
@@ -176,10 +178,10 @@ def auto_class(config: Any, family: Family):
         order = ("AutoModel", "AutoModelForMaskedLM")
     else:
         order = ("AutoModelForCausalLM", "AutoModelForImageTextToText", "AutoModelForSeq2SeqLM", "AutoModel")
-    for auto in order:
-        if built[auto]:
+    for auto in order:  # a mapping of several classes (Funnel's AutoModel: FunnelModel, FunnelBaseModel) picks
+        if len(built[auto]) == 1 or declared & built[auto]:  # by the declared one; without, a TypeError
             return getattr(transformers, auto)
-    return transformers.AutoModelForCausalLM
+    return next((getattr(transformers, a) for a in order if built[a]), transformers.AutoModelForCausalLM)
 
 
 def _names(entry: Any) -> set[str]:

@@ -73,6 +73,13 @@ class Family:
 
 
 GENERIC = Family(name="generic", offsets_known=False)
+# Decoders whose self- and cross-attention share one softmax (T5Gemma 2's merged attention): the queries are rotated
+# at their decoder positions, the encoder keys beside the decoder's own are not, so every query's score against the
+# encoder reads its absolute position. Measured on the tiny model: a decoder shift of 1 moves the outputs 0.038
+# (a left-padded row numbered from its first padding column: 0.0546 in float32 and in float64).
+MERGED_CROSS_ATTENTION = {"t5gemma2": "its merged attention scores rotated decoder queries against unrotated "
+                                      "encoder keys in the same softmax, so a decoder query reads its absolute "
+                                      "position"}
 
 
 # ------------------------------------------------------------------ injectors (imports torch lazily)
@@ -278,7 +285,7 @@ def family_for(config: Any) -> Family:
         # posdiag hands encoder-decoder stacks no position_ids (Subject.forward): positions are
         # whatever the stacks derive inside, so a "consistent" permutation cannot be built.
         generic = replace(GENERIC, name=model_type, kind=kind, token_mixing=storage_order_mixing(config),
-                          absolute_by_design=storage_positions(config),
+                          absolute_by_design=storage_positions(config) or MERGED_CROSS_ATTENTION.get(model_type, ""),
                           position_ids="ignored" if kind == "seq2seq" else "honoured")
         if model_type in ("deberta", "deberta-v2") and getattr(config, "relative_attention", False):
             return _deberta_relative(generic, config)

@@ -365,8 +365,9 @@ def finite_padding(model: torch.nn.Module, enabled: bool) -> Iterator[None]:
         def clean(x):
             floating = isinstance(x, torch.Tensor) and x.is_floating_point()
             return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0) if floating else x
-        if isinstance(output, tuple):
-            return (clean(output[0]), *output[1:])
+        if isinstance(output, tuple):  # a named tuple (Reformer's block output: ReformerOutput) keeps its type
+            return type(output)(clean(output[0]), *output[1:]) if hasattr(output, "_fields") \
+                else (clean(output[0]), *output[1:])
         return clean(output)
 
     handles = [b.register_forward_hook(hook) for b in blocks(model)]

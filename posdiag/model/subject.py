@@ -354,19 +354,19 @@ class Subject:
                 if stack == "encoder":
                     out = self.model.get_encoder()(input_ids=input_ids, attention_mask=mask,
                                                    output_hidden_states=True, return_dict=True)
-                    return self._gathered(out.hidden_states or (out.last_hidden_state,), None, input_ids.shape[1])
+                    return self._gathered(out.hidden_states or (out.last_hidden_state,), None, input_ids.shape)
                 enc = input_ids if encoder_ids is None else encoder_ids
                 out = self.model(input_ids=enc, decoder_input_ids=input_ids, decoder_attention_mask=mask,
                                  output_hidden_states=True, use_cache=False, return_dict=True,
                                  **{k: v for k, v in kwargs.items() if k == "logits_to_keep"})
                 logits = getattr(out, "logits", None) if want_logits else None
-                return self._gathered(out.decoder_hidden_states, logits, input_ids.shape[1])
+                return self._gathered(out.decoder_hidden_states, logits, input_ids.shape)
             out = self.model(input_ids=input_ids, attention_mask=mask, output_hidden_states=True,
                              use_cache=False, return_dict=True, **kwargs)
             hidden = out.hidden_states if out.hidden_states is not None else (out.last_hidden_state,)
-            return self._gathered(hidden, getattr(out, "logits", None) if want_logits else None, input_ids.shape[1])
+            return self._gathered(hidden, getattr(out, "logits", None) if want_logits else None, input_ids.shape)
 
-    def _gathered(self, hidden: Any, logits: torch.Tensor | None, length: int) -> Outputs:
+    def _gathered(self, hidden: Any, logits: torch.Tensor | None, length: tuple[int, ...]) -> Outputs:
         """The tokens' states (`token_states`) on the input device (a --device-map returns blocks on their GPUs)."""
         on_device = None if logits is None else logits.to(self.device)
         return Outputs([h.to(self.device) for h in token_states(hidden, length)], on_device)

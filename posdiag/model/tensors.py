@@ -71,14 +71,22 @@ def release_freed_memory() -> None:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def token_states(hidden: Any, length: int) -> list[torch.Tensor]:
+def token_states(hidden: Any, length: int | tuple[int, ...]) -> list[torch.Tensor]:
     """Hidden-state entries as the tokens' states [B, length, ...]. Block-local encoders hand back more: PEGASUS-X's
     encoder returns its states padded to a whole number of blocks and its last entry as a pair (token states,
-    global-token states). The tokens are the first `length` positions of the first tensor of an entry."""
+    global-token states). The tokens are the first `length` positions of the first tensor of an entry. Given the
+    input's shape (B, length), an entry that stacks several streams of states per token ([streams, B, length, D]:
+    Gemma 3n's AltUp keeps 4) becomes [B, length, streams * D], every stream kept, and an entry with fewer positions
+    than tokens (Funnel's pooled blocks) is left out."""
+    batch, length = (None, length) if isinstance(length, int) else (length[0], length[-1])
     out = []
     for h in hidden:
         while isinstance(h, (tuple, list)):
             h = h[0]
+        if batch is not None and h.ndim == 4 and h.shape[1] == batch and h.shape[2] >= length:
+            h = h.permute(1, 2, 0, 3).reshape(batch, h.shape[2], -1)
+        if batch is not None and h.ndim == 3 and h.shape[0] == batch and h.shape[1] < length:
+            continue  # a block over pooled tokens (Funnel halves the sequence per block): no state per token
         out.append(h[:, :length] if h.ndim >= 2 and h.shape[1] > length else h)
     return out
 

@@ -27,9 +27,15 @@ from posdiag.testing.shrink_rules import (
     experts,
     latent_attention,
     linear_attention_heads,
+    linked_widths,
     listed_sizes,
     mixer_heads,
+    nested_configs,
+    parts_of_sizes,
+    per_layer,
+    per_layer_overrides,
     repeated_pattern,
+    required_defaults,
     undeclared_placeholders,
 )
 
@@ -41,7 +47,8 @@ if TYPE_CHECKING:  # pragma: no cover
 TEXT_SIZES: dict[str, Any] = dict(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
     intermediate_size=128, intermediate_size_mlp=128, moe_intermediate_size=32, vocab_size=256,
-    unpadded_vocab_size=240, decoder_vocab_size=256,
+    unpadded_vocab_size=240, decoder_vocab_size=256, encoder_hash_byte_group_vocab=256,
+    vocab_size_per_layer_input=256,
     max_position_embeddings=256, sliding_window=128, num_local_experts=4, num_experts=4, num_experts_per_tok=2,
     d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
     encoder_ffn_dim=128, decoder_ffn_dim=128, num_layers=2, num_heads=4, d_ff=128, d_kv=16,
@@ -120,9 +127,15 @@ def _small(model_type: str, image_tokens_in_vocab: bool, text_overrides: dict[st
         if name != "text_config":  # a tower's text_* size is the language model's (Inkling2's text_hidden_size)
             kwargs[name].update({k: text_sizes[k[5:]] for k in sub.to_dict() if k[5:] in text_sizes
                                  and k.startswith("text_")})
+            kwargs[name].update(_outputs_to_text(sub, _text(base), text_sizes, kwargs[name]))
     vocab = text_overrides.get("vocab_size", TEXT_SIZES["vocab_size"])
     text = getattr(base, "text_config", None)
     moves = _token_moves([base, text or {}], vocab)
+    nested = nested_configs(base, text_sizes, TOWER_SIZES, _shrunk, set(_SUB_CONFIGS))
+    for name, fields in nested.items():
+        kwargs[name] = {**kwargs.get(name, {}), **fields}
+    if kwargs and text is None:  # the language model is the top level itself (IDEFICS, Phi-4-multimodal)
+        kwargs.update({k: v for k, v in _shrunk(base, text_sizes).items() if k != "model_type"})
     if "text_config" in kwargs:
         kwargs["text_config"].update(_moved(text.to_dict(), moves))
     if image_tokens_in_vocab:
@@ -131,27 +144,19 @@ def _small(model_type: str, image_tokens_in_vocab: bool, text_overrides: dict[st
         fields = _shrunk(base, text_sizes)
         fields.pop("model_type")
         return transformers.AutoConfig.for_model(model_type, **{**fields, **_moved(base.to_dict(), moves),
-                                                                **_required_defaults(base)})
+                                                                **required_defaults(base, _modelling_source(base))})
     placeholders = undeclared_placeholders(base, SPECIAL_TOKENS, _modelling_source(base))
     if image_tokens_in_vocab:
         placeholders = {k: vocab - 1 - SPECIAL_TOKENS.index(k) for k in placeholders}
     return config_class(**kwargs, **_moved(base.to_dict(), moves), **placeholders)
 
 
-def _required_defaults(base: Any) -> dict[str, Any]:
-    """Fields a default config leaves unset that every forward needs, as its checkpoints set them.
-
-    X-MOD's forward raises "Input language unknown" until a language is chosen; transformers documents
-    ``set_default_language`` (which sets ``config.default_language``) as the call that chooses it: the first of
-    ``config.languages``. ESM counts its positions from the padding id (RoBERTa's create_position_ids_from_input_ids),
-    which its default config leaves None (a TypeError in every forward); its checkpoints use 1."""
-    out: dict[str, Any] = {}
-    languages = getattr(base, "languages", None)
-    if hasattr(base, "default_language") and base.default_language is None and languages:
-        out["default_language"] = list(languages)[0]
-    if getattr(base, "pad_token_id", 0) is None and "create_position_ids_from_input_ids(" in _modelling_source(base):
-        out["pad_token_id"] = 1
-    return out
+def _outputs_to_text(tower: Any, text: Any, text_sizes: dict[str, Any], done: dict[str, Any]) -> dict[str, Any]:
+    """A tower's output width set to the language model's hidden size where the default has them equal (dots3's
+    adapter_out_dim, which its config requires to match the text hidden size)."""
+    width = getattr(text, "hidden_size", None) if text is not tower else None
+    return {k: text_sizes["hidden_size"] for k, v in tower.to_dict().items() if k not in done and "out" in k
+            and ("dim" in k or "size" in k) and isinstance(width, int) and v == width and not isinstance(v, bool)}
 
 
 def _text_sizes(text: Any) -> dict[str, Any]:
@@ -264,6 +269,10 @@ def _shrunk(config: Any, sizes: dict[str, Any]) -> dict[str, Any]:
         out.update(mixer_heads(fields, out))
         out.update(repeated_pattern(fields, out))
     out.update(_every_layer_type(config, fields, out, sizes))
+    out.update(per_layer(fields, out))
+    out.update(parts_of_sizes(fields, out))
+    out.update(linked_widths(fields, out))
+    out.update(per_layer_overrides(fields, out))
     out.update(_rotary_dim(config, fields, out))
     rope = dict(getattr(config, "rope_parameters", None) or {})
     nested = bool(rope) and all(isinstance(v, dict) for v in rope.values())  # per layer type: where one has it
@@ -307,8 +316,8 @@ def _repeats_heads(config: Any) -> bool:
 def _rotary_dim(config: Any, fields: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
     """A rotary_dim (GPT-J, CodeGen: 64 of a 256-dim head) kept as the same share of the small head: left at 64 it
     exceeds the 16-dim head and the rotation no longer fits."""
-    rotary, hidden, heads = fields.get("rotary_dim"), getattr(config, "hidden_size", None), \
-        getattr(config, "num_attention_heads", None)
+    rotary, hidden, heads = fields.get("rotary_dim"), fields.get(_stored(config, "hidden_size")), \
+        fields.get(_stored(config, "num_attention_heads"))  # per-layer heads (dots3) raise on attribute reads
     small_hidden, small_heads = out.get(_stored(config, "hidden_size")), out.get(_stored(config, "num_attention_heads"))
     if not all(isinstance(v, int) and v > 0 for v in (rotary, hidden, heads, small_hidden, small_heads)):
         return {}
@@ -347,13 +356,25 @@ def small_model(model_type: str, *, seed: int = 0, config: PretrainedConfig | No
     from posdiag.model.classes import auto_class
     from posdiag.model.families import family_for
 
+    given = config
     config = config if config is not None else small_config(model_type, **text_overrides)
     auto = auto_class(config, family_for(config))
     torch.manual_seed(seed)
     try:
-        model = auto.from_config(config, attn_implementation="eager")
-    except (ValueError, TypeError):  # a class that takes no eager attention choice
-        model = auto.from_config(config)
+        try:
+            model = auto.from_config(config, attn_implementation="eager")
+        except (ValueError, TypeError) as exc:  # a class that takes no eager attention choice
+            if "tie" in str(exc):
+                raise
+            model = auto.from_config(config)
+    except ValueError as exc:
+        # A block shared by several layers (Zamba's shared transformer) is tied from one of them to the others;
+        # with one such layer in two transformers finds nothing to tie and raises: the layer pattern twice.
+        types = getattr(_text(config), "layer_types", None)
+        if given is not None or "tie" not in str(exc) or not types or "layer_types" in text_overrides:
+            raise
+        return small_model(model_type, seed=seed, **text_overrides, layer_types=[*types, *types],
+                           num_hidden_layers=2 * len(types))
     return model.eval()
 
 

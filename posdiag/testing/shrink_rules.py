@@ -144,3 +144,152 @@ def linear_attention_heads(config: Any, sizes: dict[str, Any]) -> dict[str, Any]
         out.update(linear_key_head_dim=head,
                    linear_value_head_dim=head * declared["linear_value_head_dim"] // declared["linear_key_head_dim"])
     return out
+
+
+# Sub-configs whose name says they are a vision or audio tower are shrunk as towers; others as their parent is.
+TOWER_NAMES = ("vision", "audio", "speech", "sam", "image", "perceiver")
+
+
+def nested_configs(base: Any, text_sizes: dict[str, Any], tower_sizes: dict[str, Any], shrink: Any,
+                   handled: set[str]) -> dict[str, Any]:
+    """Every sub-config the config class declares (``sub_configs``) shrunk, at any depth: BLT's patcher, local
+    encoder/decoder and global transformer, T5Gemma's encoder and decoder, PI0's PaliGemma and action expert,
+    DeepSeek-OCR-2's SAM and Qwen2 encoders inside its vision tower. Left at their defaults they kept 4.6B (BLT) to
+    5.6B (T5Gemma) parameters, past the sweep's 6 GB. ``handled`` top-level names are shrunk by the caller; only their
+    own sub-configs are added. A field naming another module's width (T5Gemma's cross_attention_hidden_size, BLT's
+    hidden_size_global) follows the module whose default width it equals."""
+    widths: dict[int, set[int]] = {}
+
+    def collect(config: Any, sizes: dict[str, Any]) -> None:
+        if isinstance(getattr(config, "hidden_size", None), int) and "hidden_size" in sizes:
+            widths.setdefault(config.hidden_size, set()).add(sizes["hidden_size"])
+        for _, sub, sub_sizes in _children(config, sizes, text_sizes, tower_sizes):
+            collect(sub, sub_sizes)
+
+    def walk(config: Any, sizes: dict[str, Any], top: bool) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, sub, sub_sizes in _children(config, sizes, text_sizes, tower_sizes):
+            children = walk(sub, sub_sizes, False)
+            if top and name in handled:
+                if children:
+                    out[name] = children
+                continue
+            fields = {**shrink(sub, sub_sizes), **children}
+            # the sub-config's own switches survive the rebuild (VisionEncoderDecoder's decoder: is_decoder and
+            # add_cross_attention; rebuilt from sizes alone it became a BERT encoder)
+            fields.update({k: v for k, v in sub.to_diff_dict().items() if isinstance(v, bool) and k not in fields})
+            for key, value in sub.to_dict().items():
+                if "hidden_size" in key and key not in fields and len(widths.get(value, ())) == 1 \
+                        and not isinstance(value, bool):
+                    fields[key] = next(iter(widths[value]))
+            out[name] = fields
+        return out
+
+    collect(base, text_sizes)
+    return walk(base, text_sizes, True)
+
+
+def _children(config: Any, sizes: dict[str, Any], text_sizes: dict[str, Any], tower_sizes: dict[str, Any]) -> list:
+    out = []
+    for name in getattr(type(config), "sub_configs", None) or {}:
+        sub = getattr(config, name, None)
+        if sub is None or not hasattr(sub, "to_dict"):
+            continue
+        kind = tower_sizes if any(t in name for t in TOWER_NAMES) else text_sizes if name == "text_config" else sizes
+        out.append((name, sub, kind))
+    return out
+
+
+def per_layer(fields: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+    """Lists with one entry per layer of the full default (Gemma 3n's intermediate_size and
+    activation_sparsity_pattern, 35 each) keep their first entries, one per small layer; the count of trailing layers
+    that share another layer's keys and values (Gemma 3n's num_kv_shared_layers, 15 of 35) keeps its share, rounded
+    down. Left at 35 entries against 2 layers, the config refused itself."""
+    full, small = fields.get("num_hidden_layers"), out.get("num_hidden_layers")
+    if not isinstance(full, int) or not isinstance(small, int) or full <= small:
+        return {}
+    update: dict[str, Any] = {}
+    for key, value in fields.items():
+        value = out.get(key, value)
+        if key != "layer_types" and isinstance(value, list) and len(value) == full:
+            update[key] = value[:small]
+        elif "shared_layers" in key and isinstance(value, int) and 0 < value < full:
+            update[key] = value * small // full
+    return update
+
+
+def parts_of_sizes(fields: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+    """A list that splits a shrunk size into parts keeps the parts' shares: Reformer's axial position embedding
+    dims (64 + 192 of a 256 hidden size) and its axial shape (64 x 64 = 4096 positions), which the model checks
+    against hidden_size and max_position_embeddings."""
+    update: dict[str, Any] = {}
+    for key, value in fields.items():
+        if key in out or not isinstance(value, list) or len(value) < 2 \
+                or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value):
+            continue
+        for name, small in out.items():
+            full = fields.get(name)
+            if not isinstance(small, int) or not isinstance(full, int) or full < 64 or small >= full:
+                continue
+            if sum(value) == full and all(v * small % full == 0 for v in value):
+                update[key] = [v * small // full for v in value]
+            elif math.prod(value) == full and round(small ** (1 / len(value))) ** len(value) == small:
+                update[key] = [round(small ** (1 / len(value)))] * len(value)
+            else:
+                continue
+            break
+    return update
+
+
+def linked_widths(fields: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+    """A width field that equals the hidden size in the default (SqueezeBERT's embedding_size, which its first
+    layer requires to equal hidden_size; dots3's adapter_in_dim and adapter_input_size) follows the small one."""
+    full, small = fields.get("hidden_size"), out.get("hidden_size")
+    if not isinstance(full, int) or not isinstance(small, int):
+        return {}
+    return {k: small for k, v in fields.items() if k not in out and v == full and not isinstance(v, bool)
+            and (k == "embedding_size" or "hidden_size" in k or k.endswith(("in_dim", "input_size")))}
+
+
+def per_layer_overrides(fields: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+    """A heterogeneous config's per-layer overrides (dots3's per_layer_config: 64 heads, a 1024 latent rank and
+    192-dim unrotated query/key parts on its sliding-window layers, 128 heads on its indexed ones) given to each small
+    layer from the first full layer of its type, each shrunk size scaled as the override scales the default, and a
+    head that the override makes the sum of its parts (head_dim = qk_nope_head_dim + qk_rope_head_dim) kept so."""
+    table, small = fields.get("per_layer_config"), out.get("num_hidden_layers")
+    full_types = fields.get("layer_types") or []
+    small_types = out.get("layer_types") or full_types[:small or 0]
+    if not isinstance(table, dict) or not table or not isinstance(small, int):
+        return {}
+    width = len(next(iter(table)))
+    kept: dict[str, Any] = {}
+    for i, kind in enumerate(small_types):
+        source = next((j for j, t in enumerate(full_types) if t == kind), i)
+        entry = table.get(str(source).zfill(width))
+        if not isinstance(entry, dict):
+            continue
+        entry = {k: (max(1, v * out[k] // fields[k]) if isinstance(v, int) and isinstance(out.get(k), int)
+                     and isinstance(fields.get(k), int) and fields[k] else v) for k, v in entry.items()}
+        nope = entry.get("qk_nope_head_dim", out.get("qk_nope_head_dim"))
+        rope = entry.get("qk_rope_head_dim", out.get("qk_rope_head_dim"))
+        if "qk_nope_head_dim" in entry and fields.get("head_dim") == table[str(source).zfill(width)][
+                "qk_nope_head_dim"] + fields.get("qk_rope_head_dim", 0):
+            entry["head_dim"] = nope + rope
+        kept[str(i).zfill(width)] = entry
+    return {"per_layer_config": kept}
+
+
+def required_defaults(base: Any, modelling_source: str) -> dict[str, Any]:
+    """Fields a default config leaves unset that every forward needs, as its checkpoints set them.
+
+    X-MOD's forward raises "Input language unknown" until a language is chosen; transformers documents
+    ``set_default_language`` (which sets ``config.default_language``) as the call that chooses it: the first of
+    ``config.languages``. ESM counts its positions from the padding id (RoBERTa's create_position_ids_from_input_ids),
+    which its default config leaves None (a TypeError in every forward); its checkpoints use 1."""
+    out: dict[str, Any] = {}
+    languages = getattr(base, "languages", None)
+    if hasattr(base, "default_language") and base.default_language is None and languages:
+        out["default_language"] = list(languages)[0]
+    if getattr(base, "pad_token_id", 0) is None and "create_position_ids_from_input_ids(" in modelling_source:
+        out["pad_token_id"] = 1
+    return out

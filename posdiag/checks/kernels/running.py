@@ -80,8 +80,8 @@ def _forward_seq2seq(subject: Subject, sc: Scenario) -> Run:
         subject.forward_count += 1
         out = subject.model(input_ids=sc.ids, attention_mask=sc.mask, decoder_input_ids=sc.ids, use_cache=False,
                             output_hidden_states=True, return_dict=True)
-        enc = token_states(out.encoder_hidden_states, sc.ids.shape[1])
-        dec = token_states(out.decoder_hidden_states, sc.ids.shape[1])
+        enc = token_states(out.encoder_hidden_states, sc.ids.shape)
+        dec = token_states(out.decoder_hidden_states, sc.ids.shape)
         names = [f"encoder {i}" for i in range(len(enc))] + [f"decoder {i}" for i in range(len(dec))]
         return Run(enc + dec, out.logits[:, -1].double(), names)
 
@@ -111,7 +111,7 @@ def _forward_once(subject: Subject, sc: Scenario) -> Run:
         subject.forward_count += 1
         out = model(input_ids=ids, attention_mask=mask, **kwargs)
         hidden = token_states(out.hidden_states if out.hidden_states is not None else (out.last_hidden_state,),
-                              ids.shape[1])
+                              ids.shape)
         logits = getattr(out, "logits", None)
         names = ["embeddings"] + [f"block {i}" for i in range(1, len(hidden))]
         return Run(hidden, None if logits is None else logits[:, -1].double(), names)
