@@ -151,3 +151,22 @@ def test_funnel_pooling_between_blocks_skips_batch_and_a_single_block_twin_passe
     kept = from_module(small_model("funnel", block_sizes=[2], block_repeats=[1]), name="funnel")
     (check,) = run_checks(kept, ["batch"], RunOptions(seq_len=12)).checks
     assert check.status.value == "pass", check.summary
+
+
+def test_a_shrunk_sub_configs_token_ids_stay_within_its_vocabulary():
+    """NemoSpeechLM's word-timestamp head: blank_token_id 23862 of a 23863 vocabulary, shrunk to 256 rows."""
+    head = small_config("nemo_speechlm").word_timestamp_config
+    assert head.vocab_size == 256 and head.blank_token_id == 255
+
+
+def test_encoder_decoder_context_is_read_from_its_parts():
+    """EncoderDecoderConfig states no context itself; its BERTs have 256 rows: a 272-token shift probe crashed."""
+    from posdiag.api import run_checks
+    from posdiag.model.loading import from_module
+    from posdiag.options import RunOptions
+    from posdiag.results import Status
+
+    subject = from_module(small_model("encoder-decoder"), name="encoder-decoder")
+    assert subject.max_positions == 256
+    shift = run_checks(subject, ["shift"], RunOptions(seq_len=12)).check("shift")
+    assert shift.status is Status.SKIP and "absolute positions" in shift.summary, shift.summary

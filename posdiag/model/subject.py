@@ -134,16 +134,15 @@ class Subject:
 
     @property
     def max_positions(self) -> int | None:
-        """The declared context in tokens, where the config states one.
-
-        RoBERTa-style tables count their offset rows in max_position_embeddings (514 rows for
-        512 tokens, ids starting at padding_idx + 1): the usable context is rows - offset
-        (measured: id 130 out of range in a 130-row table at 129 logical positions), unless they come on top.
-        """
+        """The declared context in tokens, where the config states one. RoBERTa-style tables count their offset rows
+        in max_position_embeddings (514 rows for 512 tokens, ids from padding_idx + 1): the usable context is rows -
+        offset (measured: id 130 out of range in a 130-row table at 129 positions), unless they come on top."""
         # max_seq_len: MPT builds its ALiBi bias for exactly that many keys; a longer probe crashes
-        # (measured: RuntimeError, size 320 vs 128, in the shift check's prefix rows).
+        # (measured: RuntimeError, size 320 vs 128, in the shift check's prefix rows). EncoderDecoderModel states
+        # it per part: the shorter of its encoder's and decoder's (a 272-token probe of 256-row BERTs crashed).
+        parts = [c for c in (getattr(self.config, "encoder", None), getattr(self.config, "decoder", None)) if c]
         for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "max_seq_len"):
-            value = getattr(self.config, attr, None)
+            value = min((getattr(c, attr, 0) for c in parts), default=0) or getattr(self.config, attr, None)
             if isinstance(value, int) and value > 0:
                 return value - self.family.explicit_position_offset * self.family.offset_rows_in_context
         return None

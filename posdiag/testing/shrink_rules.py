@@ -178,6 +178,7 @@ def nested_configs(base: Any, text_sizes: dict[str, Any], tower_sizes: dict[str,
             # the sub-config's own switches survive the rebuild (VisionEncoderDecoder's decoder: is_decoder and
             # add_cross_attention; rebuilt from sizes alone it became a BERT encoder)
             fields.update({k: v for k, v in sub.to_diff_dict().items() if isinstance(v, bool) and k not in fields})
+            fields.update(_ids_within(sub.to_dict(), fields.get("vocab_size")))
             for key, value in sub.to_dict().items():
                 if "hidden_size" in key and key not in fields and len(widths.get(value, ())) == 1 \
                         and not isinstance(value, bool):
@@ -187,6 +188,17 @@ def nested_configs(base: Any, text_sizes: dict[str, Any], tower_sizes: dict[str,
 
     collect(base, text_sizes)
     return walk(base, text_sizes, True)
+
+
+def _ids_within(values: dict[str, Any], vocab: Any) -> dict[str, int]:
+    """Token ids of a shrunk sub-config moved to the top of its new vocabulary, in their order (NemoSpeechLM's word
+    timestamp head: blank_token_id 23862 of 23863, left as is past the shrunk vocabulary, failed validation)."""
+    if not isinstance(vocab, int):
+        return {}
+    ids = {k: v for k, v in values.items() if k.endswith("token_id") and isinstance(v, int)
+           and not isinstance(v, bool) and v >= vocab}
+    beyond = sorted(set(ids.values()))
+    return {k: vocab - len(beyond) + beyond.index(v) for k, v in ids.items()}
 
 
 def _children(config: Any, sizes: dict[str, Any], text_sizes: dict[str, Any], tower_sizes: dict[str, Any]) -> list:
