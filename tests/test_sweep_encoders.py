@@ -13,29 +13,15 @@ models, each fixed or classified, next to a planted twin that still fails (or a 
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
+from sweep_support import run_named, sweep_model
 
-from posdiag.api import run_checks
-from posdiag.model.loading import from_module
 from posdiag.options import RunOptions
 from posdiag.results import Status
 from posdiag.testing import zoo
-from posdiag.testing.multimodal import small_model
 
-SHORT = RunOptions(seq_len=12, check_options={"cache": {"decode_steps": 3}, "generate": {"new_tokens": 3}})
-
-
-def _model(model_type: str, **overrides):
-    """The sweep's tiny model of `model_type` (transformers' default init)."""
-    warnings.filterwarnings("ignore")
-    return small_model(model_type, **overrides)
-
-
-def _run(model, names: list[str], options: RunOptions = SHORT):
-    return {c.name: c for c in run_checks(from_module(model), names, options).checks}
+_model, _run = sweep_model, run_named
 
 
 def _zero(model, table: str):

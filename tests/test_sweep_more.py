@@ -15,10 +15,9 @@ classified, next to a planted twin that still fails or a healthy sibling that pa
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
+from sweep_support import SHORT, run_named, sweep_model
 
 from posdiag.api import run_checks
 from posdiag.model.classes import auto_class
@@ -26,19 +25,9 @@ from posdiag.model.families import GENERIC, for_model
 from posdiag.model.loading import from_module
 from posdiag.options import RunOptions
 from posdiag.results import Status
-from posdiag.testing.multimodal import small_config, small_model
+from posdiag.testing.multimodal import small_config
 
-SHORT = RunOptions(seq_len=12, check_options={"cache": {"decode_steps": 3}, "generate": {"new_tokens": 3}})
-
-
-def _model(model_type: str, **overrides):
-    """The sweep's tiny model of `model_type` (transformers' default init)."""
-    warnings.filterwarnings("ignore")
-    return small_model(model_type, **overrides)
-
-
-def _run(model, names: list[str], options: RunOptions = SHORT):
-    return {c.name: c for c in run_checks(from_module(model), names, options).checks}
+_model, _run = sweep_model, run_named
 
 
 # ------------------------------------------------------------------ what the forward declares

@@ -1,0 +1,23 @@
+"""Helpers shared by the sweep regression tests: the sweep's tiny model of a type, and the checks run on it."""
+
+from __future__ import annotations
+
+import warnings
+
+from posdiag.api import run_checks
+from posdiag.model.loading import from_module
+from posdiag.options import RunOptions
+from posdiag.testing.multimodal import small_model
+
+SHORT = RunOptions(seq_len=12, check_options={"cache": {"decode_steps": 3}, "generate": {"new_tokens": 3}})
+
+
+def sweep_model(model_type: str, **overrides):
+    """The sweep's tiny model of `model_type` (transformers' default init)."""
+    warnings.filterwarnings("ignore")
+    return small_model(model_type, **overrides)
+
+
+def run_named(model, names: list[str], options: RunOptions = SHORT) -> dict:
+    """{check name: result} of `names` run on `model`."""
+    return {c.name: c for c in run_checks(from_module(model), names, options).checks}
