@@ -14,7 +14,10 @@ import importlib
 import importlib.util
 from types import ModuleType
 
-ORDER = ("load", "shuffle", "positions", "batch", "cache", "generate", "causal", "shift", "rope", "table", "kernels")
+# `fit` runs after `rope`: once the rotation is known to follow the config, the question left is whether the
+# weights were trained with that config (a port can get both the code and the config wrong in agreement).
+ORDER = ("load", "shuffle", "positions", "batch", "cache", "generate", "causal", "shift", "rope", "fit", "table",
+         "kernels")
 
 
 def available() -> list[str]:

@@ -42,13 +42,29 @@ def run_options(settings: Settings, subject: Any):
 
     token_ids = None
     if settings.text:
-        token_ids = tokenize(settings.model, settings.text, settings.revision, bool(settings.trust_remote_code))
+        token_ids = tokenize(settings.model, text_of(settings.text), settings.revision,
+                             bool(settings.trust_remote_code))
     options = RunOptions(seq_len=settings.seq_len, seed=settings.seed, permutations=settings.permutations,
                          token_ids=token_ids, check_options=dict(settings.check_options))
     probe_length(subject, options)  # validate the length against the declared context now, before any check
     if token_ids is not None and any(t >= subject.vocab_size for t in token_ids):
         raise PosdiagError("the tokenizer produced ids outside the model's vocabulary")
     return options
+
+
+def text_of(value: str) -> str:
+    """--text is the text itself, or the path of a UTF-8 file holding it (`fit` scores a document this way)."""
+    from pathlib import Path
+
+    from posdiag.errors import PosdiagError
+
+    path = Path(value)
+    try:
+        if len(value) < 4096 and path.is_file():
+            return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PosdiagError(f"--text {value}: cannot read it as UTF-8 text ({type(exc).__name__})") from None
+    return value
 
 
 def tokenize(model: str, text: str, revision: str | None, trust_remote_code: bool) -> tuple[int, ...]:

@@ -69,7 +69,8 @@ PermsOpt = Annotated[int,
                                   help="Random permutations per equivariance test.")]
 TextOpt = Annotated[str | None,
                     typer.Option("--text", metavar="TEXT",
-                                 help="Probe with this text through the model's tokenizer instead of random ids.")]
+                                 help="Probe with this text (or the text of this file) through the model's tokenizer "
+                                      "instead of random ids; `fit` scores it in place of its own prose.")]
 MaxBatchOpt = Annotated[int | None,
                         typer.Option("--max-batch", metavar="N", min=1,
                                      help="At most this many sequences per forward pass.")]

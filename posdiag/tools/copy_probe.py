@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from posdiag.model.probe import Row, run_rows
+from posdiag.model.logits import score_targets
 from posdiag.model.subject import Subject
 from posdiag.results import CheckResult, Status, Table
 
@@ -42,33 +42,16 @@ def run(subject: Subject, lengths: list[int], seed: int = 0) -> CheckResult:
             return CheckResult("copy", Status.SKIP,
                                f"length {length} is too short to copy (needs at least {len(prefix) + 4})")
         plan.append((length, n))
-    width = max(len(prefix) + 2 * n for _, n in plan)
-
-    rows: list[Row] = []
-    for i, (_, n) in enumerate(plan):
-        x = subject.sample_ids(ROWS_PER_LENGTH, n, seed + 101 * i).cpu()
-        for r in range(ROWS_PER_LENGTH):
-            seq = torch.tensor(prefix, dtype=torch.long).tolist() + x[r].tolist() * 2
-            ids = torch.tensor(seq + [seq[-1]] * (width - len(seq)), dtype=torch.long, device=subject.device)
-            valid = torch.arange(width, device=subject.device) < len(seq)
-            rows.append(Row(ids, valid=valid))
-    logits = run_rows(subject, rows, want_logits=True).logits
-    if logits is None:
-        return CheckResult("copy", Status.SKIP, "the model returns no logits: nothing to read a copied token from")
-    if not torch.isfinite(logits).all():
-        return CheckResult("copy", Status.FAIL, "non-finite logits on the copy probe")
-
-    declared = subject.max_positions
     chance = 1.0 / max(1, ordinary)
     per_length = []
     by_position: dict[int, list[int]] = {}  # target position -> [correct, total]
     for i, (length, n) in enumerate(plan):
+        hit = _copy_hits(subject, prefix, n, seed + 101 * i)
+        if hit is None:
+            return CheckResult("copy", Status.SKIP, "the model returns no logits: nothing to read a copied token from")
+        if isinstance(hit, str):
+            return CheckResult("copy", Status.FAIL, hit)
         start = len(prefix) + n  # position of the second x_1; it predicts x_2 at start + 1
-        block = logits[i * ROWS_PER_LENGTH:(i + 1) * ROWS_PER_LENGTH]
-        ids = torch.stack([r.ids for r in rows[i * ROWS_PER_LENGTH:(i + 1) * ROWS_PER_LENGTH]])
-        pred = block[:, start:start + n - 1].argmax(-1)
-        target = ids[:, start + 1:start + n]
-        hit = (pred == target).cpu()
         for j in range(n - 1):
             cell = by_position.setdefault(start + 1 + j, [0, 0])
             cell[0] += int(hit[:, j].sum())
@@ -76,6 +59,7 @@ def run(subject: Subject, lengths: list[int], seed: int = 0) -> CheckResult:
         per_length.append({"length": len(prefix) + 2 * n, "asked": length, "distance": n,
                            "correct": int(hit.sum()), "total": hit.numel(), "accuracy": float(hit.float().mean())})
 
+    declared = subject.max_positions
     reference = declared if declared is not None else max(p["length"] for p in per_length)
     inside = [p for p in per_length if p["length"] <= reference]
     outside = [p for p in per_length if p["length"] > reference]
@@ -115,6 +99,27 @@ def run(subject: Subject, lengths: list[int], seed: int = 0) -> CheckResult:
             metrics, details, tables)
     return CheckResult("copy", Status.PASS, f"copy accuracy holds past the declared context of {reference} tokens: "
                        f"{acc_in:.3f} within, {acc_out:.3f} beyond (z = {z_drop:.1f})", metrics, details, tables)
+
+
+def _copy_hits(subject: Subject, prefix: list[int], n: int, seed: int) -> torch.Tensor | str | None:
+    """[ROWS_PER_LENGTH, n - 1] argmax hits on the second copy's x_2 .. x_n; a string when the logits are not finite;
+    None when the model returns no logits. Rows of one length run together, without padding, and each chunk of rows
+    is reduced to its hits as it comes out (posdiag.model.logits): full-vocabulary logits never exist for more rows
+    than one chunk (all rows of all lengths at once were 23 GB at length 1024 on a 49k vocabulary)."""
+    x = subject.sample_ids(ROWS_PER_LENGTH, n, seed).cpu()
+    ids = torch.cat([torch.tensor([prefix] * ROWS_PER_LENGTH, dtype=torch.long).reshape(ROWS_PER_LENGTH, -1), x, x],
+                    dim=1)
+    targets = torch.full_like(ids, -1)
+    start = len(prefix) + n
+    targets[:, start:start + n - 1] = ids[:, start + 1:start + n]
+    try:
+        scores = score_targets(subject, ids, targets)
+    except ValueError:
+        return None
+    scored = targets >= 0
+    if not torch.isfinite(scores.logprob[scored]).all():
+        return "non-finite logits on the copy probe"
+    return scores.hit[:, start:start + n - 1]
 
 
 def _pool(entries: list[dict]) -> tuple[float, int]:

@@ -1,0 +1,133 @@
+"""fit — do the weights use positions the way the config says? The configuration against its likely mistakes.
+
+Every other check compares two code paths of one model; a checkpoint whose config and weights disagree (rope_theta
+lost in a port, q/k rows left in the other pairing layout, a scaling block that does not belong) runs
+self-consistently and passes them all. What it cannot hide is its loss: trained weights predict best under the
+configuration they were trained with. So `fit` scores what the model was trained to predict (natural text through
+the checkpoint's tokenizer; without one, the second copy of repeated random sequences, predictable only through
+positions) under the configuration as loaded and under each alternative (alternatives.py), all on the same
+tokens, and FAILs when an alternative is better by a paired per-token test:
+
+    d_t = loss_configured(t) - loss_alternative(t),   z = mean(d) / (sd(d) / sqrt(n)),
+    FAIL when z >= Z_BOUND and mean(d) >= MIN_GAIN nats (judging.py).
+
+Measured on SmolLM2-135M-Instruct (shipped prose, 1023 targets; docs/checks.md has the table): healthy, every
+alternative is worse (nearest rope_theta x4, -0.05 nats, z = -3.9); rope_theta 10000 in config.json is beaten by
+x10 (+0.16 nats, z = 7.6); q/k rows interleaved by the de-interleaving (+2.6 nats, z = 27); a spurious linear x4
+scaling by its removal (+1.4 nats, z = 19). Copy accuracy at a few distances is shown for the configuration and
+the decisive alternative (evidence, not the decision: a wrong base can copy better at short distances).
+
+SKIP, cheaply, when the configured model predicts no better than chance (one forward decides, before any
+alternative runs: default-init models), or when no candidate beats the targets' unigram entropy. Masked LMs and
+encoder-decoders are not scored (a pseudo-likelihood costs a forward per masked set). Alternatives are made in
+memory and undone exactly (edits.py); the checkpoint on disk is never touched. Logits are reduced chunk by chunk
+(posdiag.model.logits): a forward never holds full-vocabulary logits for more rows than one chunk.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from posdiag.checks.fit.alternatives import Alternative, NotApplicable, plan_alternatives
+from posdiag.checks.fit.judging import Comparison, Scored, below_unigram, compare, copy_accuracy, learned_nothing, score
+from posdiag.checks.fit.material import COPY_DISTANCES, Material, copy_rows, plan_material
+from posdiag.checks.fit.report import fail_summary, pass_summary, tables
+from posdiag.model.subject import Subject
+from posdiag.options import RunOptions
+from posdiag.results import CheckResult, Status
+
+TITLE = "Weights fit the configured positions"
+BASELINE_METRICS = {"margin": "higher"}
+
+
+def run(subject: Subject, options: RunOptions) -> CheckResult:
+    why = _not_scored(subject)
+    if why:
+        return CheckResult("fit", Status.SKIP, why)
+    material = plan_material(subject, options, options.for_check("fit"))
+    configured = score(subject, material, "configured")
+    why = learned_nothing(configured, subject.vocab_size)
+    if why:
+        return CheckResult("fit", Status.SKIP, why, {"loss": configured.loss, "targets": material.count})
+    alternatives, notes = plan_alternatives(subject)
+    if not alternatives:
+        return CheckResult("fit", Status.SKIP, f"no alternative configuration to score against ({subject.position_kind}"
+                           f" positions{'; ' + '; '.join(notes) if notes else ''})")
+    comparisons, skipped = _measure(subject, material, configured, alternatives)
+    return _judge(subject, options, material, configured, comparisons, notes + skipped)
+
+
+def _not_scored(subject: Subject) -> str:
+    if subject.kind != "causal":
+        return (f"not a causal LM ({subject.kind}): masked and encoder-decoder models would need a pseudo-likelihood "
+                "(a forward per masked set), not run")
+    if not subject.is_hf:
+        return "factory model without a transformers config: no configuration to vary"
+    return ""
+
+
+def _measure(subject: Subject, material: Material, configured: Scored,
+             alternatives: list[Alternative]) -> tuple[list[Comparison], list[str]]:
+    """Each alternative applied in memory, scored on the same tokens, undone."""
+    comparisons, skipped = [], []
+    for alt in alternatives:
+        try:
+            with alt.apply(subject):
+                scored = score(subject, material, alt.label, alt.shift)
+        except NotApplicable as exc:
+            skipped.append(f"{alt.label} not tried: {exc}")
+            continue
+        except Exception as exc:  # the model cannot run a configuration it was not built for: not a verdict
+            skipped.append(f"{alt.label} not tried: the model raises under it ({type(exc).__name__}: "
+                           f"{str(exc)[:100]})")
+            continue
+        comparisons.append(compare(alt, configured, scored))
+    return comparisons, skipped
+
+
+def _judge(subject: Subject, options: RunOptions, material: Material, configured: Scored,
+           comparisons: list[Comparison], notes: list[str]) -> CheckResult:
+    if not comparisons:
+        return CheckResult("fit", Status.SKIP, f"no alternative could be applied: {'; '.join(notes)}")
+    best = min([configured] + [c.scored for c in comparisons], key=lambda s: s.loss)
+    why = below_unigram(best, material.unigram)
+    if why:
+        return CheckResult("fit", Status.SKIP, why, {"loss": configured.loss, "unigram": material.unigram})
+    winners = [c for c in comparisons if c.beats]
+    decisive = max(winners, key=lambda c: c.gain) if winners else max(comparisons, key=lambda c: c.z)
+    copies = _copy_evidence(subject, options, material, configured, decisive)
+    metrics = _metrics(material, configured, decisive, copies)
+    details: dict[str, Any] = {"source": material.source, "notes": notes,
+                               "candidates": [{"label": c.alternative.label, "loss": c.scored.loss, "gain": c.gain,
+                                               "z": c.z, "beats": c.beats} for c in comparisons]}
+    table = tables(configured, comparisons, copies, decisive)
+    if winners:
+        return CheckResult("fit", Status.FAIL, fail_summary(material, configured, decisive, copies),
+                           metrics, details, table)
+    return CheckResult("fit", Status.PASS, pass_summary(material, configured, decisive, len(comparisons), notes),
+                       metrics, details, table)
+
+
+def _copy_evidence(subject: Subject, options: RunOptions, material: Material, configured: Scored,
+                   decisive: Comparison) -> dict[str, dict[int, float]]:
+    """Copy accuracy by distance for the configuration and the decisive alternative."""
+    if material.distances:
+        return {"configured": copy_accuracy(configured, material.distances, material),
+                decisive.alternative.label: copy_accuracy(decisive.scored, material.distances, material)}
+    distances = options.for_check("fit").get("copy_distances", COPY_DISTANCES)
+    groups = copy_rows(subject, options.seed, tuple(int(n) for n in distances))
+    out: dict[str, dict[int, float]] = {"configured": {}, decisive.alternative.label: {}}
+    for group in groups:
+        out["configured"].update(copy_accuracy(score(subject, group, "configured"), group.distances, group))
+        with decisive.alternative.apply(subject):
+            scored = score(subject, group, decisive.alternative.label, decisive.alternative.shift)
+        out[decisive.alternative.label].update(copy_accuracy(scored, group.distances, group))
+    return out
+
+
+def _metrics(material: Material, configured: Scored, decisive: Comparison,
+             copies: dict[str, dict[int, float]]) -> dict[str, Any]:
+    return {"loss": configured.loss, "targets": material.count, "unigram": material.unigram,
+            "nearest": decisive.alternative.label, "nearest_loss": decisive.scored.loss,
+            "margin": -decisive.gain, "z": decisive.z,
+            "copy_accuracy": {k: {str(n): a for n, a in v.items()} for k, v in copies.items()}}

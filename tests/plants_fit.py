@@ -1,0 +1,66 @@
+"""Broken copies of a trained checkpoint for `fit`: each a one-line mistake a port or a config edit makes.
+
+Written into a fresh directory (never into the source checkpoint): the weights and tokenizer files are symlinked
+where they stay unchanged, config.json rewritten; the q/k layout copy writes its own permuted weights.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from posdiag.checks.fit.edits import deinterleave
+
+
+def _copy(src: Path, dst: Path, *, link_weights: bool = True) -> dict:
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.name == "config.json" or f.is_dir() or f.suffix == ".lock":
+            continue
+        if f.name.endswith(".safetensors") and not link_weights:
+            continue
+        (dst / f.name).symlink_to(f.resolve())
+    return json.loads((src / "config.json").read_text())
+
+
+def _write_config(dst: Path, config: dict) -> Path:
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst
+
+
+def theta_lost(src: Path, dst: Path, theta: float = 10000.0) -> Path:
+    """rope_theta back at the default a port falls back to."""
+    config = _copy(src, dst)
+    config["rope_parameters"] = {**config["rope_parameters"], "rope_theta": theta}
+    return _write_config(dst, config)
+
+
+def spurious_scaling(src: Path, dst: Path, factor: float = 4.0) -> Path:
+    """A linear scaling block that the weights were never trained with."""
+    config = _copy(src, dst)
+    config["rope_parameters"] = {**config["rope_parameters"], "rope_type": "linear", "factor": factor}
+    return _write_config(dst, config)
+
+
+def interleaved_qk(src: Path, dst: Path) -> Path:
+    """q_proj/k_proj rows written in the interleaved pairing order (the layout Meta's checkpoints use) while the
+    code rotates halves: the inverse of the de-interleaving a converter must apply."""
+    from safetensors.torch import load_file, save_file
+
+    config = _copy(src, dst, link_weights=False)
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    order = torch.argsort(deinterleave(head_dim, head_dim))
+    weights = load_file(str(src / "model.safetensors"))
+    for name, t in weights.items():
+        if name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
+            shaped = t.view(t.shape[0] // head_dim, head_dim, *t.shape[1:])
+            weights[name] = shaped.index_select(1, order).reshape(t.shape).contiguous()
+    save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return _write_config(dst, config)
+
+
+def remove(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)

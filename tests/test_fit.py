@@ -1,0 +1,153 @@
+"""`fit` on fast models: the trained rope-copy fixture (no tokenizer: repeated random sequences), its planted
+broken copies, default-init zoo models (SKIP, one forward) and the exact restore of every alternative.
+
+The real pretrained model (SmolLM2) is in test_fit_pretrained.py."""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from plants_fit import interleaved_qk, spurious_scaling, theta_lost
+
+from posdiag import api
+from posdiag.checks.fit.alternatives import plan_alternatives
+from posdiag.checks.fit.edits import deinterleave, interleave
+from posdiag.model.loading import from_module, load_subject
+from posdiag.model.logits import reduce_logits, rows_per_chunk, score_targets
+from posdiag.results import Status
+from posdiag.testing import zoo
+
+FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "rope-copy"
+
+
+def fit(subject):
+    return api.run_checks(subject, ["fit"]).checks[0]
+
+
+@pytest.fixture(scope="module")
+def healthy():
+    subject = load_subject(str(FIXTURE))
+    start = subject.forward_count
+    result = fit(subject)
+    return subject, result, subject.forward_count - start
+
+
+def test_healthy_copy_model_passes_with_the_nearest_margin(healthy):
+    _, result, _ = healthy
+    assert result.status is Status.PASS, result.summary
+    assert "repeated random sequences" in result.details["source"]
+    assert result.metrics["z"] < 5 and "nearest" in result.summary
+    assert result.metrics["loss"] < 0.2 < result.metrics["unigram"]  # it copies: far below the unigram entropy
+
+
+def test_forwards_are_one_per_candidate_plus_the_copy_evidence(healthy):
+    _, result, forwards = healthy
+    candidates = 1 + len(result.details["candidates"])
+    assert forwards == candidates  # repeated sequences: the copy evidence is read from the same forwards
+
+
+def test_the_model_is_restored_bitwise(healthy, tmp_path):
+    subject = load_subject(str(FIXTURE))
+    ids = subject.sample_ids(2, 24, 5)
+    with torch.inference_mode():
+        before = subject.model(input_ids=ids).logits.clone()
+    weights = {n: p.detach().clone() for n, p in subject.model.named_parameters()}
+    buffers = {n: b.detach().clone() for n, b in subject.model.named_buffers()}
+    fit(subject)
+    with torch.inference_mode():
+        after = subject.model(input_ids=ids).logits
+    assert torch.equal(before, after)
+    assert all(torch.equal(weights[n], p) for n, p in subject.model.named_parameters())
+    assert all(torch.equal(buffers[n], b) for n, b in subject.model.named_buffers())
+
+
+@pytest.mark.parametrize("plant, names", [
+    (lambda src, dst: theta_lost(src, dst, theta=1000.0), "rope_theta=10000"),
+    (interleaved_qk, "interleaved pairing order"),
+    (spurious_scaling, "no rope scaling"),
+])
+def test_planted_copies_fail_naming_the_alternative(tmp_path, plant, names):
+    broken = load_subject(str(plant(FIXTURE, tmp_path / "broken")))
+    result = fit(broken)
+    assert result.status is Status.FAIL, result.summary
+    assert f"the weights fit {names}" in result.summary, result.summary
+    assert result.metrics["z"] >= 5 and -result.metrics["margin"] >= 0.03
+    assert "copy accuracy at distance 15" in result.summary
+    assert (FIXTURE / "model.safetensors").stat().st_size < 1_000_000  # the fixture itself untouched
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2", "gemma3", "phi", "gpt_neox", "opt", "bloom"])
+def test_default_init_models_skip_after_one_forward(family):
+    subject = from_module(zoo.tiny_model(family))
+    start = subject.forward_count
+    result = fit(subject)
+    assert result.status is Status.SKIP, result.summary
+    assert "predicts like an untrained one" in result.summary
+    assert subject.forward_count - start == 1
+
+
+@pytest.mark.parametrize("family", ["bert", "t5"])
+def test_masked_and_seq2seq_models_skip_with_the_reason(family):
+    result = fit(from_module(zoo.tiny_model(family)))
+    assert result.status is Status.SKIP and "not a causal LM" in result.summary
+
+
+def test_alternatives_cover_each_layer_type_and_partial_rotary():
+    gemma3 = from_module(zoo.tiny_model("gemma3"))
+    labels = [a.label for a in plan_alternatives(gemma3)[0]]
+    assert "bases swapped" in labels
+    assert {"rope_theta x10 (sliding_attention)", "rope_theta x10 (full_attention)"} <= set(labels)
+    neox = from_module(zoo.tiny_model("gpt_neox"))
+    assert "full rotary" in [a.label for a in plan_alternatives(neox)[0]]
+    gpt2 = from_module(zoo.tiny_model("gpt2"))
+    assert [a.shift for a in plan_alternatives(gpt2)[0]] == [-2, -1, 1, 2]
+
+
+def test_every_alternative_applies_and_restores_on_zoo_models():
+    """Each alternative either changes the logits and is undone exactly, or says why it cannot apply."""
+    for family in ("llama", "gemma3", "gpt_neox", "phi", "qwen3", "cohere"):
+        subject = from_module(zoo.tiny_model(family, init="strong"))
+        ids = subject.sample_ids(1, 16, 0)
+        with torch.inference_mode():
+            before = subject.model(input_ids=ids).logits.clone()
+        for alt in plan_alternatives(subject)[0]:
+            try:
+                with alt.apply(subject), torch.inference_mode():
+                    during = subject.model(input_ids=ids).logits
+            except Exception as exc:
+                assert type(exc).__name__ == "NotApplicable", (family, alt.label, exc)
+                continue
+            assert not torch.equal(during, before), (family, alt.label)
+            with torch.inference_mode():
+                assert torch.equal(subject.model(input_ids=ids).logits, before), (family, alt.label)
+
+
+def test_pairing_permutations_are_inverse():
+    for d, r in ((64, 64), (16, 8)):
+        assert torch.equal(deinterleave(d, r)[interleave(d, r)], torch.arange(d))
+    assert deinterleave(8, 8).tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+def test_chunked_reduction_matches_log_softmax_and_bounds_rows():
+    logits = torch.randn(3, 600, 50, dtype=torch.float64)
+    targets = torch.randint(0, 50, (3, 600))
+    targets[0, :5] = -1
+    logprob, hit = reduce_logits(logits, targets)
+    want = torch.log_softmax(logits, -1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+    keep = targets >= 0
+    assert torch.allclose(logprob[keep], want[keep], atol=1e-12) and torch.isnan(logprob[~keep]).all()
+    assert torch.equal(hit, (logits.argmax(-1) == targets) & keep)
+    assert rows_per_chunk(1024, 49152) == 1 and rows_per_chunk(32, 128) > 1000
+
+
+def test_score_targets_runs_rows_in_chunks(healthy):
+    subject = healthy[0]
+    ids = subject.sample_ids(5, 20, 1)
+    targets = torch.cat([ids[:, 1:], torch.full((5, 1), -1)], dim=1)
+    start = subject.forward_count
+    chunked = score_targets(subject, ids, targets, budget=2 * 20 * subject.vocab_size * 4)
+    assert subject.forward_count - start == 3  # 2 + 2 + 1 rows
+    whole = score_targets(subject, ids, targets)
+    assert torch.allclose(chunked.logprob.nan_to_num(), whole.logprob.nan_to_num(), atol=1e-5)
+    assert not math.isnan(float(chunked.logprob[0, 0]))
