@@ -151,3 +151,14 @@ def test_score_targets_runs_rows_in_chunks(healthy):
     whole = score_targets(subject, ids, targets)
     assert torch.allclose(chunked.logprob.nan_to_num(), whole.logprob.nan_to_num(), atol=1e-5)
     assert not math.isnan(float(chunked.logprob[0, 0]))
+
+
+@pytest.mark.parametrize("family, forwards", [("gpt2", 5), ("llama", 6)])
+def test_confident_random_models_skip_at_the_unigram_baseline(family, forwards):
+    """Large random weights are far from chance (confidently wrong), so the alternatives run (learned tables: the
+    four offsets), and no candidate beats the targets' own frequencies: nothing to judge."""
+    subject = from_module(zoo.tiny_model(family, init="strong"))
+    start = subject.forward_count
+    result = fit(subject)
+    assert result.status is Status.SKIP and "own frequencies" in result.summary, result.summary
+    assert subject.forward_count - start == forwards

@@ -155,10 +155,15 @@ def _import_copy_probe():
     return copy_probe
 
 
-def copy_lengths(training_length: int) -> list[int]:
-    """Lengths crossing the training length: L/2, L, 3L/2, 2L, 4L."""
+def copy_lengths(training_length: int, target_length: int | None = None) -> list[int]:
+    """Lengths crossing the training length: L/2, L, 3L/2, 2L, 4L; with a target length N, those up to N and N/4,
+    N/2, N (the question asked is about N: a probe at 4 x 8192 tokens on a model asked about 1024 was not asked)."""
     L = max(int(training_length), 8)
-    return sorted({L // 2, L, (3 * L) // 2, 2 * L, 4 * L})
+    lengths = {L // 2, L, (3 * L) // 2, 2 * L, 4 * L}
+    if target_length:
+        N = max(int(target_length), 8)
+        lengths = {x for x in lengths if x <= N} | {N // 4, N // 2, N}
+    return sorted(lengths)
 
 
 # --------------------------------------------------------------------------- the probe
@@ -185,7 +190,7 @@ def _run_probe(settings: Settings, subject: Any, target_length: int | None, copy
     if copy_probe is not None:
         specs = rope_math.rope_specs(subject.config)
         train = min((s.training_length for s in specs if s.training_length), default=subject.max_positions or 64)
-        lengths = copy_lengths(train)
+        lengths = copy_lengths(train, target_length)
         with err.status(f"copy probe at lengths {lengths}…"):
             result = guarded(lambda: copy_probe.run(subject, lengths, settings.seed), debug)
         report = replace(report, checks=report.checks + (result,))

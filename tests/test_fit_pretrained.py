@@ -1,0 +1,58 @@
+"""`fit` on a real pretrained model, SmolLM2-135M-Instruct (rope_theta 1e5, rotate-half), and three broken copies
+of it, each a one-line mistake every other check passes: rope_theta lost (10000 in config.json), q/k rows left in
+the interleaved pairing order, a spurious linear x4 scaling block. Copies are made in a tmp directory (symlinked
+weights and tokenizer, rewritten config; the layout copy writes its own permuted weights), never in the cached
+checkpoint. 512 tokens of the shipped prose and copy evidence at distances 64 and 256 keep each run short; the
+verdicts hold there with margin (the figures at 1023 tokens are in docs/checks.md)."""
+
+import pytest
+from plants_fit import interleaved_qk, spurious_scaling, theta_lost
+
+from posdiag import api
+from posdiag.model.loading import load_subject
+from posdiag.options import RunOptions
+from posdiag.results import Status
+
+SHORT = RunOptions(check_options={"fit": {"text_tokens": 512, "copy_distances": [64, 256]}})
+
+
+def fit(path):
+    return api.run_checks(load_subject(str(path)), ["fit"], SHORT).checks[0]
+
+
+@pytest.fixture(scope="module")
+def healthy(smollm2_dir):
+    return fit(smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def broken(smollm2_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("smollm2-broken")
+    return {name: fit(plant(smollm2_dir, root / name))
+            for name, plant in (("theta", theta_lost), ("layout", interleaved_qk), ("scaling", spurious_scaling))}
+
+
+def test_healthy_model_fits_its_configuration(healthy):
+    assert healthy.status is Status.PASS, healthy.summary
+    assert healthy.details["source"].startswith("text (shipped prose, 512 tokens)")
+    assert healthy.metrics["z"] < 0 and healthy.metrics["margin"] > 0  # every alternative is worse
+    assert healthy.metrics["loss"] < healthy.metrics["unigram"] - 1
+
+
+@pytest.mark.parametrize("name, fits, configured", [
+    ("theta", "rope_theta=100000", "the configured 10000"),
+    ("layout", "q/k rows in the interleaved pairing order", "the half-split order the code rotates"),
+    ("scaling", "no rope scaling", "the declared linear scaling (factor 4)"),
+])
+def test_each_broken_copy_fails_naming_its_mistake(broken, name, fits, configured):
+    result = broken[name]
+    assert result.status is Status.FAIL, result.summary
+    assert result.summary.startswith(f"the weights fit {fits}, not {configured}: loss "), result.summary
+    assert result.metrics["z"] >= 5 and -result.metrics["margin"] >= 0.03
+    assert "copy accuracy at distance 256" in result.summary
+
+
+def test_the_cached_checkpoint_is_untouched(smollm2_dir, broken):
+    import json
+
+    assert json.loads((smollm2_dir / "config.json").read_text())["rope_parameters"]["rope_theta"] == 100000.0
