@@ -64,3 +64,14 @@ def interleaved_qk(src: Path, dst: Path) -> Path:
 
 def remove(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+def demo_theta_lost():
+    """CLI demo factory: fixtures/rope-copy (trained at rope_theta 10000) loaded with rope_theta 1000 in its config:
+    `posdiag check tests.plants_fit:demo_theta_lost --only fit`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fixture = Path(__file__).resolve().parent.parent / "fixtures" / "rope-copy"
+    config = AutoConfig.from_pretrained(fixture)
+    config.rope_parameters = {**config.rope_parameters, "rope_theta": 1000.0}
+    return AutoModelForCausalLM.from_pretrained(fixture, config=config, attn_implementation="eager").eval()

@@ -64,7 +64,7 @@ def test_the_model_is_restored_bitwise(healthy, tmp_path):
 
 @pytest.mark.parametrize("plant, names", [
     (lambda src, dst: theta_lost(src, dst, theta=1000.0), "rope_theta=10000"),
-    (interleaved_qk, "interleaved pairing order"),
+    (interleaved_qk, "q/k rows in the interleaved pairing order"),
     (spurious_scaling, "no rope scaling"),
 ])
 def test_planted_copies_fail_naming_the_alternative(tmp_path, plant, names):

@@ -11,17 +11,19 @@ tokens, and FAILs when an alternative is better by a paired per-token test:
     d_t = loss_configured(t) - loss_alternative(t),   z = mean(d) / (sd(d) / sqrt(n)),
     FAIL when z >= Z_BOUND and mean(d) >= MIN_GAIN nats (judging.py).
 
-Measured on SmolLM2-135M-Instruct (shipped prose, 1023 targets; docs/checks.md has the table): healthy, every
-alternative is worse (nearest rope_theta x4, -0.05 nats, z = -3.9); rope_theta 10000 in config.json is beaten by
-x10 (+0.16 nats, z = 7.6); q/k rows interleaved by the de-interleaving (+2.6 nats, z = 27); a spurious linear x4
-scaling by its removal (+1.4 nats, z = 19). Copy accuracy at a few distances is shown for the configuration and
-the decisive alternative (evidence, not the decision: a wrong base can copy better at short distances).
+Measured on SmolLM2-135M-Instruct (shipped prose; docs/checks.md has the table): healthy, every alternative is
+worse (1023 tokens: nearest rope_theta x1/4, -0.049 nats, z = -4.8; x4 -0.063, z = -6.4); rope_theta 10000 in
+config.json is beaten by x10 (+0.159 nats, z = 9.2); q/k rows interleaved by their de-interleaving (511 tokens:
++2.18 nats, z = 22.1); a spurious linear x4 scaling by its removal (+1.56 nats, z = 19.8). Copy accuracy at a
+few distances is shown for the configuration and the decisive alternative (evidence, not the decision: the
+θ-lost copy copies better than the healthy model at distances 64 and 256, worse only at 512).
 
-SKIP, cheaply, when the configured model predicts no better than chance (one forward decides, before any
-alternative runs: default-init models), or when no candidate beats the targets' unigram entropy. Masked LMs and
-encoder-decoders are not scored (a pseudo-likelihood costs a forward per masked set). Alternatives are made in
-memory and undone exactly (edits.py); the checkpoint on disk is never touched. Logits are reduced chunk by chunk
-(posdiag.model.logits): a forward never holds full-vocabulary logits for more rows than one chunk.
+SKIP, cheaply, when the configured model predicts like an untrained one (loss within 0.5 nats of chance; one
+forward decides, before any alternative runs: default-init models), or when no candidate beats the targets'
+unigram entropy. Masked LMs and encoder-decoders are not scored (a pseudo-likelihood costs a forward per masked
+set). Alternatives are made in memory and undone exactly (edits.py); the checkpoint on disk is never touched.
+Logits are reduced chunk by chunk (posdiag.model.logits): a forward never holds full-vocabulary logits for more
+rows than one chunk.
 """
 
 from __future__ import annotations
