@@ -162,3 +162,26 @@ def test_confident_random_models_skip_at_the_unigram_baseline(family, forwards):
     result = fit(subject)
     assert result.status is Status.SKIP and "own frequencies" in result.summary, result.summary
     assert subject.forward_count - start == forwards
+
+
+def test_text_option_replaces_the_shipped_prose(tmp_path):
+    from posdiag.checks.fit.material import plan_material
+    from posdiag.cli._flow import text_of
+    from posdiag.options import RunOptions
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text("A document of my own.", encoding="utf-8")
+    assert text_of(str(doc)) == "A document of my own." and text_of("plain words") == "plain words"
+    subject = load_subject(str(FIXTURE))
+    material = plan_material(subject, RunOptions(token_ids=tuple(range(4, 30))), {})
+    assert material.source == "text (--text, 26 tokens)" and material.count == 25
+    assert plan_material(subject, RunOptions(), {}).source.startswith("repeated random sequences")
+
+
+def test_shipped_prose_is_package_data():
+    from importlib import resources
+
+    text = resources.files("posdiag.data").joinpath("prose.txt").read_text(encoding="utf-8")
+    assert len(text.split()) > 1000
+    pyproject = (FIXTURE.parent.parent / "pyproject.toml").read_text()
+    assert "[tool.setuptools.package-data]" in pyproject and '"posdiag.data" = ["*.txt"]' in pyproject
