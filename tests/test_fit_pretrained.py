@@ -21,8 +21,22 @@ def fit(path):
 
 
 @pytest.fixture(scope="module")
-def healthy(smollm2_dir):
-    return fit(smollm2_dir)
+def report(smollm2_dir):
+    """Every check on the healthy model, once (what `posdiag check` runs)."""
+    return api.run_checks(load_subject(str(smollm2_dir)), None, SHORT)
+
+
+@pytest.fixture(scope="module")
+def healthy(report):
+    return report.check("fit")
+
+
+def test_every_other_check_keeps_its_verdict_on_the_healthy_model(report):
+    """A RoPE model: `table` has no table to judge; everything else passes, `fit` included."""
+    statuses = {c.name: c.status for c in report.checks}
+    assert statuses.pop("table") is Status.SKIP
+    assert statuses == dict.fromkeys(statuses, Status.PASS), {c.name: c.summary for c in report.checks}
+    assert report.exit_code == 0
 
 
 @pytest.fixture(scope="module")
