@@ -39,8 +39,14 @@ def rows_per_chunk(length: int, vocab: int, budget: int = LOGIT_BUDGET) -> int:
 def reduce_logits(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, T, V] logits, [B, T] targets (-1: none) -> (log p(target) float64 [B, T], argmax hit [B, T]).
 
-    Computed in float32 or finer, slice by slice of positions; non-finite logits give NaN log-probs."""
+    Computed in float32 or finer, slice by slice of positions; non-finite logits give NaN log-probs. Raises
+    ValueError when the logits are not one distribution per token (several heads, codebooks)."""
     rows, length = targets.shape
+    if logits.ndim != 3 or tuple(logits.shape[:2]) != (rows, length):
+        raise ValueError(f"logits of shape {tuple(logits.shape)} for {rows} x {length} tokens (one vocabulary "
+                         "distribution per token expected)")
+    if int(targets.max()) >= logits.shape[-1]:
+        raise ValueError(f"targets beyond the {logits.shape[-1]} logits per token")
     logprob = torch.full((rows, length), float("nan"), dtype=torch.float64)
     hit = torch.zeros((rows, length), dtype=torch.bool)
     for start in range(0, length, POSITION_SLICE):

@@ -47,7 +47,14 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     if why:
         return CheckResult("fit", Status.SKIP, why)
     material = plan_material(subject, options, options.for_check("fit"))
-    configured = score(subject, material, "configured")
+    if material is None:
+        return CheckResult("fit", Status.SKIP, f"the declared context ({subject.max_positions} tokens) is too short "
+                           "for a repeated sequence")
+    try:
+        configured = score(subject, material, "configured")
+    except (ValueError, RuntimeError, TypeError) as exc:  # the model refuses a plain scoring forward: nothing to score
+        return CheckResult("fit", Status.SKIP, f"cannot score the model's predictions ({type(exc).__name__}: "
+                           f"{str(exc)[:160]})")
     why = learned_nothing(configured, subject.vocab_size)
     if why:
         return CheckResult("fit", Status.SKIP, why, {"loss": configured.loss, "targets": material.count})

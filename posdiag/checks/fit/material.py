@@ -42,8 +42,9 @@ class Material:
         return int((self.targets >= 0).sum())
 
 
-def plan_material(subject: Subject, options: RunOptions, settings: dict) -> Material:
-    """Text through the checkpoint's tokenizer when there is one (or --text ids), else repeated sequences."""
+def plan_material(subject: Subject, options: RunOptions, settings: dict) -> Material | None:
+    """Text through the checkpoint's tokenizer when there is one (or --text ids), else repeated sequences (None
+    when the context cannot hold one)."""
     limit = _limit(subject, int(settings.get("text_tokens") or TEXT_TOKENS))
     ids = list(options.token_ids) if options.token_ids is not None else None
     source = "--text"
@@ -57,11 +58,14 @@ def plan_material(subject: Subject, options: RunOptions, settings: dict) -> Mate
     return repeated_sequences(subject, options.seed, min(limit, SEQUENCE_TOKENS), reason=source)
 
 
-def repeated_sequences(subject: Subject, seed: int, longest: int, reason: str = "") -> Material:
-    """[BOS] x x rows at one or two copy distances, enough rows for SEQUENCE_TARGETS targets."""
+def repeated_sequences(subject: Subject, seed: int, longest: int, reason: str = "") -> Material | None:
+    """[BOS] x x rows at one or two copy distances, enough rows for SEQUENCE_TARGETS targets (None when `longest`
+    cannot hold x x with at least 3 tokens in x)."""
     prefix = _bos(subject)
-    top = max(2, (longest - len(prefix)) // 2)
-    distances = sorted({top, max(2, top // 2)})
+    top = (longest - len(prefix)) // 2
+    if top < 3:
+        return None
+    distances = sorted({top, max(3, top // 2)})
     rows, targets, dists = [], [], []
     for k, n in enumerate(distances):
         count = max(2, math.ceil(SEQUENCE_TARGETS / len(distances) / max(1, n - 1)))
