@@ -2,8 +2,9 @@
 of it, each a one-line mistake every other check passes: rope_theta lost (10000 in config.json), q/k rows left in
 the interleaved pairing order, a spurious linear x4 scaling block. Copies are made in a tmp directory (symlinked
 weights and tokenizer, rewritten config; the layout copy writes its own permuted weights), never in the cached
-checkpoint. 512 tokens of the shipped prose and copy evidence at distances 64 and 256 keep each run short; the
-verdicts hold there with margin (the figures at 1023 tokens are in docs/checks.md)."""
+checkpoint. 512 tokens of the shipped prose (1024 for the lost rope_theta) and copy evidence at distances 64 and 256
+keep each run short; the verdicts hold there with margin (measured: healthy nearest z = -2.9; layout z = 22.1,
+scaling z = 19.8 over 511 tokens; lost theta z = 9.2 over 1023; docs/checks.md has the table)."""
 
 import pytest
 from plants_fit import interleaved_qk, spurious_scaling, theta_lost
@@ -14,10 +15,13 @@ from posdiag.options import RunOptions
 from posdiag.results import Status
 
 SHORT = RunOptions(check_options={"fit": {"text_tokens": 512, "copy_distances": [64, 256]}})
+# rope_theta lost is the subtle one: over 511 tokens its fix reaches z = 5.2 (gain 0.122 nats), too close to the
+# bound of 5 for a test; over 1023 tokens z = 9.2 (gain 0.159).
+FULL_TEXT = RunOptions(check_options={"fit": {"text_tokens": 1024, "copy_distances": [64, 256]}})
 
 
-def fit(path):
-    return api.run_checks(load_subject(str(path)), ["fit"], SHORT).checks[0]
+def fit(path, options=SHORT):
+    return api.run_checks(load_subject(str(path)), ["fit"], options).checks[0]
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +46,9 @@ def test_every_other_check_keeps_its_verdict_on_the_healthy_model(report):
 @pytest.fixture(scope="module")
 def broken(smollm2_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("smollm2-broken")
-    return {name: fit(plant(smollm2_dir, root / name))
-            for name, plant in (("theta", theta_lost), ("layout", interleaved_qk), ("scaling", spurious_scaling))}
+    return {name: fit(plant(smollm2_dir, root / name), options)
+            for name, plant, options in (("theta", theta_lost, FULL_TEXT), ("layout", interleaved_qk, SHORT),
+                                         ("scaling", spurious_scaling, SHORT))}
 
 
 def test_healthy_model_fits_its_configuration(healthy):
