@@ -145,14 +145,16 @@ def contradiction(info: GGUFFile, shapes: dict[str, list[int]]) -> str | None:
 
 
 def rewrite(src: str, dst: str | Path, *, keys: dict[str, Any] | None = None,
-            tensors: Callable[[str, np.ndarray], np.ndarray] | None = None, dequantise: bool = False) -> Path:
+            tensors: Callable[[str, np.ndarray], np.ndarray] | None = None, dequantise: bool = False,
+            reader: Any = None) -> Path:
     """Copy SRC to DST with metadata KEYS set (a value of None drops the key; a new key takes the type
     its Python value suggests), TENSORS(name, array) applied to every tensor, and with DEQUANTISE every
     tensor written as F32 (the F32 twin). Without DEQUANTISE, TENSORS sees and returns the stored data
-    (quantised tensors as their raw blocks, one row of bytes per row: row permutations stay exact)."""
+    (quantised tensors as their raw blocks, one row of bytes per row: row permutations stay exact).
+    READER: SRC already open (parsing a file with a 49k-token vocabulary takes seconds)."""
     import gguf
 
-    reader = open_reader(src)
+    reader = reader or open_reader(src)
     keys = dict(keys or {})
     arch = str(reader.fields["general.architecture"].contents())
     writer = gguf.GGUFWriter(str(dst), arch)
@@ -185,6 +187,14 @@ def rewrite(src: str, dst: str | Path, *, keys: dict[str, Any] | None = None,
     writer.write_tensors_to_file()
     writer.close()
     return Path(dst)
+
+
+def dequantised(reader: Any) -> dict[str, np.ndarray]:
+    """Every tensor of an open file as float32, in its stored (GGUF) layout."""
+    import gguf
+
+    return {t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+            for t in reader.tensors}
 
 
 def _value_type(gguf, value: Any):
