@@ -24,7 +24,7 @@ T = TypeVar("T")
 def fail(message: str, code: int = 2) -> NoReturn:
     """A usage or load error: one line on stderr, exit 2 (3 for an engine that crashed)."""
     typer.echo(f"posdiag: error: {message}", err=True)
-    raise typer.Exit(2)
+    raise typer.Exit(code)
 
 
 def interrupted() -> NoReturn:

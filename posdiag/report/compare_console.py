@@ -24,6 +24,9 @@ def render_compare(report: Report, console: Console, *, quiet: bool = False) -> 
     check = report.check("compare")
     if quiet:
         print_line(console, Text.assemble(status_text(check.status), f" compare: {check.summary}"))
+        refused = [f"{r.check} {r.why}" for r in report.gate if r.kind == "policy"]
+        if refused:
+            console.print(Text(f"GATE FAILED — {'; '.join(refused)}", style="bold red"))
         return
     details = check.details
     for role in ("reference", "candidate"):
@@ -138,6 +141,9 @@ def _panel(report: Report) -> Panel:
     if report.exit_code == 0:
         title, style = ("SAME MODEL — within rounding", "bold green") if check.status is Status.PASS else \
             (f"NO DIFFERENCE FOUND — {check.status.value}", "bold yellow")
+    elif check.status is not Status.FAIL:  # the gate policy refused a WARN (or a required check did not pass)
+        title = "GATE FAILED — " + "; ".join(f"{r.check} {r.why}" for r in report.gate if r.kind == "policy")
+        style = "bold red"
     else:
         title, style = "DIFFERENT — " + str(check.details.get("pattern") or check.status.value), "bold red"
     body = Group(Text(title, style=style), Text(f"exit code {report.exit_code}", style="dim"))

@@ -48,7 +48,7 @@ class EngineProcess:
         self.calls = 0
         with open(self.stderr_path, "wb") as err:
             self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=_no_core_dump)
         self._finalizer = weakref.finalize(self, _stop, self.proc, self.workdir)
 
     def request(self, message: dict[str, Any], doing: str) -> dict[str, Any]:
@@ -114,6 +114,13 @@ class EngineProcess:
         self.close()
         raise EngineCrash(f"{self.what} {how} on '{self.file}' while {doing}" + (f" (last words: {tail})" if tail
                                                                                    else ""))
+
+
+def _no_core_dump() -> None:
+    """In the child, before it runs: a crash leaves no core file behind (a 100 MB model maps into every one)."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
 def last_line(path: Path) -> str:

@@ -156,7 +156,7 @@ def rewrite(src: str, dst: str | Path, *, keys: dict[str, Any] | None = None,
 
     reader = reader or open_reader(src)
     keys = dict(keys or {})
-    arch = str(reader.fields["general.architecture"].contents())
+    arch = str(keys.pop("general.architecture", None) or reader.fields["general.architecture"].contents())
     writer = gguf.GGUFWriter(str(dst), arch)
     for name, fld in reader.fields.items():
         if name.startswith("GGUF.") or name == "general.architecture":

@@ -288,10 +288,13 @@ def _pass_summary(profiles: list[LayerProfile], main: LayerProfile, details: dic
     also = f", also continued from position {details['continued_from']}" if continued else ""
     if twin is not None:
         split = details["quantisation_split"]
-        return (f"position handling at float32 rounding: the file dequantised to F32 gives logits error "
-                f"{twin.error:.3g} = {twin.ratio:.3g}x noise floor (tolerance {FAIL_RATIO:g}x per position) at "
-                f"every position; the {split['kind']} file within {FAIL_RATIO:g}x what its quantisation adds "
-                f"(median {split['quantisation_alone']['median']:.2g} per position){also}")
+        rounding = split["weights_part_median"]
+        at = (f"{twin.ratio:.3g}x noise floor (tolerance {FAIL_RATIO:g}x per position)" if rounding == 0 else
+              f"within {FAIL_RATIO:g}x the weights' own rounding (median {rounding:.2g} per position)")
+        return (f"position handling {'at float32 rounding' if rounding == 0 else 'sound'}: the file dequantised to "
+                f"F32 gives logits error {twin.error:.3g} = {at} at every position; the {split['kind']} file within "
+                f"{FAIL_RATIO:g}x what its quantisation adds (median {split['quantisation_alone']['median']:.2g} per "
+                f"position){also}")
     within = "the quantisation's own error" if quantised else "float32 rounding"
     return (f"same function within {within}: logits error {main.error:.3g} = {main.ratio:.3g}x noise "
             f"floor (tolerance {FAIL_RATIO:g}x{' per position' if quantised else ''}) at every position{also}")
