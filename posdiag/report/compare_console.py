@@ -64,6 +64,13 @@ def render_compare(report: Report, console: Console, *, quiet: bool = False) -> 
         focus = details.get("first_layer")  # the bar plot only where something differs
         if focus in profile["mean_error"]:
             print_table(console, _bar_plot(focus, profile))
+    for table in check.tables[1:]:  # the comparison's own extra tables (a quantised file's split by position)
+        out = RichTable(title=f"compare: {table.title}", title_justify="left", header_style="bold")
+        for col in table.columns:
+            out.add_column(col, justify="left" if col == table.columns[0] else "right")
+        for row in table.rows:
+            out.add_row(*[str(v) for v in row])
+        print_table(console, out)
     console.print(_panel(report))
 
 
