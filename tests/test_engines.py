@@ -127,7 +127,7 @@ def test_gguf_converter_writes_what_the_reader_reads(tmp_path, llama):
     gguf = pytest.importorskip("gguf", reason="the GGUF converter needs the gguf package")
     from gguf_convert import write_gguf
 
-    from posdiag.tools.gguf_file import inspect_file
+    from posdiag.model.gguf_file import inspect_file
 
     healthy = write_gguf(llama, tmp_path / "h.gguf")
     planted = write_gguf(llama, tmp_path / "p.gguf", plant="freq_base")
@@ -188,7 +188,7 @@ def test_classify_per_position_tolerance_and_a_rise_below_it():
 
 def test_quantised_writer_types_and_refusals(tmp_path, llama):
     pytest.importorskip("gguf", reason="the GGUF writer needs the gguf package")
-    from posdiag.tools.gguf_file import inspect_file
+    from posdiag.model.gguf_file import inspect_file
     from posdiag.tools.gguf_write import ConversionError, convert, write
 
     info = inspect_file(str(write(convert(llama), tmp_path / "q.gguf", "Q8_0")))

@@ -17,7 +17,7 @@ gguf = pytest.importorskip("gguf", reason="GGUF files need the gguf package: pip
 
 from gguf_convert import write_gguf  # noqa: E402
 
-from posdiag.tools.gguf_file import inspect_file, rewrite  # noqa: E402
+from posdiag.model.gguf_file import inspect_file, rewrite  # noqa: E402
 
 CHILD = str(Path(__file__).with_name("crashing_engine.py"))
 

@@ -3,7 +3,7 @@ through llama.cpp, against PyTorch running the same weights dequantised (tests/c
 
 The healthy file PASSes: its F32 twin gives float32 noise, the Q4_1 file stays within what its
 quantisation adds. Each metadata or conversion bug a converter can make is planted by rewriting the file with
-`gguf` (posdiag/tools/gguf_file.rewrite, into a tmp dir) and FAILs `compare REF file` by its shape, from the
+`gguf` (posdiag/model/gguf_file.rewrite, into a tmp dir) and FAILs `compare REF file` by its shape, from the
 position it starts at. (A dropped sliding window is planted on posdiag's own Gemma2 conversions in
 tests/test_gguf.py: SmolLM2 has none.) 64 tokens show every growth here; one reference load and one open
 reader per module.
@@ -21,9 +21,9 @@ from posdiag.results import Status
 pytest.importorskip("gguf", reason="GGUF files need the gguf package: pip install 'posdiag[gguf]'")
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'posdiag[gguf]')")
 
+from posdiag.model.gguf_file import open_reader, rewrite
 from posdiag.model.loading import load_subject
 from posdiag.tools.gguf_engine import load_gguf
-from posdiag.tools.gguf_file import open_reader, rewrite
 from posdiag.tools.gguf_write import to_half_split
 from posdiag.tools.port_compare import compare_engine
 

@@ -279,12 +279,12 @@ def _load_pretrained(spec: str, options: LoadOptions) -> Subject:
 
 
 def _load_gguf(path: Path, options: LoadOptions) -> Subject:
-    """A .gguf file as a MODEL: validated (posdiag.tools.gguf_file), then dequantised by transformers' GGUF
+    """A .gguf file as a MODEL: validated (posdiag.model.gguf_file), then dequantised by transformers' GGUF
     support into its PyTorch class, tokenizer included. Nothing is written anywhere: transformers reads the
     file in place and keeps the dequantised weights in memory."""
     from transformers import AutoConfig
 
-    from posdiag.tools.gguf_file import inspect_file
+    from posdiag.model.gguf_file import inspect_file
 
     if options.device_map:
         raise PosdiagError("--device-map places checkpoint files; a .gguf file is dequantised into memory")

@@ -1,6 +1,6 @@
 """llama.cpp as a candidate: a `.gguf` file run through llama-cpp-python (`pip install 'posdiag[gguf]'`).
 
-The file is first read and validated here (posdiag/tools/gguf_file.py: a truncated or inconsistent file is
+The file is first read and validated here (posdiag/model/gguf_file.py: a truncated or inconsistent file is
 one line, exit 2), then opened by llama.cpp in a child process (posdiag/tools/engine_process.py: a native
 crash or a hang is one line, exit 3). The child's settings and why are in posdiag/tools/llama_child.py:
 all-position logits, float32 KV cache, weight repacking off, token ids as they are. The context is the
@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 
 from posdiag.errors import PosdiagError
+from posdiag.model.gguf_file import GGUFFile, inspect_file
 from posdiag.tools.engine_process import DEFAULT_TIMEOUT, EngineProcess
 from posdiag.tools.engines import Engine
-from posdiag.tools.gguf_file import GGUFFile, inspect_file
 
 CHILD_COMMAND = [sys.executable, "-m", "posdiag.tools.llama_child"]
 """The child that runs llama.cpp (its protocol: posdiag/tools/engine_process.py)."""

@@ -7,7 +7,7 @@ A quantised file differs from a float reference for three reasons, and only one 
   (`posdiag compare model.gguf`, or a reference dequantised from that file): then nothing is run;
 - what the engine's quantised kernels add (llama.cpp quantises activations to 8 bits for Q4/Q5/K-quant dot
   products): the file against its F32 twin (every tensor dequantised, the metadata kept:
-  posdiag/tools/gguf_file.rewrite) through the same engine, same settings, same ids. Flat in position
+  posdiag/model/gguf_file.rewrite) through the same engine, same settings, same ids. Flat in position
   when healthy (measured on SmolLM2 Q4_1: max |d log-prob| 0.7-1.4 in every band up to 1024 tokens);
 - position handling: the F32 twin against the reference, judged at float32 noise plus the weights' part.
   Any error that grows with position there is the engine's position code or the metadata as it reads it.
@@ -46,7 +46,7 @@ class TwinSplit:
 def measure(reference: Subject, engine: Engine, ids: list[int], ref_logits: torch.Tensor, cand: torch.Tensor,
             workdir: str) -> TwinSplit | str:
     """The split of ENGINE's quantised file on IDS, or why it cannot be made (one line)."""
-    from posdiag.tools.gguf_file import open_reader, rewrite
+    from posdiag.model.gguf_file import open_reader, rewrite
 
     if engine.twin is None or not str(engine.name).lower().endswith(".gguf") or not os.path.isfile(engine.name):
         return "this engine cannot run another file"
@@ -70,8 +70,8 @@ def weights_part(reference: Subject, reader, ids: list[int],
                  ref_logits: torch.Tensor) -> tuple[torch.Tensor | None, str, tuple[str, ...]]:
     """The reference with the file's dequantised weights (READER: the file, open) against itself, per
     position; zeros when they are its own."""
+    from posdiag.model.gguf_file import dequantised
     from posdiag.tools import gguf_write
-    from posdiag.tools.gguf_file import dequantised
 
     zeros = torch.zeros(len(ids), dtype=torch.float64)
     if os.path.abspath(reference.spec) == os.path.abspath(str(reader.data.filename)):
