@@ -126,3 +126,23 @@ def test_rope_scaling_keys_dropped_fail_and_kept_pass(scaled, reader, smollm2_gg
     dropped = judge(scaled, rewrite(str(smollm2_gguf), tmp_path / "unscaled.gguf", dequantise=True, reader=reader))
     assert dropped.status is Status.FAIL and dropped.details["pattern"] == "grows with position", dropped.summary
     assert dropped.details["onset_position"] == 1
+
+
+def test_compare_a_file_alone_from_the_command_line(smollm2_gguf, tmp_path):
+    """README's `posdiag compare model.gguf` (fewer tokens): PyTorch on the file dequantised is the reference,
+    its header says so, and the F32 twin is at float32 noise."""
+    from typer.testing import CliRunner
+
+    from posdiag.cli import app
+
+    report = tmp_path / "compare.json"
+    out = CliRunner().invoke(app, ["compare", str(smollm2_gguf), "--seq-len", str(N), "--json", str(report)],
+                             env={"COLUMNS": "200"})
+    assert out.exit_code == 0, out.output
+    assert "note: dequantised from Q4_1 GGUF by transformers" in out.output
+    assert "PASS compare: position handling at float32 rounding" in out.output
+    assert "weight_repacking off (use_extra_bufts=False)" in out.output
+    check = json.loads(report.read_text())["checks"][0]
+    assert check["details"]["quantisation_split"]["weights_source"] == \
+        "the reference runs the file's own dequantised weights"
+    assert not list(Path(smollm2_gguf).parent.glob("*twin*"))  # nothing written next to the file
