@@ -133,3 +133,8 @@ def test_compare_fail_on_and_require_gate_a_warn(tiny, tmp_path):
         assert "GATE FAILED — compare" in out.output
     out = CliRunner().invoke(app, base + ["--require", "shufle"])
     assert out.exit_code == 2 and "--require shufle: unknown check" in out.output
+
+
+def test_compare_alone_takes_only_a_gguf_file():
+    out = CliRunner().invoke(app, ["compare", "fixtures/llama-tiny"])
+    assert out.exit_code == 2 and "only a .gguf file is compared alone" in out.output, out.output
