@@ -138,3 +138,13 @@ def test_compare_fail_on_and_require_gate_a_warn(tiny, tmp_path):
 def test_compare_alone_takes_only_a_gguf_file():
     out = CliRunner().invoke(app, ["compare", "fixtures/llama-tiny"])
     assert out.exit_code == 2 and "only a .gguf file is compared alone" in out.output, out.output
+
+
+def test_a_gguf_file_is_a_model_for_check(tiny):
+    """The tiny conversion, dequantised by transformers: the header names it, the checks judge it."""
+    _, path = tiny
+    out = CliRunner().invoke(app, ["check", str(path), "--only", "load,shuffle,rope"], env={"COLUMNS": "200"})
+    assert out.exit_code == 0, out.output
+    assert "note: dequantised from F32 GGUF by transformers (tensors: F32 x21)" in out.output
+    assert "shuffle  PASS" in out.output and "load     PASS" in out.output and "rope     PASS" in out.output
+    assert not list(path.parent.glob("*.json"))  # nothing written next to the file

@@ -306,8 +306,8 @@ def _load_gguf(path: Path, options: LoadOptions) -> Subject:
     bar = getattr(gguf_utils, "tqdm", None)
     gguf_utils.tqdm = lambda items, **_: items  # its progress bar ignores transformers' own switch
     try:
-        model = auto_class(config, family).from_pretrained(**where, dtype=dtype,
-                                                           attn_implementation=options.attn_implementation)
+        model, loading = auto_class(config, family).from_pretrained(
+            **where, dtype=dtype, attn_implementation=options.attn_implementation, output_loading_info=True)
     except Exception as exc:
         raise PosdiagError(f"cannot dequantise '{path}': {one_line(exc)}") from None
     finally:
@@ -318,10 +318,13 @@ def _load_gguf(path: Path, options: LoadOptions) -> Subject:
     inner, tested = text_route(model)
     family = for_model(family if inner is model else family_for(inner.config), inner)
     stored = f"dequantised from {info.file_type} GGUF"
+    missing = tuple(loading.get("missing_keys", ()) or ())
+    provided = tuple(k for k in model.state_dict() if k not in set(missing))  # the file's tensors, as mapped
     subject = Subject(
         model=inner, config=language_config(inner.config), family=family, spec=str(path), kind=family.kind,
         position_kind=family.position_kind, dtype=dtype, load_dtype=dtype, device=input_device(inner),
-        load_info=LoadInfo(checkpoint_keys=None, files=(str(path),), source=stored), options=options, tested=tested,
+        load_info=LoadInfo(checkpoint_keys=provided, missing_keys=missing, files=(str(path),), source=stored),
+        options=options, tested=tested,
     )
     types = ", ".join(f"{t} x{n}" for t, n in sorted(info.type_counts.items()))
     subject.notes.append(f"{stored} by transformers (tensors: {types})")
