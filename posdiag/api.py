@@ -26,11 +26,13 @@ def select_checks(only: Iterable[str] | None = None, skip: Iterable[str] | None 
     return [n for n in chosen if n not in skip_set]
 
 
-def gate_policy(fail_on: str | Iterable[str] | None = None, require: str | Iterable[str] | None = None) -> GatePolicy:
+def gate_policy(fail_on: str | Iterable[str] | None = None, require: str | Iterable[str] | None = None, *,
+                also: tuple[str, ...] = ()) -> GatePolicy:
     """The gate policy from names, as typed (`"warn,skip"`) or listed; unknown names are usage errors.
 
     fail_on: `warn` and/or `skip` (a check that could not decide / did not run also fails the gate);
-    require: checks that must PASS (one that does not, or does not run, fails the gate)."""
+    require: checks that must PASS (one that does not, or does not run, fails the gate);
+    also: names a command adds to the checks (`compare`)."""
     statuses = []
     for value in _names(fail_on):
         if value not in {s.value for s in GATEABLE}:
@@ -39,7 +41,7 @@ def gate_policy(fail_on: str | Iterable[str] | None = None, require: str | Itera
         statuses.append(Status(value))
     required = _names(require)
     for name in required:
-        if name not in (*checks.ORDER, "baseline"):
+        if name not in (*checks.ORDER, "baseline", *also):
             raise PosdiagError(f"--require {name}: unknown check; known checks: {', '.join(checks.available())}")
     return GatePolicy(fail_on=frozenset(statuses), require=tuple(dict.fromkeys(required)))
 

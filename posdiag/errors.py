@@ -4,6 +4,15 @@
 class PosdiagError(Exception):
     """A usage or load problem. The message is shown as-is, on one line, with exit code 2."""
 
+    exit_code = 2
+
+
+class EngineCrash(PosdiagError):
+    """An engine in a child process (llama.cpp) crashed, aborted or hung: one line, exit code 3 (the engine
+    failed on a file that posdiag had read and found sound, so it is not a usage error)."""
+
+    exit_code = 3
+
 
 def one_line(exc: BaseException) -> str:
     """The first line of an exception's message (its type name when it has none), at most 300 characters."""

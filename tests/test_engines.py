@@ -127,14 +127,14 @@ def test_gguf_converter_writes_what_the_reader_reads(tmp_path, llama):
     gguf = pytest.importorskip("gguf", reason="the GGUF converter needs the gguf package")
     from gguf_convert import write_gguf
 
-    from posdiag.tools.gguf_engine import read_metadata
+    from posdiag.model.gguf_file import inspect_file
 
     healthy = write_gguf(llama, tmp_path / "h.gguf")
     planted = write_gguf(llama, tmp_path / "p.gguf", plant="freq_base")
-    meta = read_metadata(str(healthy))
-    assert meta["llama.context_length"] == 128 and meta["llama.rope.freq_base"] == 10000.0
-    assert meta["tensor_types"] == {"F32": 21}
-    assert read_metadata(str(planted))["llama.rope.freq_base"] == 500000.0
+    info = inspect_file(str(healthy))
+    assert info.metadata["llama.context_length"] == 128 and info.metadata["llama.rope.freq_base"] == 10000.0
+    assert info.type_counts == {"F32": 21}
+    assert inspect_file(str(planted)).metadata["llama.rope.freq_base"] == 500000.0
     q = {t.name: t for t in gguf.GGUFReader(str(healthy)).tensors}["blk.0.attn_q.weight"]
     hf = llama.model.layers[0].self_attn.q_proj.weight.detach().numpy()
     data = np.asarray(q.data).reshape(hf.shape)
@@ -188,12 +188,12 @@ def test_classify_per_position_tolerance_and_a_rise_below_it():
 
 def test_quantised_writer_types_and_refusals(tmp_path, llama):
     pytest.importorskip("gguf", reason="the GGUF writer needs the gguf package")
-    from posdiag.tools.gguf_engine import read_metadata
+    from posdiag.model.gguf_file import inspect_file
     from posdiag.tools.gguf_write import ConversionError, convert, write
 
-    meta = read_metadata(str(write(convert(llama), tmp_path / "q.gguf", "Q8_0")))
-    assert meta["tensor_types"] == {"Q8_0": 16, "F32": 5}  # 2-D weights quantised, the 5 norms kept
-    assert meta["tensor_type_by_name"]["blk.0.attn_norm.weight"] == "F32"
+    info = inspect_file(str(write(convert(llama), tmp_path / "q.gguf", "Q8_0")))
+    assert info.type_counts == {"Q8_0": 16, "F32": 5}  # 2-D weights quantised, the 5 norms kept
+    assert info.tensor_types["blk.0.attn_norm.weight"] == "F32"
     with pytest.raises(ConversionError, match="Q4_K"):
         write(convert(llama), tmp_path / "k.gguf", {"token_embd.weight": "Q4_K"})
     with pytest.raises(ConversionError, match="no GGUF converter"):

@@ -74,7 +74,11 @@ def tokenize(model: str, text: str, revision: str | None, trust_remote_code: boo
     try:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(model, revision=revision, trust_remote_code=trust_remote_code)
+        if model.lower().endswith(".gguf") and os.path.isfile(model):  # the tokenizer stored in the file
+            tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(model)),
+                                                      gguf_file=os.path.basename(model))
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(model, revision=revision, trust_remote_code=trust_remote_code)
     except Exception:
         raise PosdiagError(f"--text needs a tokenizer, and none loads for '{model}' (drop --text to probe with random "
                            "ids)") from None

@@ -21,10 +21,10 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-def fail(message: str) -> NoReturn:
-    """A usage or load error: one line on stderr, exit 2."""
+def fail(message: str, code: int = 2) -> NoReturn:
+    """A usage or load error: one line on stderr, exit 2 (3 for an engine that crashed)."""
     typer.echo(f"posdiag: error: {message}", err=True)
-    raise typer.Exit(2)
+    raise typer.Exit(code)
 
 
 def interrupted() -> NoReturn:
@@ -45,7 +45,7 @@ def guarded(fn: Callable[[], T], debug: bool) -> T:
     except PosdiagError as exc:
         if debug:
             traceback.print_exc()
-        fail(str(exc))
+        fail(str(exc), exc.exit_code)
     except KeyboardInterrupt:
         interrupted()
     except Exception as exc:

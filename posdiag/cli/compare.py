@@ -22,12 +22,14 @@ from posdiag.cli.options import (
     DeviceOpt,
     DType,
     DtypeOpt,
+    FailOnOpt,
     JsonOpt,
     MaxBatchOpt,
     MaxMemoryOpt,
     OffloadOpt,
     PickleOpt,
     QuietOpt,
+    RequireOpt,
     RevisionOpt,
     SeedOpt,
     Settings,
@@ -37,16 +39,17 @@ from posdiag.cli.options import (
     load_options,
 )
 
-CandidateArg = Annotated[str, typer.Argument(
+CandidateArg = Annotated[str | None, typer.Argument(
     help="The port to check: hub id, directory, a .gguf file (llama.cpp), or module.path:factory returning a "
-         "torch.nn.Module or an engine (an object with logits(ids) -> [T, V]).", show_default=False)]
-ReferenceArg = Annotated[str, typer.Argument(help="The trusted model: hub id, directory, or module.path:factory.",
-                                             show_default=False)]
+         "torch.nn.Module or an engine (an object with logits(ids) -> [T, V]). Left out when REFERENCE is a .gguf "
+         "file: llama.cpp runs it against PyTorch running the same file dequantised.", show_default=False)]
+ReferenceArg = Annotated[str, typer.Argument(
+    help="The trusted model: hub id, directory, module.path:factory, or (alone) a .gguf file.", show_default=False)]
 
 
 def compare(
     reference: ReferenceArg,
-    candidate: CandidateArg,
+    candidate: CandidateArg = None,
     seq_len: Annotated[int | None, typer.Option(
         "--seq-len", min=4, help="Tokens to compare (default min(512, both declared contexts, the original context); "
                                  "with --long: default twice the original context).")] = None,
@@ -68,7 +71,8 @@ def compare(
     device: DeviceOpt = Device.auto, device_map: DeviceMapOpt = None, max_memory: MaxMemoryOpt = None,
     offload_folder: OffloadOpt = None, attn_implementation: AttnOpt = "eager",
     upcast: UpcastOpt = True, allow_pickle: PickleOpt = False, seed: SeedOpt = 0, text: TextOpt = None,
-    max_batch: MaxBatchOpt = None, json: JsonOpt = None, quiet: QuietOpt = False, debug: DebugOpt = False,
+    max_batch: MaxBatchOpt = None, fail_on: FailOnOpt = None, require: RequireOpt = None, json: JsonOpt = None,
+    quiet: QuietOpt = False, debug: DebugOpt = False,
 ) -> None:
     """Compare a port with its reference, layer by layer and position by position.
 
@@ -95,6 +99,12 @@ def compare(
     conversion of the reference at the same tensor types through the same engine (WARN when posdiag
     cannot write that conversion). By default the probe runs past the reference's sliding window;
     --long runs past the original context of scaled RoPE.
+
+    posdiag compare model.gguf (one file): llama.cpp runs the file against PyTorch running the same
+    weights, dequantised by transformers. A quantised file is also written as an F32 twin (every tensor
+    dequantised, the metadata kept) and run through llama.cpp: the twin against PyTorch is position
+    handling at float32 noise; the file against its twin is what quantisation alone adds. The same split
+    judges a quantised candidate against any reference (K-quants too: nothing is re-quantised).
     """
     settings = Settings(  # the reference's; the candidate's differ only where the candidate options say
         model=reference, revision=revision, trust_remote_code=trust_remote_code, dtype=dtype.value, device=device.value,
@@ -103,7 +113,17 @@ def compare(
         text=text, max_batch=max_batch, json=json, quiet=quiet, debug=debug,
     )
     validate.model_spec(reference)
+    if candidate is None:
+        if not reference.lower().endswith(".gguf"):
+            from posdiag.cli._io import fail
+
+            fail("compare needs REFERENCE and CANDIDATE; only a .gguf file is compared alone (with itself, "
+                 "dequantised)")
+        candidate = reference
     validate.model_spec(candidate)
+    from posdiag.api import gate_policy
+
+    policy = guarded(lambda: gate_policy(fail_on, require, also=("compare",)), debug)
     validate.outputs(json=json, plot=plot)
     if plot:
         _require_matplotlib()
@@ -120,7 +140,7 @@ def compare(
     from posdiag.results import Report
 
     comparison = _compare(ref, cand, settings, long, mapping)
-    report = Report(model=ref.info, checks=(comparison.result,), versions=versions())
+    report = Report(model=ref.info, checks=(comparison.result,), versions=versions(), policy=policy)
     out = console_for(json)
     render_compare(report, out, quiet=quiet)
     if json:

@@ -66,7 +66,8 @@ def rope(
     )
     validate.model_spec(model)
     validate.outputs(json=json, plot=plot)
-    static_only = config_only or Path(model).is_file()
+    gguf = model.lower().endswith(".gguf") and Path(model).is_file()  # a MODEL, dequantised by transformers
+    static_only = config_only or (Path(model).is_file() and not gguf)
     copy_probe = _check_extras(probe, plot, static_only)
 
     from posdiag.model.loading import looks_like_factory
@@ -80,8 +81,9 @@ def rope(
     factory = looks_like_factory(model)
     if factory and config_only:
         fail("--config-only needs a config.json, a checkpoint directory or a hub id, not a module:factory")
-    subject = guarded(lambda: load(settings), debug) if factory else None
-    config = subject.config if factory else guarded(lambda: _read_config(model, revision, trust_remote_code), debug)
+    loaded = factory or (gguf and not config_only)
+    subject = guarded(lambda: load(settings), debug) if loaded else None
+    config = subject.config if loaded else guarded(lambda: _read_config(model, revision, trust_remote_code), debug)
     specs = rope_math.rope_specs(config) if getattr(config, "model_type", "custom") != "custom" else []
     if not specs and static_only:
         fail(f"'{model}' describes no rotary position embedding (model type {getattr(config, 'model_type', '?')})")
@@ -125,6 +127,8 @@ def _read_config(model: str, revision: str | None, trust: bool):
     elif model.startswith((".", "/", "~")) or model.count("/") > 1 or model.endswith(".json"):
         raise PosdiagError(f"'{model}' does not exist")
     try:
+        if path.is_file() and model.lower().endswith(".gguf"):
+            return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
         return AutoConfig.from_pretrained(model, revision=revision, trust_remote_code=trust)
     except Exception as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]

@@ -176,6 +176,8 @@ def _load_pretrained(spec: str, options: LoadOptions) -> Subject:
 
     local = Path(spec)
     is_local = local.exists()
+    if is_local and local.is_file() and local.suffix.lower() == ".gguf":
+        return _load_gguf(local, options)
     if is_local:
         if not local.is_dir():
             raise PosdiagError(f"'{spec}' is a file; MODEL is a checkpoint directory, a hub id, or module:factory")
@@ -273,6 +275,60 @@ def _load_pretrained(spec: str, options: LoadOptions) -> Subject:
         subject.notes.append(f"loaded in float32 from {name} weights (--device-map: the map was planned for the "
                              f"float32 size, twice {name}'s; --no-upcast keeps {name})")
     _maybe_upcast(subject)
+    return subject
+
+
+def _load_gguf(path: Path, options: LoadOptions) -> Subject:
+    """A .gguf file as a MODEL: validated (posdiag.model.gguf_file), then dequantised by transformers' GGUF
+    support into its PyTorch class, tokenizer included. Nothing is written anywhere: transformers reads the
+    file in place and keeps the dequantised weights in memory."""
+    from transformers import AutoConfig
+
+    from posdiag.model.gguf_file import inspect_file
+
+    if options.device_map:
+        raise PosdiagError("--device-map places checkpoint files; a .gguf file is dequantised into memory")
+    info = inspect_file(str(path))
+    where = {"pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name}
+    try:
+        config = AutoConfig.from_pretrained(**where)
+    except Exception as exc:
+        text = one_line(exc)
+        if "not supported" in text or "Unrecognized" in text or "architecture" in text:
+            raise PosdiagError(f"'{path}': transformers cannot map GGUF architecture '{info.arch}' to a PyTorch "
+                               f"model ({text[:120]})") from None
+        raise PosdiagError(f"cannot read '{path}' as a GGUF model: {text[:200]}") from None
+    family = family_for(config)
+    dtype = torch.float32 if options.dtype == "auto" else DTYPES[options.dtype]
+    torch.manual_seed(0)
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    bar = getattr(gguf_utils, "tqdm", None)
+    gguf_utils.tqdm = lambda items, **_: items  # its progress bar ignores transformers' own switch
+    try:
+        model, loading = auto_class(config, family).from_pretrained(
+            **where, dtype=dtype, attn_implementation=options.attn_implementation, output_loading_info=True)
+    except Exception as exc:
+        raise PosdiagError(f"cannot dequantise '{path}': {one_line(exc)}") from None
+    finally:
+        if bar is not None:
+            gguf_utils.tqdm = bar
+    model.hf_quantizer = None  # the weights are plain tensors now; the GGUF marker only refuses copies
+    model = model.to(resolve_device(options.device)).eval()
+    inner, tested = text_route(model)
+    family = for_model(family if inner is model else family_for(inner.config), inner)
+    stored = f"dequantised from {info.file_type} GGUF"
+    missing = tuple(loading.get("missing_keys", ()) or ())
+    provided = tuple(k for k in model.state_dict() if k not in set(missing))  # the file's tensors, as mapped
+    subject = Subject(
+        model=inner, config=language_config(inner.config), family=family, spec=str(path), kind=family.kind,
+        position_kind=family.position_kind, dtype=dtype, load_dtype=dtype, device=input_device(inner),
+        load_info=LoadInfo(checkpoint_keys=provided, missing_keys=missing, files=(str(path),), source=stored),
+        options=options, tested=tested,
+    )
+    types = ", ".join(f"{t} x{n}" for t, n in sorted(info.type_counts.items()))
+    subject.notes.append(f"{stored} by transformers (tensors: {types})")
+    _detect_position_kind(subject)
     return subject
 
 

@@ -24,6 +24,9 @@ def render_compare(report: Report, console: Console, *, quiet: bool = False) -> 
     check = report.check("compare")
     if quiet:
         print_line(console, Text.assemble(status_text(check.status), f" compare: {check.summary}"))
+        refused = [f"{r.check} {r.why}" for r in report.gate if r.kind == "policy"]
+        if refused:
+            console.print(Text(f"GATE FAILED — {'; '.join(refused)}", style="bold red"))
         return
     details = check.details
     for role in ("reference", "candidate"):
@@ -61,6 +64,13 @@ def render_compare(report: Report, console: Console, *, quiet: bool = False) -> 
         focus = details.get("first_layer")  # the bar plot only where something differs
         if focus in profile["mean_error"]:
             print_table(console, _bar_plot(focus, profile))
+    for table in check.tables[1:]:  # the comparison's own extra tables (a quantised file's split by position)
+        out = RichTable(title=f"compare: {table.title}", title_justify="left", header_style="bold")
+        for col in table.columns:
+            out.add_column(col, justify="left" if col == table.columns[0] else "right")
+        for row in table.rows:
+            out.add_row(*[str(v) for v in row])
+        print_table(console, out)
     console.print(_panel(report))
 
 
@@ -138,6 +148,9 @@ def _panel(report: Report) -> Panel:
     if report.exit_code == 0:
         title, style = ("SAME MODEL — within rounding", "bold green") if check.status is Status.PASS else \
             (f"NO DIFFERENCE FOUND — {check.status.value}", "bold yellow")
+    elif check.status is not Status.FAIL:  # the gate policy refused a WARN (or a required check did not pass)
+        title = "GATE FAILED — " + "; ".join(f"{r.check} {r.why}" for r in report.gate if r.kind == "policy")
+        style = "bold red"
     else:
         title, style = "DIFFERENT — " + str(check.details.get("pattern") or check.status.value), "bold red"
     body = Group(Text(title, style=style), Text(f"exit code {report.exit_code}", style="dim"))

@@ -39,6 +39,8 @@ class Conversion:
     arch: str
     keys: dict[str, Any] = field(default_factory=dict)
     tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    sources: dict[str, tuple[str, str]] = field(default_factory=dict)
+    """GGUF tensor name -> (the state-dict key it was written from, its transform: see `apply_transform`)."""
 
     def key(self, name: str) -> str:
         return f"{self.arch}.{name}"
@@ -161,28 +163,52 @@ def _rope_family(sd: dict, cfg, conv: Conversion) -> dict[str, np.ndarray]:
         conv.keys[k("attention.sliding_window")] = int(cfg.sliding_window)
         conv.keys[k("attn_logit_softcapping")] = float(cfg.attn_logit_softcapping)
         conv.keys[k("final_logit_softcapping")] = float(cfg.final_logit_softcapping)
-    plus = 1.0 if arch == "gemma2" else 0.0  # Gemma norms: (1 + w)
-    out = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"] + plus}
+    plus = "plus1" if arch == "gemma2" else ""  # Gemma norms: (1 + w)
+    put = _putter(sd, conv)
+    put("token_embd.weight", "model.embed_tokens.weight")
+    put("output_norm.weight", "model.norm.weight", plus)
     if arch != "gemma2":
-        out["output.weight"] = sd["lm_head.weight"]
+        put("output.weight", "lm_head.weight")
     for i in range(cfg.num_hidden_layers):
         p, b = f"model.layers.{i}.", f"blk.{i}."
         for hf, name, n in (("q_proj", "attn_q", heads), ("k_proj", "attn_k", kv_heads), ("v_proj", "attn_v", 0)):
             for suffix in ("weight", "bias"):
-                w = sd.get(f"{p}self_attn.{hf}.{suffix}")
-                if w is not None:
-                    out[f"{b}{name}.{suffix}"] = to_adjacent_pairs(w, n) if arch == "llama" and n else w
-        out[f"{b}attn_output.weight"] = sd[f"{p}self_attn.o_proj.weight"]
-        out[f"{b}attn_norm.weight"] = sd[f"{p}input_layernorm.weight"] + plus
+                if f"{p}self_attn.{hf}.{suffix}" in sd:
+                    put(f"{b}{name}.{suffix}", f"{p}self_attn.{hf}.{suffix}",
+                        f"pairs:{n}" if arch == "llama" and n else "")
+        put(f"{b}attn_output.weight", f"{p}self_attn.o_proj.weight")
+        put(f"{b}attn_norm.weight", f"{p}input_layernorm.weight", plus)
         for hf, name in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
-            out[f"{b}{name}.weight"] = sd[f"{p}mlp.{hf}.weight"]
+            put(f"{b}{name}.weight", f"{p}mlp.{hf}.weight")
         if arch == "gemma2":
-            out[f"{b}post_attention_norm.weight"] = sd[f"{p}post_attention_layernorm.weight"] + plus
-            out[f"{b}ffn_norm.weight"] = sd[f"{p}pre_feedforward_layernorm.weight"] + plus
-            out[f"{b}post_ffw_norm.weight"] = sd[f"{p}post_feedforward_layernorm.weight"] + plus
+            put(f"{b}post_attention_norm.weight", f"{p}post_attention_layernorm.weight", plus)
+            put(f"{b}ffn_norm.weight", f"{p}pre_feedforward_layernorm.weight", plus)
+            put(f"{b}post_ffw_norm.weight", f"{p}post_feedforward_layernorm.weight", plus)
         else:
-            out[f"{b}ffn_norm.weight"] = sd[f"{p}post_attention_layernorm.weight"]
-    return out
+            put(f"{b}ffn_norm.weight", f"{p}post_attention_layernorm.weight")
+    return conv.tensors
+
+
+def _putter(sd: dict, conv: Conversion):
+    """put(gguf_name, hf_key, transform): the tensor written, and where it came from (Conversion.sources)."""
+    def put(name: str, key: str, transform: str = "") -> None:
+        conv.tensors[name] = apply_transform(sd[key], transform)
+        conv.sources[name] = (key, transform)
+    return put
+
+
+def apply_transform(w: np.ndarray, transform: str) -> np.ndarray:
+    """HF layout -> GGUF layout: "pairs:H" (q/k rows to adjacent pairs, H heads), "plus1" (Gemma norms), "T"."""
+    if transform.startswith("pairs:"):
+        return to_adjacent_pairs(w, int(transform.split(":")[1]))
+    return w + 1.0 if transform == "plus1" else w.T if transform == "T" else w
+
+
+def undo_transform(w: np.ndarray, transform: str) -> np.ndarray:
+    """GGUF layout -> HF layout: the inverse of `apply_transform`."""
+    if transform.startswith("pairs:"):
+        return to_half_split(w, int(transform.split(":")[1]))
+    return w - 1.0 if transform == "plus1" else w.T if transform == "T" else w
 
 
 def _gpt2(sd: dict, cfg, conv: Conversion) -> dict[str, np.ndarray]:
@@ -190,15 +216,19 @@ def _gpt2(sd: dict, cfg, conv: Conversion) -> dict[str, np.ndarray]:
                         ("feed_forward_length", cfg.n_inner or 4 * cfg.n_embd), ("attention.head_count", cfg.n_head)):
         conv.keys[conv.key(name)] = int(value)
     conv.keys[conv.key("attention.layer_norm_epsilon")] = float(cfg.layer_norm_epsilon)
-    out = {"token_embd.weight": sd["transformer.wte.weight"], "position_embd.weight": sd["transformer.wpe.weight"],
-           "output_norm.weight": sd["transformer.ln_f.weight"], "output_norm.bias": sd["transformer.ln_f.bias"],
-           "output.weight": sd["lm_head.weight"]}
+    put = _putter(sd, conv)
+    for name, key in (("token_embd.weight", "transformer.wte.weight"),
+                      ("position_embd.weight", "transformer.wpe.weight"),
+                      ("output_norm.weight", "transformer.ln_f.weight"), ("output_norm.bias", "transformer.ln_f.bias"),
+                      ("output.weight", "lm_head.weight")):
+        put(name, key)
     for i in range(cfg.n_layer):
         p, b = f"transformer.h.{i}.", f"blk.{i}."
         for hf, name in (("ln_1", "attn_norm"), ("ln_2", "ffn_norm")):
-            out[f"{b}{name}.weight"], out[f"{b}{name}.bias"] = sd[f"{p}{hf}.weight"], sd[f"{p}{hf}.bias"]
+            put(f"{b}{name}.weight", f"{p}{hf}.weight")
+            put(f"{b}{name}.bias", f"{p}{hf}.bias")
         for hf, name in (("attn.c_attn", "attn_qkv"), ("attn.c_proj", "attn_output"), ("mlp.c_fc", "ffn_up"),
                          ("mlp.c_proj", "ffn_down")):
-            out[f"{b}{name}.weight"] = sd[f"{p}{hf}.weight"].T  # Conv1D [in, out] -> [out, in]
-            out[f"{b}{name}.bias"] = sd[f"{p}{hf}.bias"]
-    return out
+            put(f"{b}{name}.weight", f"{p}{hf}.weight", "T")  # Conv1D [in, out] -> [out, in]
+            put(f"{b}{name}.bias", f"{p}{hf}.bias")
+    return conv.tensors

@@ -35,7 +35,7 @@ from posdiag.errors import PosdiagError
 from posdiag.model.subject import Subject
 from posdiag.options import RunOptions
 from posdiag.results import CheckResult, Status, Table
-from posdiag.tools import quant_floor
+from posdiag.tools import quant_floor, quant_twin
 from posdiag.tools.compare import DEFAULT_SEQ_LEN, original_context
 from posdiag.tools.compare.helpers import name_of
 from posdiag.tools.compare.measuring import LayerProfile, per_position_error, rel_error
@@ -77,28 +77,35 @@ def compare_engine(reference: Subject, engine: Engine, options: RunOptions | Non
     notes: list[str] = []
     cand = _vocab(engine.run(run_ids), ref, notes)
     floors = torch.full((length,), floor, dtype=torch.float64)
-    inconclusive = None
+    inconclusive, split, profiles = None, None, []
     if engine.quantization:
         with quant_floor.workdir() as tmp:
-            measured = quant_floor.measure(reference, engine, run_ids, ref, tmp)
-        if isinstance(measured, str):
-            inconclusive = measured
-        else:
+            split = quant_twin.measure(reference, engine, run_ids, ref, cand, tmp)
+            measured = quant_floor.measure(reference, engine, run_ids, ref, tmp) if isinstance(split, str) else None
+        if measured is not None:
+            split = None
+            inconclusive = measured if isinstance(measured, str) else None
+        if split is not None:  # the F32 twin's line: position handling at float32 noise (+ the weights' rounding)
+            twin_floors = floors.clone()
+            twin_floors[:covered] = split.weights.clamp(min=floor)
+            floors[:covered] = (split.weights + split.quantisation).clamp(min=floor)
+            floor_source = f"{floor_source}; {split.weights_source}"
+            profiles.append(_profile("logits, F32 twin", ref, split.twin, covered, length, floor,
+                                     FAIL_RATIO * twin_floors, boundaries))
+            inconclusive = _too_coarse(twin_floors[:covered], "the weights' own rounding")
+        elif not isinstance(measured, str):
             floors[:covered] = measured.per_position.clamp(min=floor)
             floor, floor_source = measured.error, measured.describe()
-            if float(floors[:covered].median()) * FAIL_RATIO >= 1.0:
-                inconclusive = (f"{measured.kind} weights whose own error, measured on posdiag's {measured.kind} "
-                                f"conversion of the reference (median {float(measured.per_position.median()):.2g} "
-                                f"per position), times {FAIL_RATIO:g} reaches the size of the logits: no bug could "
-                                "stand above it")
+            inconclusive = _too_coarse(floors[:covered], f"{measured.kind} weights whose own error, measured on "
+                                       f"posdiag's {measured.kind} conversion of the reference")
     tolerances = FAIL_RATIO * floors
     tolerance = float(tolerances[:covered].median())
-    profiles = [_profile("logits", ref, cand, covered, length, floor, tolerances, boundaries)]
+    profiles.append(_profile("logits", ref, cand, covered, length, floor, tolerances, boundaries))
     if engine.can_continue and covered >= 4:
-        split = covered // 2
-        continued = _vocab(engine.run_continued(run_ids, split), ref, [])
-        profiles.append(_profile(f"logits, continued from position {split}", ref, continued, covered, length, floor,
-                                 tolerances, {**boundaries, "continuation": split}))
+        split_at = covered // 2
+        continued = _vocab(engine.run_continued(run_ids, split_at), ref, [])
+        profiles.append(_profile(f"logits, continued from position {split_at}", ref, continued, covered, length,
+                                 floor, tolerances, {**boundaries, "continuation": split_at}))
     crossed = {k: v for k, v in boundaries.items() if v < length}
     details: dict[str, Any] = {
         **info, "seq_len": length, "compared_dtype": dtype, "floor_source": floor_source,
@@ -109,14 +116,25 @@ def compare_engine(reference: Subject, engine: Engine, options: RunOptions | Non
         "layers": [{"name": p.name, "error": p.error, "noise_floor": p.floor, "ratio": p.ratio, **p.pattern}
                    for p in profiles],
     }
-    if len(profiles) > 1:
+    if engine.can_continue and covered >= 4:
         details["continued_from"] = covered // 2
+    if split is not None:
+        details["quantisation_split"] = quant_twin.describe(split, ref, cand, covered)
     if engine.quantization and inconclusive is None:
         details["quantisation_floor"] = {"kind": engine.quantization, "per_position": floors[:covered].tolist(),
                                          "max": float(floors[:covered].max()),
                                          "median": float(floors[:covered].median())}
     result = _verdict(profiles, engine, length, details, reference.forward_count - before, inconclusive, tolerance)
     return Comparison(result, tuple(reversed(profiles)), length)
+
+
+def _too_coarse(floors: torch.Tensor, what: str) -> str | None:
+    """Why no bug could be seen above FLOORS (their median times FAIL_RATIO reaches the logits' size), or None."""
+    median = float(floors.median())
+    if median * FAIL_RATIO < 1.0:
+        return None
+    return (f"{what} (median {median:.2g} per position), times {FAIL_RATIO:g} reaches the size of the logits: no "
+            "bug could stand above it")
 
 
 def _vocab(cand: torch.Tensor, ref: torch.Tensor, notes: list[str]) -> torch.Tensor:
@@ -219,7 +237,7 @@ def engine_info(engine: Engine, dtype: str) -> dict[str, Any]:
 
 def _verdict(profiles: list[LayerProfile], engine: Engine, length: int, details: dict[str, Any], passes: int,
              inconclusive: str | None, tolerance: float) -> CheckResult:
-    main = profiles[0]
+    main = next(p for p in profiles if p.name == "logits")
     kv = engine.settings.get("kv_cache")
     where = f"{length} tokens" + (f", KV cache {kv}" if kv else "")
     crossed = details["boundaries_crossed"]
@@ -230,39 +248,72 @@ def _verdict(profiles: list[LayerProfile], engine: Engine, length: int, details:
                                "ratio": main.ratio, "onset_position": main.pattern.get("onset_position"),
                                "position0_error": main.per_position[0],
                                "worst_position_ratio": main.pattern["worst_position_ratio"]}
-    rows = tuple((p.name, f"{p.error:.3e}", f"{p.floor:.2e}", f"{p.ratio:.3g}", f"{p.per_position[0]:.2e}",
-                  p.pattern.get("pattern", "") if p.pattern.get("pattern") != "none" else "") for p in profiles)
-    title = "error at the logits (relative L2; position 0 shown apart" + \
-        ("; tolerance per position: 10x the quantisation's own error there)" if quantised else ")")
-    table = Table(title, ("layer", "error", "noise floor", "ratio", "at position 0", "pattern"), rows)
+    tables = [_error_table(profiles, quantised)]
+    if "quantisation_split" in details:
+        tables.append(_bands_table(details["quantisation_split"]))
     failing = [p for p in profiles if p.pattern.get("pattern") != "none"]
-    within = "the quantisation's own error" if quantised else "float32 rounding"
     if not failing and inconclusive:
         status, summary = Status.WARN, f"inconclusive: {inconclusive} ({where})"
     elif not failing:
-        status = Status.PASS
-        summary = (f"same function within {within}: logits error {main.error:.3g} = {main.ratio:.3g}x noise "
-                   f"floor (tolerance {FAIL_RATIO:g}x{' per position' if quantised else ''}) at every position")
-        if len(profiles) > 1:
-            summary += f", also continued from position {details['continued_from']}"
-        summary += f" ({where})"
+        status, summary = Status.PASS, _pass_summary(profiles, main, details, quantised) + f" ({where})"
     else:
         first = failing[0]
         shape = first.pattern
         details.update({"first_layer": first.name, "pattern": shape["pattern"], "pattern_why": shape.get("why"),
                         "onset_position": shape.get("onset_position"), "boundary": shape.get("boundary")})
+        metrics["onset_position"] = shape.get("onset_position")
         lead = {"grows with position": f"error grows with position from {shape['onset_position']}",
                 "step at a length": f"error starts at position {shape['onset_position']}",
                 "uniform from position 0": "error uniform from position 0"}[shape["pattern"]]
-        if first is not main:
+        if first.name.startswith("logits, continued"):
             lead = f"continued from position {details['continued_from']}: {lead}"
+        elif first is not main:
+            lead = f"{first.name.removeprefix('logits, ')} (the file dequantised, position handling alone): {lead}"
         status = Status.FAIL
         if inconclusive:
             status, lead = Status.WARN, f"inconclusive: {inconclusive}; {lead}"
         summary = (f"{lead}: {shape.get('why', '')}; logits error {first.error:.3g} = {first.ratio:.3g}x noise "
                    f"floor ({where})")
-        if first is main and len(profiles) > 1:
-            rest = profiles[1].pattern.get("pattern")
+        others = [p for p in profiles if p is not first]
+        if others and first.name == "logits" and all(p.name.startswith("logits, continued") for p in others):
+            rest = others[0].pattern.get("pattern")
             summary += (f"; continued from position {details['continued_from']}: "
                         f"{'within tolerance' if rest == 'none' else rest}")
-    return CheckResult("compare", status, summary, metrics, details, (table,), forward_passes=passes)
+    return CheckResult("compare", status, summary, metrics, details, tuple(tables), forward_passes=passes)
+
+
+def _pass_summary(profiles: list[LayerProfile], main: LayerProfile, details: dict[str, Any], quantised: bool) -> str:
+    twin = next((p for p in profiles if p.name == "logits, F32 twin"), None)
+    continued = "continued_from" in details and any(p.name.startswith("logits, continued") for p in profiles)
+    also = f", also continued from position {details['continued_from']}" if continued else ""
+    if twin is not None:
+        split = details["quantisation_split"]
+        rounding = split["weights_part_median"]
+        at = (f"{twin.ratio:.3g}x noise floor (tolerance {FAIL_RATIO:g}x per position)" if rounding == 0 else
+              f"within {FAIL_RATIO:g}x the weights' own rounding (median {rounding:.2g} per position)")
+        return (f"position handling {'at float32 rounding' if rounding == 0 else 'sound'}: the file dequantised to "
+                f"F32 gives logits error {twin.error:.3g} = {at} at every position; the {split['kind']} file within "
+                f"{FAIL_RATIO:g}x what its quantisation adds (median {split['quantisation_alone']['median']:.2g} per "
+                f"position){also}")
+    within = "the quantisation's own error" if quantised else "float32 rounding"
+    return (f"same function within {within}: logits error {main.error:.3g} = {main.ratio:.3g}x noise "
+            f"floor (tolerance {FAIL_RATIO:g}x{' per position' if quantised else ''}) at every position{also}")
+
+
+def _error_table(profiles: list[LayerProfile], quantised: bool) -> Table:
+    rows = tuple((p.name, f"{p.error:.3e}", f"{p.floor:.2e}", f"{p.ratio:.3g}", f"{p.per_position[0]:.2e}",
+                  p.pattern.get("pattern", "") if p.pattern.get("pattern") != "none" else "") for p in profiles)
+    title = "error at the logits (relative L2; position 0 shown apart" + \
+        ("; tolerance per position: 10x the quantisation's own error there)" if quantised else ")")
+    return Table(title, ("layer", "error", "noise floor", "ratio", "at position 0", "pattern"), rows)
+
+
+def _bands_table(split: dict[str, Any]) -> Table:
+    starts, length = split["band_starts"], split["length"]
+    ends = [*starts[1:], length]
+    names = {"twin_vs_reference": "F32 twin vs reference (position handling)",
+             "file_vs_twin": f"{split['kind']} file vs F32 twin (quantisation alone)",
+             "file_vs_reference": f"{split['kind']} file vs reference"}
+    rows = tuple((names[k], *(f"{v:.3g}" for v in split["max_abs_dlogprob"][k])) for k in names)
+    return Table("max |Δ log-prob| by position", ("pair", *(f"{s}-{e}" for s, e in zip(starts, ends, strict=True))),
+                 rows)

@@ -1,0 +1,207 @@
+"""A GGUF file read in the parent process, before llama.cpp or transformers touch it.
+
+llama.cpp trusts a file's header: a truncated file, random bytes or tensor shapes that contradict the
+metadata can end the process with a segmentation fault instead of an error. So every .gguf posdiag is
+given is read here first with the `gguf` package (pure Python, memory-mapped): the header and every
+tensor record must parse, every tensor's data must lie inside the file, and the shapes of the tensors a
+decoder cannot do without must agree with the metadata that sizes llama.cpp's graph. Anything else is
+one PosdiagError line (exit 2).
+
+The same reader rewrites files (`rewrite`): metadata changed or dropped, tensors transformed, or every
+tensor dequantised to F32 (`gguf.quants.dequantize`, which reads K-quants too) with the metadata kept:
+the F32 twin of a quantised file, which separates what quantisation adds from position handling.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from posdiag.errors import PosdiagError
+
+FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}
+
+
+@dataclass
+class GGUFFile:
+    """What posdiag needs of a validated file: scalar metadata, tensor types, the file type."""
+
+    path: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+    tensor_types: dict[str, str] = field(default_factory=dict)
+    """ggml storage type by tensor name."""
+
+    @property
+    def arch(self) -> str:
+        return str(self.metadata.get("general.architecture", "?"))
+
+    def key(self, name: str) -> Any:
+        return self.metadata.get(f"{self.arch}.{name}")
+
+    @property
+    def type_counts(self) -> dict[str, int]:
+        return dict(Counter(self.tensor_types.values()))
+
+    @property
+    def quantised_types(self) -> list[str]:
+        return sorted(t for t in set(self.tensor_types.values()) if t not in FLOAT_TYPES)
+
+    @property
+    def file_type(self) -> str:
+        """`Q4_1` from general.file_type (MOSTLY_Q4_1), else the commonest tensor type."""
+        value = self.metadata.get("general.file_type")
+        if isinstance(value, int):
+            try:
+                import gguf
+
+                return gguf.LlamaFileType(value).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+            except ValueError:
+                pass
+        counts = self.type_counts
+        return max(counts, key=counts.get) if counts else "?"
+
+
+def open_reader(path: str):
+    """gguf.GGUFReader on PATH; PosdiagError (one line) when the file cannot be parsed."""
+    if not os.path.isfile(path):
+        raise PosdiagError(f"'{path}' is not a file (a .gguf model is a GGUF file)")
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise PosdiagError("reading a .gguf file needs the gguf package: pip install 'posdiag[gguf]'") from None
+    try:
+        return GGUFReader(path)
+    except Exception as exc:
+        text = str(exc).strip().splitlines()
+        raise PosdiagError(f"'{path}' is not a readable GGUF file (truncated or corrupted?): {type(exc).__name__}: "
+                           f"{(text[0] if text else '')[:120]}") from None
+
+
+def inspect_file(path: str) -> GGUFFile:
+    """Read and validate PATH (see the module docstring); PosdiagError naming the first problem."""
+    reader = open_reader(path)
+    size = os.path.getsize(path)
+    info = GGUFFile(path=path)
+    for name, fld in reader.fields.items():
+        if name.startswith("tokenizer.ggml.") and name not in ("tokenizer.ggml.model", "tokenizer.ggml.pre"):
+            continue
+        try:
+            value = fld.contents()
+        except Exception:
+            continue
+        if isinstance(value, (int, float, str, bool)):
+            info.metadata[name] = value
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is not None:
+        info.metadata["tokenizer.ggml.token_count"] = len(tokens.data)
+    for t in reader.tensors:
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > size:
+            raise PosdiagError(f"'{path}' is truncated: tensor {t.name} ends at byte {end}, the file has {size}")
+        info.tensor_types[t.name] = t.tensor_type.name
+    shapes = {t.name: [int(n) for n in t.shape] for t in reader.tensors}
+    problem = contradiction(info, shapes)
+    if problem:
+        raise PosdiagError(f"'{path}': {problem} (a broken conversion; llama.cpp could crash on it)")
+    return info
+
+
+def contradiction(info: GGUFFile, shapes: dict[str, list[int]]) -> str | None:
+    """The first tensor shape (ggml order: ne0 = the input dimension) that contradicts the metadata."""
+    if "general.architecture" not in info.metadata:
+        return "no general.architecture key"
+    if not shapes:
+        return "no tensors"
+    width, heads = info.key("embedding_length"), info.key("attention.head_count")
+    kv_heads = info.key("attention.head_count_kv") or heads
+    head_dim = info.key("attention.key_length") or (width // heads if width and heads else None)
+    vocab = info.key("vocab_size") or info.metadata.get("tokenizer.ggml.token_count")
+    embd = shapes.get("token_embd.weight")
+    if embd is not None and width and embd[0] != width:
+        return f"token_embd.weight has rows of {embd[0]}, {info.arch}.embedding_length says {width}"
+    if embd is not None and vocab and len(embd) > 1 and embd[1] != vocab:
+        return f"token_embd.weight has {embd[1]} rows, the vocabulary has {vocab}"
+    blocks = {int(m.group(1)) for n in shapes if (m := re.match(r"blk\.(\d+)\.", n))}
+    count = info.key("block_count")
+    if count is not None and blocks and max(blocks) + 1 != count:
+        return f"tensors for {max(blocks) + 1} blocks, {info.arch}.block_count says {count}"
+    rotary = info.key("rope.dimension_count")
+    if rotary and head_dim and rotary > head_dim:
+        return f"{info.arch}.rope.dimension_count {rotary} exceeds the head size {head_dim}"
+    for name, n in (("attn_q", heads), ("attn_k", kv_heads)):
+        shape = shapes.get(f"blk.0.{name}.weight")
+        if shape is not None and n and head_dim and len(shape) > 1 and shape[1] != n * head_dim:
+            return f"blk.0.{name}.weight has {shape[1]} rows, {n} heads x {head_dim} need {n * head_dim}"
+        if shape is not None and width and shape[0] != width:
+            return f"blk.0.{name}.weight takes inputs of {shape[0]}, the embedding is {width} wide"
+    return None
+
+
+def rewrite(src: str, dst: str | Path, *, keys: dict[str, Any] | None = None,
+            tensors: Callable[[str, np.ndarray], np.ndarray] | None = None, dequantise: bool = False,
+            reader: Any = None) -> Path:
+    """Copy SRC to DST with metadata KEYS set (a value of None drops the key; a new key takes the type
+    its Python value suggests), TENSORS(name, array) applied to every tensor, and with DEQUANTISE every
+    tensor written as F32 (the F32 twin). Without DEQUANTISE, TENSORS sees and returns the stored data
+    (quantised tensors as their raw blocks, one row of bytes per row: row permutations stay exact).
+    READER: SRC already open (parsing a file with a 49k-token vocabulary takes seconds)."""
+    import gguf
+
+    reader = reader or open_reader(src)
+    keys = dict(keys or {})
+    arch = str(keys.pop("general.architecture", None) or reader.fields["general.architecture"].contents())
+    writer = gguf.GGUFWriter(str(dst), arch)
+    for name, fld in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        if name in keys:
+            value = keys.pop(name)
+            if value is not None:
+                writer.add_key_value(name, value, fld.types[0], sub_type=fld.types[-1] if len(fld.types) > 1 else None)
+            continue
+        if dequantise and name == "general.file_type":
+            writer.add_key_value(name, int(gguf.LlamaFileType.ALL_F32), fld.types[0])
+            continue
+        sub = fld.types[-1] if fld.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, fld.contents(), fld.types[0], sub_type=sub)
+    for name, value in keys.items():
+        if value is not None:
+            writer.add_key_value(name, value, _value_type(gguf, value))
+    for t in reader.tensors:
+        if dequantise:
+            data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+            writer.add_tensor(t.name, tensors(t.name, data) if tensors else data)
+        else:
+            data = np.asarray(t.data)
+            raw = None if t.tensor_type.name in ("F32", "F16") else t.tensor_type
+            writer.add_tensor(t.name, tensors(t.name, data) if tensors else data, raw_dtype=raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(dst)
+
+
+def dequantised(reader: Any) -> dict[str, np.ndarray]:
+    """Every tensor of an open file as float32, in its stored (GGUF) layout."""
+    import gguf
+
+    return {t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+            for t in reader.tensors}
+
+
+def _value_type(gguf, value: Any):
+    if isinstance(value, bool):
+        return gguf.GGUFValueType.BOOL
+    if isinstance(value, str):
+        return gguf.GGUFValueType.STRING
+    if isinstance(value, float):
+        return gguf.GGUFValueType.FLOAT32
+    return gguf.GGUFValueType.UINT32

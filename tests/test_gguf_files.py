@@ -1,0 +1,151 @@
+"""GGUF files posdiag must survive: engines that crash, abort or hang in their child process (planted with
+tests/crashing_engine.py: the portable llama.cpp wheel in CI does not crash by itself), and files that are
+truncated, corrupted, inconsistent or of an architecture transformers cannot map — each one line with its
+exit code, never a traceback or a core dump. Also `compare --fail-on/--require`, the gate `check` has."""
+
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from posdiag.cli import app
+from posdiag.errors import EngineCrash, PosdiagError
+from posdiag.tools.engine_process import EngineProcess
+
+gguf = pytest.importorskip("gguf", reason="GGUF files need the gguf package: pip install 'posdiag[gguf]'")
+
+from gguf_convert import write_gguf  # noqa: E402
+
+from posdiag.model.gguf_file import inspect_file, rewrite  # noqa: E402
+
+CHILD = str(Path(__file__).with_name("crashing_engine.py"))
+
+
+def planted(mode: str, timeout: float = 60) -> EngineProcess:
+    process = EngineProcess([sys.executable, CHILD, mode], "model.gguf", timeout=timeout)
+    return process
+
+
+@pytest.mark.parametrize("mode,words", [
+    ("segv", "llama.cpp crashed with SIGSEGV (signal 11) on 'model.gguf' while running 4 tokens"),
+    ("abort", "llama.cpp crashed with SIGABRT (signal 6) on 'model.gguf' while running 4 tokens (last words: "
+              "GGML_ASSERT(planted) failed)"),
+])
+def test_a_native_crash_in_the_child_is_one_line_naming_the_signal_and_the_file(mode, words):
+    process = planted(mode)
+    process.request({"open": {}}, "loading it")
+    with pytest.raises(EngineCrash) as caught:
+        process.logits([1, 2, 3, 4])
+    assert str(caught.value) == words and caught.value.exit_code == 3
+    assert not Path(process.workdir).exists()  # the child's files are gone with it
+
+
+def test_a_hang_is_stopped_at_the_timeout():
+    process = planted("hang")
+    process.request({"open": {}}, "loading it")  # starting Python may take seconds on a busy machine
+    process.timeout = 2
+    with pytest.raises(EngineCrash, match=r"did not answer within 2 s on 'model.gguf' while running 4 tokens"):
+        process.logits([1, 2, 3, 4])
+    assert process.proc.poll() is not None  # killed, not left behind
+
+
+def test_a_crash_while_loading_and_the_healthy_twin():
+    with pytest.raises(EngineCrash, match=r"crashed with SIGSEGV .* while loading it"):
+        planted("load-segv").request({"open": {}}, "loading it")
+    healthy = planted("healthy")
+    assert healthy.request({"open": {}}, "loading it") == {"ready": {"engine": "planted healthy"}}
+    assert healthy.logits([1, 2, 3]).shape == (3, 8) and healthy.logits([1, 2]).shape == (2, 8)
+    healthy.close()
+    assert healthy.proc.poll() == 0
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, ):
+    """The committed tiny Llama checkpoint and its healthy GGUF conversion."""
+    from transformers import AutoModelForCausalLM
+
+    root = Path(__file__).resolve().parent.parent / "fixtures" / "llama-tiny"
+    path = write_gguf(AutoModelForCausalLM.from_pretrained(root), tmp_path_factory.mktemp("gguf") / "llama.gguf")
+    return root, path
+
+
+def test_compare_with_a_crashing_engine_exits_3_in_one_line(tiny, monkeypatch):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    from posdiag.tools import gguf_engine
+
+    monkeypatch.setattr(gguf_engine, "CHILD_COMMAND", [sys.executable, CHILD, "segv"])
+    root, path = tiny
+    out = CliRunner().invoke(app, ["compare", str(root), str(path), "--seq-len", "16"])
+    assert out.exit_code == 3, out.output
+    lines = [x for x in out.output.splitlines() if x.startswith("posdiag: error:")]
+    assert lines == [f"posdiag: error: llama.cpp crashed with SIGSEGV (signal 11) on '{path}' while running 16 tokens"]
+    assert "Traceback" not in out.output
+
+
+def broken_files(path: Path, out: Path) -> dict[str, Path]:
+    data = path.read_bytes()
+    files = {"truncated": out / "truncated.gguf", "corrupted": out / "corrupted.gguf"}
+    files["truncated"].write_bytes(data[: len(data) * 2 // 3])
+    files["corrupted"].write_bytes(data[:24] + bytes(range(256)) * 8 + data[24 + 2048:])
+    files["inconsistent"] = rewrite(str(path), out / "inconsistent.gguf", keys={"llama.embedding_length": 48})
+    return files
+
+
+@pytest.mark.parametrize("kind,words", [
+    ("truncated", "truncated"),
+    ("corrupted", "is not a readable GGUF file (truncated or corrupted?)"),
+    ("inconsistent", "token_embd.weight has rows of 64, llama.embedding_length says 48"),
+])
+def test_unsound_files_are_one_line_exit_2_before_any_engine_runs(tiny, tmp_path, kind, words):
+    root, path = tiny
+    bad = broken_files(path, tmp_path)[kind]
+    with pytest.raises(PosdiagError, match=words.replace("(", r"\(").replace(")", r"\)").replace("?", r"\?")):
+        inspect_file(str(bad))
+    for command in (["compare", str(root), str(bad), "--seq-len", "16"], ["shuffle", str(bad)]):
+        out = CliRunner().invoke(app, command)
+        assert out.exit_code == 2, out.output
+        errors = [x for x in out.output.splitlines() if x.startswith("posdiag: error:")]
+        assert len(errors) == 1 and words in errors[0] and "Traceback" not in out.output
+
+
+def test_an_architecture_transformers_cannot_map_is_named(tiny, tmp_path):
+    _, path = tiny
+    other = rewrite(str(path), tmp_path / "other.gguf", keys={"general.architecture": "posdiagnet"})
+    out = CliRunner().invoke(app, ["shuffle", str(other)])
+    assert out.exit_code == 2, out.output
+    assert "transformers cannot map GGUF architecture 'posdiagnet'" in out.output and "Traceback" not in out.output
+
+
+def test_compare_fail_on_and_require_gate_a_warn(tiny, tmp_path):
+    """A quantisation too coarse to judge is WARN, exit 0; `--fail-on warn` and `--require compare` fail the
+    gate on it (exit 1), as they do for `check`; a name compare does not know is a usage error."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    from transformers import AutoModelForCausalLM
+
+    root, _ = tiny
+    coarse = write_gguf(AutoModelForCausalLM.from_pretrained(root), tmp_path / "q4.gguf", qtype="Q4_0")
+    base = ["compare", str(root), str(coarse), "--seq-len", "32", "--quiet"]
+    plain = CliRunner().invoke(app, base)
+    assert plain.exit_code == 0 and plain.output.startswith("WARN compare: inconclusive"), plain.output
+    for gate in (["--fail-on", "warn"], ["--require", "compare"]):
+        out = CliRunner().invoke(app, base + gate)
+        assert out.exit_code == 1, out.output
+        assert "GATE FAILED — compare" in out.output
+    out = CliRunner().invoke(app, base + ["--require", "shufle"])
+    assert out.exit_code == 2 and "--require shufle: unknown check" in out.output
+
+
+def test_compare_alone_takes_only_a_gguf_file():
+    out = CliRunner().invoke(app, ["compare", "fixtures/llama-tiny"])
+    assert out.exit_code == 2 and "only a .gguf file is compared alone" in out.output, out.output
+
+
+def test_a_gguf_file_is_a_model_for_check(tiny):
+    """The tiny conversion, dequantised by transformers: the header names it, the checks judge it."""
+    _, path = tiny
+    out = CliRunner().invoke(app, ["check", str(path), "--only", "load,shuffle,rope"], env={"COLUMNS": "200"})
+    assert out.exit_code == 0, out.output
+    assert "note: dequantised from F32 GGUF by transformers (tensors: F32 x21)" in out.output
+    assert "shuffle  PASS" in out.output and "load     PASS" in out.output and "rope     PASS" in out.output
+    assert not list(path.parent.glob("*.json"))  # nothing written next to the file
