@@ -18,8 +18,9 @@ FIXTURES = ROOT / "fixtures"
 # Rotating sweep rows. A test (or one parameter of it) marked `sweep` is exhaustive repetition over model types: the
 # same assertion on one more family. Each run keeps the rows whose stable hash falls on today's slot of
 # SWEEP_DAYS (every row runs at least once a week of daily CI runs) and deselects the others, which pytest counts
-# in its summary ("N deselected"). `-m sweep` (or any -m naming sweep) or POSDIAG_SWEEP=all runs every row;
-# POSDIAG_SWEEP=<n> runs slot n. Real-bug regressions and planted twins are never marked: they run every time.
+# in its summary ("N deselected"). `-m sweep` (or any -m naming sweep), POSDIAG_SWEEP=all, or naming a test by its
+# id runs every row; POSDIAG_SWEEP=<n> runs slot n. Real-bug regressions and planted twins are never marked: they
+# run every time.
 SWEEP_DAYS = 7
 
 
@@ -38,6 +39,8 @@ def sweep_slot(nodeid: str) -> int:
 def pytest_collection_modifyitems(config, items):
     chosen = os.environ["POSDIAG_SWEEP"]
     if chosen == "all" or "sweep" in (config.getoption("markexpr") or ""):
+        return
+    if any("::" in arg for arg in config.args):  # a test asked for by its id runs whatever the day
         return
     today = int(chosen) % SWEEP_DAYS
     resting = [i for i in items if i.get_closest_marker("sweep") and sweep_slot(i.nodeid) != today]
