@@ -1,6 +1,6 @@
 """Baselines: fail when a metric regresses against a stored report, even if the verdict still passes.
 
-A check module may declare `BASELINE_METRICS = {"ratio": "higher"}`: the metrics that must not
+A check's spec may declare `baseline={"ratio": "higher"}` (CheckSpec.baseline): the metrics that must not
 move the wrong way by more than the margin (a factor, default 10). Status regressions
 (pass -> warn/fail, anything -> skip that used to run) are always watched. The result is
 one extra check named "baseline" in the report, so exit codes and renderers need nothing new.
@@ -35,9 +35,8 @@ def read_baseline(path: str | Path) -> dict[str, Any]:
 def watched_metrics(name: str) -> dict[str, str]:
     from posdiag import checks
 
-    if name not in checks.available():
-        return {}
-    return dict(getattr(checks.import_check(name), "BASELINE_METRICS", {}))
+    spec = checks.spec(name)
+    return {} if spec is None else dict(spec.baseline)
 
 
 def compare(report: Report, baseline: dict[str, Any], margin: float = 10.0) -> CheckResult:

@@ -42,6 +42,30 @@ class RunOptions:
         return dict(self.check_options.get(name, {}))
 
 
+@dataclass(frozen=True)
+class Option:
+    """One setting a `[checks.NAME]` config table may give a check: its default and why that default.
+
+    types: the accepted value types (default: the default's own type; an int default also takes no float)."""
+
+    default: Any
+    why: str
+    types: tuple[type, ...] = ()
+
+    @property
+    def accepted(self) -> tuple[type, ...]:
+        return self.types or (type(self.default),)
+
+    @property
+    def type_name(self) -> str:
+        return " or ".join(t.__name__ for t in self.accepted)
+
+    def accepts(self, value: Any) -> bool:
+        if isinstance(value, bool) and bool not in self.accepted:
+            return False  # True is an int in Python, never a step count in a config
+        return isinstance(value, self.accepted)
+
+
 DEFAULT_SEQ_LEN = 64
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from sweep_rows import CORE_FAMILIES, rotating
 
 from posdiag.api import run_checks
 from posdiag.model.loading import from_module
@@ -30,7 +31,7 @@ def kernels(model, implementations=None, **load):
     return run_checks(subject, ["kernels"], options).check("kernels")
 
 
-@pytest.mark.parametrize("family", zoo.FAMILIES)
+@pytest.mark.parametrize("family", rotating(zoo.FAMILIES, CORE_FAMILIES | EAGER_ONLY | {"falcon_alibi"}))
 def test_every_family_passes_or_says_why(family):
     result = kernels(zoo.tiny_model(family))
     if family in EAGER_ONLY:

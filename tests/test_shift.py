@@ -16,6 +16,7 @@ from plants_shift import (
     layout_mismatch,
     rotary_ignores_position_ids,
 )
+from sweep_rows import rotating
 
 from posdiag.api import run_checks
 from posdiag.model.loading import from_module
@@ -27,7 +28,7 @@ def shift(model):
     return run_checks(from_module(model), ["shift"]).check("shift")
 
 
-@pytest.mark.parametrize("family", zoo.FAMILIES)
+@pytest.mark.parametrize("family", rotating(zoo.FAMILIES))
 def test_every_family_passes_or_skips_with_a_reason(family):
     result = shift(zoo.tiny_model(family))
     kind = zoo.position_kind(family)

@@ -11,9 +11,12 @@ import warnings
 from pathlib import Path
 
 import pytest
+from sweep_rows import rotating
 
 SWEEP = Path(__file__).resolve().parent.parent / "benchmarks" / "sweep.py"
 SUBSET = ("llama", "opt", "bert", "roberta", "qwen2_vl", "afmoe", "mamba")
+
+
 def _sweep():
     spec = importlib.util.spec_from_file_location("sweep", SWEEP)
     module = importlib.util.module_from_spec(spec)
@@ -21,7 +24,7 @@ def _sweep():
     return module
 
 
-@pytest.mark.parametrize("model_type", SUBSET)
+@pytest.mark.parametrize("model_type", rotating(SUBSET, always=("llama", "qwen2_vl")))
 def test_sweep_row(model_type):
     warnings.filterwarnings("ignore")
     sweep = _sweep()

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from posdiag.checks import CheckSpec
 from posdiag.checks._shared import (
     FLOOR_SOURCE,
     arbitrate,
@@ -60,7 +61,12 @@ from posdiag.options import RunOptions, probe_ids, probe_length
 from posdiag.results import CheckResult, Status, Table, combine_stacks
 from posdiag.verdict import agreement_tolerance, judge_agreement
 
-TITLE = "Per-row positions in a padded batch"
+SPEC = CheckSpec(
+    name="batch",
+    title="Per-row positions in a padded batch",
+    proves="each row of a padded batch gets its own positions and padding mask: a row alone equals itself in the batch",
+)
+
 
 # Position schemes that do not depend on where a row starts (or that read the padding mask; RoPE numbered from the
 # first padding column is only shifted: RoFormer takes no position_ids). So is a model of recurrent mixers with no

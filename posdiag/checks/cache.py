@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from posdiag.checks import CheckSpec, Option
 from posdiag.checks._image_decode import decode_after_image, with_image_decode
 from posdiag.checks._shared import (
     arbitrate,
@@ -48,11 +49,19 @@ from posdiag.options import RunOptions, probe_ids, probe_length
 from posdiag.results import CheckResult, Status, Table
 from posdiag.verdict import FAIL_RATIO, FloorVerdict, judge_agreement, noise_floor
 
-TITLE = "KV-cache decoding vs full forward"
-
-DECODE_STEPS = 8  # single-token steps (each is one forward); options: {"decode_steps": n}
 CHUNKS = 5  # multi-token chunks after the prefill (q_len > 1 against a cache), at least 2 tokens each
 FLOOR_SOURCE = "cache-free prefix forwards vs the full forward (max per position)"
+
+SPEC = CheckSpec(
+    name="cache",
+    title="KV-cache decoding vs full forward",
+    proves="decoding through a KV cache (dynamic and static, token by token and in chunks) reproduces one full forward",
+    applies_to=("causal", "seq2seq"),
+    options={
+        "decode_steps": Option(8, "single-token steps after the prefill, each one forward: past the sliding window of "
+                                  "the tiny models, short enough for CI"),
+    },
+)
 
 
 @dataclass
@@ -102,7 +111,7 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
                            "the same cache: see `generate`)")
     length = _length(subject, options)
     ids = subject.sample_ids(1, length, options.seed) if options.token_ids is None else probe_ids(subject, options)[:1]
-    schedules = _schedules(length, int(options.for_check("cache").get("decode_steps", DECODE_STEPS)))
+    schedules = _schedules(length, int(SPEC.setting(options, "decode_steps")))
     explicit = subject.family.takes_position_ids and subject.kind != "seq2seq"
     dtype = subject.dtype_name
     refused = static_cache_refusal(subject)  # a static cache users cannot build: those paths are not run
@@ -121,7 +130,7 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
                             lambda m: (m.floor, {p.name: p.max_error for p in m.paths if p.judged}))
     verdicts.update(arbitration.verdicts)
     result = _report(subject, first, verdicts, arbitration, length, dtype, refused)
-    steps = int(options.for_check("cache").get("decode_steps", DECODE_STEPS))  # multimodal RoPE: after an image
+    steps = int(SPEC.setting(options, "decode_steps"))  # multimodal RoPE: after an image
     return with_image_decode(result, subject, options.seed, lambda prompt: decode_after_image(
         subject, prompt, new_cache(subject, "dynamic", max_len=prompt.ids.shape[1] + steps + 1), steps, options.seed))
 

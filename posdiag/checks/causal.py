@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from posdiag.checks import _image_mask
+from posdiag.checks import CheckSpec, _image_mask
 from posdiag.checks._shared import FLOOR_SOURCE, arbitrate, jittered, layer_name, per_token_change
 from posdiag.model.introspect import attention_free, recurrent_mixers
 from posdiag.model.probe import Row, run_rows
@@ -35,7 +35,13 @@ from posdiag.options import RunOptions, probe_ids, probe_length
 from posdiag.results import CheckResult, Status, Table
 from posdiag.verdict import FloorVerdict, agreement_tolerance, judge_agreement
 
-TITLE = "Causal masking (no position sees the future)"
+SPEC = CheckSpec(
+    name="causal",
+    title="Causal masking (no position sees the future)",
+    proves="no output depends on a later token, under the model's default mask and posdiag's explicit one",
+    applies_to=("causal", "seq2seq"),
+)
+
 
 # The sweep costs one sequence per position (T rows of T tokens), so without an explicit
 # --seq-len it covers the first SWEEP_LENGTH positions: every (query, key) pair among them.

@@ -1,11 +1,10 @@
 """generate — greedy generate() must agree with the forward pass, row by row, step by step.
 
-generate() numbers positions itself (position_ids from the attention-mask cumsum, a cache
-offset per step) while a plain forward numbers them its own way (arange, family offsets).
-Where the two disagree, generation drifts although every forward test passes. With teacher
-forcing the forward gives the logits generation should have produced: for a generated
-sequence s = prompt ‖ g, step k's logits must equal f(s)[len(prompt) − 1 + k] (step 0 is the
-last logit of model(prompt)). We generate greedily (a) the full prompt alone and (b) a
+generate() numbers positions itself (position_ids from the attention-mask cumsum, a cache offset per step) while a
+plain forward numbers them its own way (arange, family offsets). Where the two disagree, generation drifts although
+every forward test passes. With teacher forcing the forward gives the logits generation should have produced: for a
+generated sequence s = prompt ‖ g, step k's logits must equal f(s)[len(prompt) − 1 + k] (step 0 is the last logit of
+model(prompt)). We generate greedily (a) the full prompt alone and (b) a
 padded batch of prompts of different lengths (left-padded for decoder-only models, the encoder input right-padded
 for encoder-decoders, each one's convention), with the default cache and with a static cache (transformers runs one
 on any model that uses Cache objects, whatever the class declares: judged on every one, a crash being a FAIL that
@@ -13,9 +12,8 @@ names it; a ValueError from transformers' generation code before the model's for
 request, not judged), and compare each row against the forward of that row *alone* (no padding). Error per
 step = ||gen − fwd|| / ||fwd||; noise floor from the same run: cache-free forwards of short prompt prefixes
 (decoder-only) or of the padded encoder batch (encoder-decoders) against the teacher-forced forward at the
-same positions, max per position. A token
-mismatch is a failure only when the forward's top-2 candidates are not within noise (tiny
-random models have near-ties); after the first mismatch a row is no longer compared.
+same positions, max per position. A token mismatch is a failure only when the forward's top-2 candidates are not
+within noise (tiny random models have near-ties); after the first mismatch a row is no longer compared.
 Verdict: posdiag.verdict.judge_agreement(max step error, floor, dtype); a run above its tolerance
 is generated again in float64 with its reference and decided there (checks/_shared.arbitrate).
 """
@@ -27,6 +25,7 @@ from typing import Any
 
 import torch
 
+from posdiag.checks import CheckSpec, Option
 from posdiag.checks._image_decode import generate_after_image, with_image_decode
 from posdiag.checks._shared import (
     arbitrate,
@@ -45,9 +44,10 @@ from posdiag.options import RunOptions, probe_length
 from posdiag.results import CheckResult, Status, Table
 from posdiag.verdict import FAIL_RATIO, FloorVerdict, judge_agreement, noise_floor
 
-TITLE = "generate() vs forward pass"
-
-NEW_TOKENS = 6  # options: {"new_tokens": n}
+SPEC = CheckSpec("generate", "generate() vs forward pass",
+                 "greedy generate() agrees step by step with the teacher-forced forward, alone and in a padded batch",
+                 applies_to=("causal", "seq2seq"),
+                 options={"new_tokens": Option(6, "tokens per row: a position bug shows in the first few steps")})
 ROWS = 3  # prompts in the padded batch
 
 
@@ -114,7 +114,7 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     ok, why = _support(subject)
     if not ok:
         return CheckResult("generate", Status.SKIP, why)
-    new_tokens = int(options.for_check("generate").get("new_tokens", NEW_TOKENS))
+    new_tokens = int(SPEC.setting(options, "new_tokens"))
     length = probe_length(subject, options)
     window, declared = subject.sliding_window, subject.max_positions
     if window and length + new_tokens <= window + 2:  # run past the window

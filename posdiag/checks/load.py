@@ -16,12 +16,18 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from posdiag.checks import CheckSpec
 from posdiag.model.checkpoint import in_checkpoint
 from posdiag.model.subject import Subject
 from posdiag.options import RunOptions
 from posdiag.results import CheckResult, Status, Table
 
-TITLE = "Position parameters loaded"
+SPEC = CheckSpec(
+    name="load",
+    title="Position parameters loaded",
+    proves="the checkpoint itself supplies every position parameter the model uses (none re-initialised)",
+)
+
 
 # Substrings that name position parameters across families (learned tables, sinusoidal
 # tables, relative position biases, ALiBi slopes saved as weights).

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import torch
 
+from posdiag.checks import CheckSpec
 from posdiag.checks._shared import (
     FLOOR_SOURCE,
     arbitrate,
@@ -69,9 +70,11 @@ from posdiag.verdict import (
     noise_floor,
 )
 
-TITLE = "Position ids honoured"
-
-
+SPEC = CheckSpec(
+    name="positions",
+    title="Position ids honoured",
+    proves="the model reads the position_ids it is given: a permuted or non-contiguous numbering acts as one",
+)
 
 
 # ------------------------------------------------------------------ the check

@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from posdiag.checks import CheckSpec, Option
 from posdiag.checks._shared import FLOOR_SOURCE, jittered, layer_name, stack_result
 from posdiag.model.inert import inert_reason
 from posdiag.model.introspect import mixing_reason, recurrent_mixers
@@ -49,7 +50,9 @@ from posdiag.options import RunOptions, probe_length
 from posdiag.results import CheckResult, Status, Table, combine_stacks
 from posdiag.verdict import FAIL_RATIO, LOW_PRECISION, MACHINE_EPSILON, PASS_RATIO, noise_floor
 
-TITLE = "Relative invariance under a position shift"
+SPEC = CheckSpec("shift", "Relative invariance under a position shift",
+                 "relative positions (RoPE, ALiBi, T5 buckets) give the same outputs when every position moves by k",
+                 options={"max_shift": Option(None, "largest k; default: the declared context less the probe", (int,))})
 
 RELATIVE_KINDS = ("rope", "alibi", "relative_bias")
 ABSOLUTE_KINDS = ("learned", "sinusoidal")
@@ -118,11 +121,6 @@ def _decided_in_float64(subject: Subject, options: RunOptions) -> CheckResult:
                    details={**result.details, "decided_in": dtype_name(finer.dtype), "how": finer.how})
 
 
-def _ladder(k_max: int) -> list[int]:
-    """1, 2, 4, ... below k_max, then k_max itself (none when k_max < 1)."""
-    return [2 ** i for i in range(max(0, k_max - 1).bit_length())] + ([k_max] if k_max >= 1 else [])
-
-
 def _build(subject: Subject, options: RunOptions, stack: str) -> _Probe | str:
     declared = subject.max_positions  # already less the explicit offset rows (RoBERTa's padding_idx+1)
     length = probe_length(subject, options)
@@ -133,15 +131,14 @@ def _build(subject: Subject, options: RunOptions, stack: str) -> _Probe | str:
     if prefix and recurrent:
         return (f"{mixing_reason(subject)}; nor can positions be shifted by an invisible prefix (the family "
                 f"takes no position_ids, and a 4D mask hides the prefix from attention only, not from these mixers)")
-    settings = options.for_check("shift")
     if prefix:
         k_max = PREFIX_MAX_SHIFT if declared is None else min(PREFIX_MAX_SHIFT, declared - length)
     else:
         k_max = NO_CONTEXT_MAX_SHIFT if declared is None else declared - length
-    k_max = min(k_max, int(settings.get("max_shift", k_max)))
+    k_max = min(k_max, int(options.for_check("shift").get("max_shift", k_max)))
     if k_max < 1:
         return f"the declared context ({declared}) leaves no room to shift a {length}-token probe"
-    ladder = _ladder(k_max)
+    ladder = [2 ** i for i in range((k_max - 1).bit_length())] + [k_max]  # 1, 2, 4, ... below k_max, then k_max
     ids = subject.sample_ids(1, length, options.seed)[0]
     causal = stack == "decoder" and subject.kind != "encoder"
     rows: list[Row] = []

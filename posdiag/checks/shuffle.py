@@ -26,6 +26,7 @@ from collections.abc import Iterator
 
 import torch
 
+from posdiag.checks import CheckSpec
 from posdiag.checks._shared import FLOOR_SOURCE, jittered, layer_name, stack_result
 from posdiag.model.inert import inert_reason
 from posdiag.model.introspect import attention_free, recurrent_mixers, recurrent_reason
@@ -43,10 +44,13 @@ from posdiag.options import RunOptions, probe_ids
 from posdiag.results import CheckResult, Status, Table, combine_stacks
 from posdiag.verdict import LOW_PRECISION, PASS_RATIO, FloorVerdict, judge_position_signal, noise_floor
 
-TITLE = "Permutation equivariance"
-
-# --baseline watches these: a collapsing ratio means position is fading out of the model.
-BASELINE_METRICS = {"ratio": "higher"}
+SPEC = CheckSpec(
+    name="shuffle",
+    title="Permutation equivariance",
+    proves="position enters the model: permuting the tokens changes more than the order of the outputs",
+    # --baseline watches the ratio: a collapsing one means position is fading out of the model.
+    baseline={"ratio": "higher"},
+)
 
 
 def run(subject: Subject, options: RunOptions) -> CheckResult:

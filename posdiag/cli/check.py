@@ -58,6 +58,7 @@ BaselineOpt = Annotated[str | None, typer.Option(
                                        "exist yet is written by a passing run (the first run of a CI gate).")]
 BaselineRequiredOpt = Annotated[bool, typer.Option(
     "--baseline-required", help="A --baseline file that does not exist is a usage error (exit 2) instead of written.")]
+ListOpt = Annotated[bool, typer.Option("--list", help="List every check (name, title, what a PASS proves) and exit.")]
 MarginOpt = Annotated[float,
                       typer.Option("--baseline-margin", min=1.0, help="Regression factor allowed against --baseline.")]
 
@@ -96,9 +97,12 @@ def check(
     junit: JunitOpt = None, format: FormatOpt = None, config: ConfigOpt = None, show_config: ShowConfigOpt = False,
     save_baseline: SaveBaselineOpt = None, baseline: BaselineOpt = None, baseline_required: BaselineRequiredOpt = False,
     baseline_margin: MarginOpt = 10.0, fail_on: FailOnOpt = None, require: RequireOpt = None, quiet: QuietOpt = False,
-    debug: DebugOpt = False,
+    debug: DebugOpt = False, list_checks: ListOpt = False,
 ) -> None:
     """Every applicable check: the CI gate."""
+    if list_checks:
+        _list_checks()
+        raise typer.Exit(0)
     given = Settings(
         model=model, only=only, skip=skip, revision=revision, trust_remote_code=trust_remote_code,
         dtype=dtype.value, device=device.value, device_map=device_map, max_memory=max_memory,
@@ -140,8 +144,7 @@ def run(ctx: typer.Context, given: Settings, fixed_checks: list[str] | None = No
     try:
         options = guarded(lambda: _junit_if_aborted(settings, lambda: run_options(settings, subject)), debug)
         with err.status("running checks…") as status:
-            def progress(name: str) -> None:
-                status.update(f"running {name}…")
+            progress = _Progress(names, status.update)
             report = guarded(lambda: run_checks(subject, names, options, on_progress=progress, policy=policy), debug)
     finally:
         subject.close()  # the temporary offload folder of a --device-map run
@@ -152,6 +155,47 @@ def run(ctx: typer.Context, given: Settings, fixed_checks: list[str] | None = No
         else:
             report, first_baseline = _first_baseline(report, settings.baseline)
     emit(report, settings, baseline=first_baseline)
+
+
+class _Progress:
+    """The status line while checks run: which check of how many, and the time since the first one started
+    ("check 5/11 cache · 12.3 s"). The status spinner re-renders it several times a second, so the clock moves."""
+
+    def __init__(self, names: list[str], update: Callable[[object], None]) -> None:
+        self.total, self.update, self.index, self.name, self.start = len(names), update, 0, "", None
+
+    def __call__(self, name: str) -> None:
+        import time
+
+        self.start = self.start or time.perf_counter()
+        self.index, self.name = self.index + 1, name
+        self.update(self)
+
+    def __rich__(self) -> str:
+        import time
+
+        return f"check {self.index}/{self.total} {self.name} · {time.perf_counter() - self.start:.1f} s"
+
+
+def _list_checks() -> None:
+    """One entry per registered check, from its spec: name and title, what a PASS proves, where it applies,
+    the `[checks.NAME]` settings it takes with their defaults."""
+    from posdiag import checks
+
+    width = max(len(name) for name in checks.REGISTRY)
+    for name in checks.REGISTRY:
+        spec = checks.spec(name)
+        if spec is None:
+            typer.echo(f"{name:<{width}}  (not implemented in this version of posdiag)")
+            continue
+        pad = " " * (width + 2)
+        typer.echo(f"{name:<{width}}  {spec.title}")
+        typer.echo(f"{pad}proves: {spec.proves}")
+        if set(spec.applies_to) != set(checks.KINDS):
+            typer.echo(f"{pad}applies to: {', '.join(spec.applies_to)} models")
+        if spec.options:
+            settings = ", ".join(f"{key} = {option.default!r}" for key, option in spec.options.items())
+            typer.echo(f"{pad}[checks.{name}]: {settings}")
 
 
 def _junit_if_aborted(settings: Settings, step: Callable[[], T]) -> T:

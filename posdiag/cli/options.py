@@ -157,6 +157,10 @@ def resolve(ctx: typer.Context, given: Settings) -> Settings:
     typed = {name: value for name, value in values.items() if typed_by_user(name)}
     path = given.config or find_config()
     file_values, check_options = read_config(Path(path)) if path else ({}, {})
+    if check_options:
+        from posdiag.checks import validate_tables
+
+        validate_tables(check_options, str(path))
     if given.config and not Path(given.config).is_file():
         raise FileNotFoundError(given.config)
     effective, source = merge(values, {k: v for k, v in file_values.items() if k in values}, typed)

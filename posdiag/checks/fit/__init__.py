@@ -30,16 +30,29 @@ from __future__ import annotations
 
 from typing import Any
 
+from posdiag.checks import CheckSpec, Option
 from posdiag.checks.fit.alternatives import Alternative, NotApplicable, plan_alternatives
 from posdiag.checks.fit.judging import Comparison, Scored, below_unigram, compare, copy_accuracy, learned_nothing, score
-from posdiag.checks.fit.material import COPY_DISTANCES, Material, copy_rows, plan_material
+from posdiag.checks.fit.material import COPY_DISTANCES, TEXT_TOKENS, Material, copy_rows, plan_material
 from posdiag.checks.fit.report import fail_summary, pass_summary, tables
 from posdiag.model.subject import Subject
 from posdiag.options import RunOptions
 from posdiag.results import CheckResult, Status
 
-TITLE = "Weights fit the configured positions"
-BASELINE_METRICS = {"margin": "higher"}
+SPEC = CheckSpec(
+    name="fit",
+    title="Weights fit the configured positions",
+    proves="no likely alternative position configuration (RoPE base, pairing layout, scaling, table offset) "
+           "predicts the model's training distribution better than the configuration as loaded",
+    applies_to=("causal",),
+    options={
+        "text_tokens": Option(TEXT_TOKENS, "tokens of text scored: ~1000 give a paired z of 9 for a lost "
+                                           "rope_theta on SmolLM2-135M, 500 only 5 (the bound)", (int,)),
+        "copy_distances": Option(COPY_DISTANCES, "copy accuracy shown at these distances (evidence, not the "
+                                                 "decision)", (list, tuple)),
+    },
+    baseline={"margin": "higher"},
+)
 
 
 def run(subject: Subject, options: RunOptions) -> CheckResult:
@@ -123,7 +136,7 @@ def _copy_evidence(subject: Subject, options: RunOptions, material: Material, co
     if material.distances:
         return {"configured": copy_accuracy(configured, material.distances, material),
                 decisive.alternative.label: copy_accuracy(decisive.scored, material.distances, material)}
-    distances = options.for_check("fit").get("copy_distances", COPY_DISTANCES)
+    distances = SPEC.setting(options, "copy_distances")
     groups = copy_rows(subject, options.seed, tuple(int(n) for n in distances))
     out: dict[str, dict[int, float]] = {"configured": {}, decisive.alternative.label: {}}
     for group in groups:

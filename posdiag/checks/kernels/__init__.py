@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from posdiag.checks import CheckSpec, Option
 from posdiag.checks.kernels.isolated import ISOLATED, run_isolated
 from posdiag.checks.kernels.judging import Evidence, judge
 from posdiag.checks.kernels.running import forward, reference_runs, run_here
@@ -32,7 +33,15 @@ from posdiag.model.subject import Subject
 from posdiag.options import RunOptions
 from posdiag.results import CheckResult, Status
 
-TITLE = "Attention kernels agree with eager"
+SPEC = CheckSpec(
+    name="kernels",
+    title="Attention kernels agree with eager",
+    proves="SDPA, FlashAttention and flex compute eager attention's function (FlashAttention's own error rule)",
+    options={
+        "implementations": Option(None, "implementations compared with eager; by default every one the model and "
+                                        "this machine take", (list,)),
+    },
+)
 
 
 def run(subject: Subject, options: RunOptions) -> CheckResult:

@@ -37,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from posdiag.checks import CheckSpec, Option
 from posdiag.checks.rope.applied import probe_applied
 from posdiag.checks.rope.factor import FactorSummary, factor_summary
 from posdiag.checks.rope.findings import Finding, severity
@@ -50,7 +51,15 @@ from posdiag.results import CheckResult, Status, Table
 from posdiag.tools import rope_math
 from posdiag.verdict import FAIL_RATIO
 
-TITLE = "RoPE frequencies and applied rotation"
+SPEC = CheckSpec(
+    name="rope",
+    title="RoPE frequencies and applied rotation",
+    proves="q and k are rotated as the config's frequencies say, at every position up to the target length",
+    options={
+        "target_length": Option(None, "the longest position probed; by default the declared context (a longer one "
+                                      "checks that extension reaches it)", (int,)),
+    },
+)
 
 
 def run(subject: Subject, options: RunOptions) -> CheckResult:

@@ -33,6 +33,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from posdiag.checks import CheckSpec, Option
+from posdiag.checks.table.capacity import DEFAULT_MAX_LONG_ROW, DEFAULT_MAX_PROBE
 from posdiag.checks.table.discovery import TABLE_NAMES, PositionTable, declared_logical, find_tables
 from posdiag.checks.table.health import health_parts
 from posdiag.checks.table.helpers import Part
@@ -42,9 +44,19 @@ from posdiag.model.subject import Subject
 from posdiag.options import RunOptions
 from posdiag.results import CheckResult, Status, Table
 
-__all__ = ["TITLE", "Part", "PositionTable", "find_tables", "run", "sinusoid_report"]
+SPEC = CheckSpec(
+    name="table",
+    title="Position tables",
+    proves="each position table gives every declared position a distinct, healthy row (sinusoids a fixed rotation)",
+    options={
+        "max_long_row": Option(DEFAULT_MAX_LONG_ROW, "longest single row of the edge probe: its attention scores "
+                                                     "grow with the square of it (LED's 16384 rows asked for 2 GiB)"),
+        "max_probe_positions": Option(DEFAULT_MAX_PROBE, "positions probed exhaustively; larger contexts are "
+                                                         "sampled evenly"),
+    },
+)
 
-TITLE = "Position tables"
+__all__ = ["SPEC", "Part", "PositionTable", "find_tables", "run", "sinusoid_report"]
 
 
 def run(subject: Subject, options: RunOptions) -> CheckResult:

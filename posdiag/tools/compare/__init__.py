@@ -36,7 +36,7 @@ import torch
 
 from posdiag.errors import PosdiagError
 from posdiag.model.subject import Subject
-from posdiag.options import RunOptions
+from posdiag.options import Option, RunOptions
 from posdiag.results import Status
 from posdiag.tools.compare.helpers import (
     coarser,
@@ -59,12 +59,18 @@ from posdiag.tools.compare.measuring import (
 from posdiag.tools.compare.running import finer_run, run_stack
 from posdiag.tools.compare.verdict import Comparison, bucket_edges, early_result, finish
 
-__all__ = ["TITLE", "DEFAULT_SEQ_LEN", "UNIFORM_START_FRACTION", "Comparison", "LayerProfile", "bucket_edges",
-           "choose_length", "compare_subjects", "original_context", "parse_layer_map"]
+__all__ = ["TITLE", "DEFAULT_SEQ_LEN", "OPTIONS", "UNIFORM_START_FRACTION", "Comparison", "LayerProfile",
+           "bucket_edges", "choose_length", "compare_subjects", "original_context", "parse_layer_map"]
 
 TITLE = "Comparison with a reference, position-resolved"
 
 DEFAULT_SEQ_LEN = 512
+# The `[checks.compare]` config table (validated like a check's options; --long and --layer-map override it).
+OPTIONS = {
+    "long": Option(False, "off: a comparison past the declared context is asked for, never assumed"),
+    "layer_map": Option(None, "None: layers are paired by index; a dict maps candidate layers to reference ones",
+                        (dict,)),
+}
 """Several hundred tokens: long enough that low-frequency RoPE pairs turn visibly, short enough for CPU."""
 
 
