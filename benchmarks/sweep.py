@@ -59,7 +59,7 @@ def _crash(path: str, kind: str, message: str, what: str, test: str) -> Finding:
 
 
 def _static_crash(path: str, what: str) -> Finding:
-    return _crash(path, "RuntimeError", "must match the size of tensor b", what, f"{PLAIN}::test_static_cache_crashes")
+    return _crash(path, "RuntimeError", "must match the size of tensor b", what, f"{PLAIN}::test_cached_path_crashes")
 
 
 DEFAULTS_ROW = "row 'a left-padded, no position_ids (the model's defaults)'"
@@ -129,14 +129,14 @@ FINDINGS: dict[str, dict[str, Finding]] = {
                                "from 0", CONTINUATION)},
     "blt": {"generate": _crash("dynamic/single", "AttributeError", "num_hidden_layers", "every cached forward crashes: "
                                "DynamicCache(config) reads a num_hidden_layers BltConfig lacks",
-                               f"{PLAIN}::test_blt_cached_forward_crashes")},
+                               f"{PLAIN}::test_cached_path_crashes")},
     "prophetnet": {"cache": _static_crash("static/decode", "crashes with a static cache (its mask is built for the "
                                           "static key length)"),
                    "generate": _crash("static/single", "RuntimeError", "expand(", "crashes with a static cache (its "
                                       "n-gram mask is built for the static key length)",
-                                      f"{PLAIN}::test_static_cache_crashes")},
+                                      f"{PLAIN}::test_cached_path_crashes")},
     **{"cpmant": {name: _crash(path, "IndexError", "index_copy_()", "crashes with a static cache (its prompt "
-                               "positions are not counted)", f"{PLAIN}::test_static_cache_crashes")
+                               "positions are not counted)", f"{PLAIN}::test_cached_path_crashes")
                   for name, path in (("cache", "static/decode"), ("generate", "static/single"))}},
     "kosmos-2.5": {"generate": Finding("dynamic/batch", WRONG, "cached steps number a left-padded row from its first "
                                        "padding column", "tests/test_sweep_kosmos25.py::"

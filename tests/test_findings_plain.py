@@ -12,21 +12,21 @@ its verdicts with), next to the path that runs.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import copy
 import functools
-import importlib.util
+import re
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from sweep_support import sweep_module
 
 from posdiag.testing.multimodal import small_model
 
 BUG, TWIN_MARGIN = 1e-6, 1e3
-SWEEP = Path(__file__).resolve().parent.parent / "benchmarks" / "sweep.py"
 
 
 @pytest.fixture(autouse=True)
@@ -37,10 +37,7 @@ def _quiet():
 
 @functools.cache
 def findings() -> dict:
-    spec = importlib.util.spec_from_file_location("sweep", SWEEP)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.FINDINGS
+    return sweep_module().FINDINGS
 
 
 _BUILT: dict[str, torch.nn.Module] = {}
@@ -94,20 +91,18 @@ def cache_of(out):
 
 # ------------------------------------------------------------------ cached continuations against the full forward
 def _continue(model, ids, prefill: int, chunk: int, cache=None, position_ids: bool = True, **extra):
-    """Logits of ids[prefill:] fed `chunk` tokens at a time after a prefill, through a cache."""
-    out = model(ids[:, :prefill], cache=cache, use_cache=True, **extra)
-    cache, logits = cache_of(out), []
+    """Logits of ids[prefill:] fed `chunk` tokens at a time after a prefill, through a cache (the DynamicCache(config)
+    generate() builds, by default: RecurrentGemma returns none of its own)."""
+    cache = transformers.DynamicCache(config=model.config) if cache is None else cache
+    model(ids[:, :prefill], cache=cache, use_cache=True, **extra)
+    logits = []
     for start in range(prefill, ids.shape[1], chunk):
         step = ids[:, start:start + chunk]
         kwargs = {"position_ids": torch.arange(start, start + step.shape[1])[None]} if position_ids else {}
-        out = model(step, cache=cache, use_cache=True, **kwargs, **extra)
-        cache = cache_of(out)
-        logits.append(out.logits)
+        logits.append(model(step, cache=cache, use_cache=True, **kwargs, **extra).logits)
     return torch.cat(logits, dim=1)
 
 
-def _static(model, length):
-    return transformers.StaticCache(config=model.config, max_cache_len=length)
 
 
 # model type -> (overrides, the buggy continuation, the healthy twin): each a function of (model, ids) giving the
@@ -281,9 +276,101 @@ def test_static_cache_generate_differs_from_the_dynamic_one(model_type):
     equals the plain forward of the decoder start token (to the float32 rounding generate() casts its logits to)."""
     model = model64(model_type)
     ids = ids_of(1, 10)
-    greedy = dict(max_new_tokens=1, do_sample=False, num_beams=1, output_logits=True, return_dict_in_generate=True)
+    greedy = dict(max_new_tokens=3, do_sample=False, num_beams=1, output_logits=True, return_dict_in_generate=True)
     with torch.no_grad():
         static = model.generate(ids, cache_implementation="static", **greedy)
         dynamic = model.generate(ids, **greedy)
         forward = model(ids, decoder_input_ids=dynamic.sequences[:, :1]).logits[:, -1]
     assert_bug(rel(static.logits[0], forward), rel(dynamic.logits[0], forward))
+
+
+# ------------------------------------------------------------------ PaliGemma: SDPA not causal on text alone
+def test_paligemma_sdpa_is_not_causal_on_text():
+    """Without token_type_ids PaliGemma's eager path masks text causally and its SDPA path does not; text marked as
+    the causal suffix (token_type_ids = 1) gives the same function on both."""
+    eager = model64("paligemma")
+    sdpa = copy.deepcopy(eager)
+    sdpa.set_attn_implementation("sdpa")
+    ids = ids_of(1, 10)
+    suffix = torch.ones_like(ids)
+    with torch.no_grad():
+        bug = rel(sdpa(ids).logits, eager(ids).logits)
+        twin = rel(sdpa(ids, token_type_ids=suffix).logits, eager(ids, token_type_ids=suffix).logits)
+    assert_bug(bug, twin)
+
+
+# ------------------------------------------------------------------ crashes on cached paths transformers accepts
+def _raises_as_found(model_type: str, check: str, call) -> None:
+    """`call` raises the exception the finding's fingerprint names, with its message fragment."""
+    found = findings()[model_type][check]
+    with pytest.raises(getattr(builtins, found.kind), match=re.escape(found.message)):
+        call()
+
+
+def _decode_step(model, cache, prefill: int = 8):
+    """The logits of token `prefill` decoded through `cache` after a prefill, and of the full forward there."""
+    ids = ids_of(1, prefill + 1)
+    out = model(ids[:, :prefill], cache=cache, use_cache=True)
+    step = model(ids[:, prefill:], cache=cache_of(out), use_cache=True).logits[:, -1]
+    return step, model(ids).logits[:, -1]
+
+
+def _agrees(pair) -> None:
+    step, full = pair
+    assert rel(step, full) < 1e-5, rel(step, full)  # float32 rounding
+
+
+def _static(model, length: int, seq2seq: bool = False):
+    config = model.config.get_text_config(decoder=True)
+    cache = transformers.StaticCache(config=config, max_cache_len=length)
+    return transformers.EncoderDecoderCache(cache, transformers.StaticCache(config=config, max_cache_len=10)) \
+        if seq2seq else cache
+
+
+def _seq2seq_decode(model, cache):
+    ids, decoder = ids_of(1, 10), ids_of(1, 5, seed=1)
+    out = model(ids, decoder_input_ids=decoder[:, :4], cache=cache, use_cache=True)
+    return model(ids, decoder_input_ids=decoder[:, 4:], cache=cache_of(out), use_cache=True).logits
+
+
+def _generate(model, **kwargs):
+    return model.generate(ids_of(1, 12), max_new_tokens=3, do_sample=False, num_beams=1, **kwargs)
+
+
+def _text(model):
+    return getattr(model, "text_model", model)
+
+
+INKLING = dict(sliding_window=8, swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16)
+# (model type, check) -> (overrides, the crashing call, the twin that runs), each a function of the float32 model.
+CRASHES = {
+    # GPT-Neo's causal buffer is max_position_embeddings (256) wide: a longer StaticCache crashes with every position
+    # in range; one of 256 slots decodes like the forward.
+    ("gpt_neo", "cache"): ({}, lambda m: _decode_step(m, _static(m, 263)), lambda m: _agrees(_decode_step(m, _static(
+        m, 256)))),
+    # Kosmos-2's text model expands its mask to the cache length; the DynamicCache decodes like the forward.
+    ("kosmos-2", "cache"): ({}, lambda m: _decode_step(_text(m), _static(_text(m), 16)), lambda m: _agrees(
+        _decode_step(_text(m), transformers.DynamicCache(config=_text(m).config)))),
+    # ProphetNet builds its n-gram masks for the static key length; CPM-Ant prepends 32 prompt positions to a cache
+    # sized for the text. Both generate() with the default cache.
+    ("prophetnet", "cache"): ({}, lambda m: _seq2seq_decode(m, _static(m, 16, seq2seq=True)), _generate),
+    ("prophetnet", "generate"): ({}, lambda m: _generate(m, cache_implementation="static"), _generate),
+    ("cpmant", "cache"): ({}, lambda m: _decode_step(m, _static(m, 16)), _generate),
+    ("cpmant", "generate"): ({}, lambda m: _generate(m, cache_implementation="static"), _generate),
+    # BLT: any cached forward builds DynamicCache(config) on a BltConfig with no num_hidden_layers; it runs uncached.
+    ("blt", "generate"): ({}, _generate, lambda m: m(ids_of(1, 12), use_cache=False)),
+    # Inkling: generate(cache_implementation="static") past the sliding window builds a full-length mask for the
+    # window-long sliding layers; the dynamic cache runs.
+    **{(t, "generate"): (INKLING, lambda m: _generate(m, cache_implementation="static"), _generate)
+       for t in ("inkling_text", "inkling2_text", "inkling2_loop_text")},
+}
+
+
+@pytest.mark.parametrize("model_type, check", sorted(CRASHES), ids=lambda v: v)
+def test_cached_path_crashes(model_type, check):
+    overrides, crashing, twin = CRASHES[model_type, check]
+    key = f"float32 {model_type} {sorted(overrides.items())}"
+    model = _BUILT.setdefault(key, small_model(model_type, **overrides))
+    with torch.no_grad():
+        _raises_as_found(model_type, check, lambda: crashing(model))
+        twin(model)

@@ -8,22 +8,18 @@ them, and each names the test that reproduces it in plain transformers."""
 
 from __future__ import annotations
 
-import importlib.util
 import warnings
 from pathlib import Path
 
 import pytest
+from sweep_support import sweep_module
 
-SWEEP = Path(__file__).resolve().parent.parent / "benchmarks" / "sweep.py"
 ROOT = Path(__file__).resolve().parent.parent
 SUBSET = ("llama", "opt", "bert", "roberta", "qwen2_vl", "afmoe", "mamba")
 
 
 def _sweep():
-    spec = importlib.util.spec_from_file_location("sweep", SWEEP)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return sweep_module()
 
 
 @pytest.mark.parametrize("model_type", SUBSET)
