@@ -119,6 +119,11 @@ CONTINUATIONS = {
     "recurrent_gemma": ({}, lambda m, ids: _continue(m, ids, 6, 3), lambda m, ids: _continue(m, ids, 6, 1)),
     # Bamba: a cached step without position_ids is numbered arange(new tokens) from 0; with explicit ids it agrees.
     "bamba": ({}, lambda m, ids: _continue(m, ids, 6, 1, position_ids=False), lambda m, ids: _continue(m, ids, 6, 1)),
+    # GPT-Neo: its causal buffer is sliced by the key length, which is max_cache_len with a StaticCache, so a local
+    # layer whose window is shorter than the cache reads the wrong window's rows; the DynamicCache agrees. (The
+    # sweep's window spans the whole context: there a cache longer than the buffer crashes, below.)
+    "gpt_neo": (dict(window_size=4), lambda m, ids: _continue(m, ids, 6, 1, cache=_static(m, 16)),
+                lambda m, ids: _continue(m, ids, 6, 1)),
     # Inkling (v1), full-attention layers only: with a StaticCache the relative bias reads the query offset after
     # cache.update grew it (one step too far); the DynamicCache agrees.
     "inkling_text": (dict(layer_types=["hybrid", "hybrid"], swa_num_attention_heads=4, swa_num_key_value_heads=2,
