@@ -82,7 +82,9 @@ def test_recurrent_gemma_findings_left_padding_without_ids_and_chunked_continuat
     options = RunOptions(seq_len=12, check_options={"cache": {"decode_steps": 2}})
     report = run_checks(from_module(model, name="recurrent_gemma"), ["batch", "cache"], options)
     batch = report.check("batch")
-    assert batch.status is Status.FAIL and "ignores its attention_mask" not in batch.summary
+    # only the defaults break (the recurrence is not reset at the first real token): the caller's contract, a WARN
+    assert batch.status is Status.WARN and batch.summary.startswith("left-padded rows without position_ids are "
+                                                                    "numbered from the first padding column")
     failing = [r for r, e in batch.details["error_per_row"].items() if e > 1e-3]
     assert failing == [LEFT_DEFAULTS], batch.details["error_per_row"]  # explicit position_ids reset the recurrence
     cache = report.check("cache")

@@ -90,10 +90,10 @@ class Measurement:
 
 def run(subject: Subject, options: RunOptions) -> CheckResult:
     ok, why = cache_support(subject)
-    if not ok:
-        return CheckResult("cache", Status.SKIP, why)
+    if not ok:  # an encoder decodes nothing by design; the other refusals are what posdiag cannot drive
+        return CheckResult("cache", Status.NA if subject.kind == "encoder" else Status.SKIP, why)
     if not keeps_kv_cache(subject):
-        return CheckResult("cache", Status.SKIP, f"{type(subject.model).__name__} keeps no KV cache (a forward with "
+        return CheckResult("cache", Status.NA, f"{type(subject.model).__name__} keeps no KV cache (a forward with "
                            "use_cache=True returns none; a cache handed to it stays empty): there is no cached "
                            "decoding to compare, and generate() re-runs the whole prefix each step (see `generate`)")
     no_dynamic = cache_refusal(subject, "dynamic")
