@@ -27,7 +27,9 @@ MAPPINGS = {  # kind shown in the table -> transformers.models.auto.modeling_aut
     "masked": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
     "image-text": "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
 }
-SYMBOL = {"pass": "PASS", "fail": "**FAIL**", "warn": "WARN", "skip": "skip", "error": "**ERROR**"}
+SYMBOL = {"pass": "PASS", "fail": "**FAIL**", "warn": "WARN", "skip": "skip", "n/a": "n/a", "error": "**ERROR**"}
+# Rows swept since checks report "n/a" (does not apply by design) carry this; older rows report those as skips.
+ROW_STATUSES = "with n/a"
 WRONG = "wrong values"  # Finding.kind of a path that runs and gives outputs that differ from what they must equal
 PLAIN = "tests/test_findings_plain.py"  # the plain-transformers reproductions (two float64 computations, no verdict)
 
@@ -182,7 +184,7 @@ def check_one(model_type: str, seq_len: int = 16, threads: int = 1) -> dict:
     from posdiag.options import RunOptions
     from posdiag.testing.multimodal import small_model
 
-    row: dict = {"type": model_type, "kind": model_types().get(model_type, "?")}
+    row: dict = {"type": model_type, "kind": model_types().get(model_type, "?"), "statuses": ROW_STATUSES}
     try:
         subject = from_module(small_model(model_type), name=model_type)
     except Exception as exc:  # not instantiable from a small config on CPU: listed with the reason
@@ -217,9 +219,10 @@ def done() -> dict[str, dict]:
     return rows
 
 
-def run_all(timeout: float, only: list[str], write: bool) -> None:
+def run_all(timeout: float, only: list[str], write: bool, rerun: bool = False) -> None:
+    """Sweep the types not swept yet (or, with `rerun`, the `only` types again: their new rows replace the old)."""
     types = model_types()
-    todo = [t for t in (only or sorted(types)) if t not in done()]
+    todo = [t for t in (only or sorted(types)) if rerun or t not in done()]
     script = HERE / "support_matrix.py"
     for i, model_type in enumerate(todo):
         start = time.time()
@@ -236,8 +239,15 @@ def run_all(timeout: float, only: list[str], write: bool) -> None:
         with RESULTS.open("a") as f:
             f.write(json.dumps(row) + "\n")
         print(f"[{i + 1}/{len(todo)}] {model_type} {time.time() - start:.0f}s", flush=True)
+    compact()
     if write:
         write_page()
+
+
+def compact() -> None:
+    """One row per model type in benchmarks/sweep.jsonl (a re-run appends rows; the latest is kept), sorted."""
+    rows = done()
+    RESULTS.write_text("".join(json.dumps(rows[t]) + "\n" for t in sorted(rows)))
 
 
 def _limit_memory() -> None:
@@ -269,6 +279,8 @@ def counts() -> dict[str, int]:
     return {"total": len(model_types()), "swept": len(rows), "judged": len(judged),
             "not_built": len(rows) - len(judged), "skips": sum(s == "skip" for *_, s in statuses),
             "errors": sum(s == "error" for *_, s in statuses), "fails": len(fails),
+            "not_applicable": sum(s == "n/a" for *_, s in statuses),
+            "current": sum(r.get("statuses") == ROW_STATUSES for r in rows.values()),
             "unclassified": sum(f is None for f in fails), "by_design": sum(bool(f and f.design) for f in fails)}
 
 
@@ -279,10 +291,12 @@ def readme_sentence(c: dict[str, int]) -> str:
     fails = (f"{c['fails']} FAILs, {'all' if not c['unclassified'] else f'{found} of them'} upstream findings "
              f"({found - c['by_design']} bugs, {c['by_design']} by design)")
     return (f"Swept over {swept} of transformers' causal-LM, seq2seq, masked-LM and image-text-to-text mappings, a "
-            f"tiny default-init model each ([the table](docs/support.md#every-model-type-the-sweep)): "
+            f"tiny default-init model each ([the table](docs/support.md#every-model-type-the-sweep)"
+            + (f"; {c['current']} rows re-swept on the current code, the others from the previous full sweep"
+               if c["current"] < c["swept"] else "") + "): "
             f"**{c['judged']} of {c['total']} model types judged**, {c['skips']} check results skipped with their "
-            f"reasons, {c['errors']} errors, {fails}; {c['not_built']} cannot be built from a small config on CPU "
-            f"(listed with the reason).")
+            f"reasons, {c['not_applicable']} not applicable by design, {c['errors']} errors, {fails}; "
+            f"{c['not_built']} cannot be built from a small config on CPU (listed with the reason).")
 
 
 def write_page() -> None:
@@ -293,11 +307,14 @@ def write_page() -> None:
              else f"all {c['total']} model types swept")
     found = c["fails"] - c["unclassified"]
     lines = [f"{swept}: {c['judged']} judged, {c['not_built']} not buildable as a small CPU model (listed below with "
-             f"the reason); {c['skips']} check results skipped with reasons, {c['errors']} errors; {c['fails']} FAILs "
+             f"the reason); {c['skips']} check results skipped with reasons, {c['not_applicable']} not applicable by "
+             f"design, {c['errors']} errors; {c['fails']} FAILs "
              f"on healthy default-init models, {found} of them upstream findings ({found - c['by_design']} bugs, "
              f"marked *finding*; {c['by_design']} by design, marked *by design*; see [findings](#findings-on-stock-"
              f"transformers-524) and [the list below](#what-each-finding-fails))"
              + (f", {c['unclassified']} not yet classified." if c["unclassified"] else "."), "",
+             f"{c['current']} of the {c['swept']} rows were swept since checks report *n/a* for what does not apply "
+             "by design; the others come from the previous full sweep, which reported those as skips.", "",
              *_verdict_table(rows), "", "Not judged (cannot be built from a small config on CPU, or over the time "
              "limit):", ""]
     for r in sorted((r for r in rows.values() if "checks" not in r), key=lambda r: r["type"]):

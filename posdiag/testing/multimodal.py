@@ -4,9 +4,10 @@
 4 heads of 16 dims, hidden 64, vocab 256) and every other tower (1 layer, hidden 32, 28-pixel images of 14-pixel
 patches) with whatever size fields each sub-config has. Multimodal RoPE sections (``mrope_section``, which
 Qwen-VL rotary classes default to a 128-dim head) are scaled to the small head: 4 + 2 + 2 of its 8 pairs.
-Special text ids (padding, bos, eos, decoder start, ...) beyond the small vocabulary move to its top, and the fields
-that depend on the headline sizes follow them (``posdiag.testing.shrink_rules``: latent attention, experts,
-state-space and linear-attention heads, layer patterns). Placeholder ids the modelling code reads but the config
+Special text ids (padding, bos, eos, decoder start, ...) beyond the small vocabulary move to its top, below the
+image/video/audio placeholder and delimiter ids (which take the top rows, so a prompt with an image can be built),
+and the fields that depend on the headline sizes follow them (``posdiag.testing.shrink_rules``: latent attention,
+experts, state-space and linear-attention heads, layer patterns). Placeholder ids the modelling code reads but the config
 class does not declare are set as the model's other configs declare them. ``tiny_multimodal`` builds the
 image-text-to-text model (``AutoModelForImageTextToText``) from it.
 
