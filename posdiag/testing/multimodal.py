@@ -7,8 +7,8 @@ Qwen-VL rotary classes default to a 128-dim head) are scaled to the small head: 
 Special text ids (padding, bos, eos, decoder start, ...) beyond the small vocabulary move to its top, below the
 image/video/audio placeholder and delimiter ids (which take the top rows, so a prompt with an image can be built),
 and the fields that depend on the headline sizes follow them (``posdiag.testing.shrink_rules``: latent attention,
-experts, state-space and linear-attention heads, layer patterns). Placeholder ids the modelling code reads but the config
-class does not declare are set as the model's other configs declare them. ``tiny_multimodal`` builds the
+experts, state-space and linear-attention heads, layer patterns). Placeholder ids the modelling code reads but the
+config class does not declare are set as the model's other configs declare them. ``tiny_multimodal`` builds the
 image-text-to-text model (``AutoModelForImageTextToText``) from it.
 
 Hybrids keep an attention layer, as their checkpoints do, also where the default pattern has none
