@@ -64,7 +64,8 @@ def _static_crash(path: str, what: str) -> Finding:
     return _crash(path, "RuntimeError", "must match the size of tensor b", what, f"{PLAIN}::test_cached_path_crashes")
 
 
-DEFAULTS_ROW = "row 'a left-padded, no position_ids (the model's defaults)'"
+# batch's WARN for the caller's contract (only the left-padded row without position_ids differs; explicit ids right)
+DEFAULTS_ROW = "left-padded rows without position_ids are numbered from the first padding column"
 CONTINUATION = f"{PLAIN}::test_cached_continuation_differs_from_the_full_forward"
 PADDED = f"{PLAIN}::test_padded_row_differs_from_itself_alone"
 LEFT_PADDED_GENERATE = f"{PLAIN}::test_left_padded_generate_differs_from_each_row_alone"
