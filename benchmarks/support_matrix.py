@@ -6,7 +6,8 @@
         # every model type of transformers' causal-LM, seq2seq, masked-LM and image-text-to-text mappings:
         # a tiny model from a small config (posdiag.testing.multimodal.small_config), every check, one
         # subprocess per type with a time limit; results accumulate in benchmarks/sweep.jsonl (resumable:
-        # types already there are not run again) and the sweep table of docs/support.md is rebuilt from it
+        # types already there are not run again; --rerun --only TYPE,... runs those again, replacing their rows)
+        # and the sweep table of docs/support.md is rebuilt from it
 
 Rows are the families of posdiag.testing.zoo at transformers' default init; each cell is the check's
 status on the healthy model. The last column is the shuffle verdict once positions are removed
@@ -20,7 +21,7 @@ import argparse
 import re
 from pathlib import Path
 
-SYMBOL = {"pass": "PASS", "fail": "**FAIL**", "warn": "WARN", "skip": "skip", "error": "**ERROR**"}
+SYMBOL = {"pass": "PASS", "fail": "**FAIL**", "warn": "WARN", "skip": "skip", "n/a": "n/a", "error": "**ERROR**"}
 
 
 def main() -> None:
@@ -29,6 +30,7 @@ def main() -> None:
     parser.add_argument("--all", action="store_true", help="sweep every model type of the auto mappings")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per model type (--all)")
     parser.add_argument("--only", default="", help="comma-separated model types (--all)")
+    parser.add_argument("--rerun", action="store_true", help="sweep the --only types again, replacing their rows")
     parser.add_argument("--one", default="", help=argparse.SUPPRESS)  # internal: run one type, print JSON
     args = parser.parse_args()
     if args.one or args.all:
@@ -37,7 +39,7 @@ def main() -> None:
         if args.one:
             sweep.run_one(args.one)
         else:
-            sweep.run_all(args.timeout, [t for t in args.only.split(",") if t], args.write)
+            sweep.run_all(args.timeout, [t for t in args.only.split(",") if t], args.write, args.rerun)
         return
 
     import torch

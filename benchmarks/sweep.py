@@ -13,6 +13,7 @@ import resource
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -26,58 +27,128 @@ MAPPINGS = {  # kind shown in the table -> transformers.models.auto.modeling_aut
     "masked": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
     "image-text": "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
 }
-SYMBOL = {"pass": "PASS", "fail": "**FAIL**", "warn": "WARN", "skip": "skip", "error": "**ERROR**"}
-# model type -> {check: the upstream bug it FAILs on}: real bugs in stock transformers on paths it accepts, each
-# pinned by a regression test and described under "Findings" in docs/support.md. Any other FAIL on these healthy
-# default-init models is a false verdict to fix.
-FINDINGS: dict[str, dict[str, str]] = {
-    "gpt2": {"batch": "positions from the first padding column without position_ids"},
-    "gpt_neo": {"batch": "positions from the first padding column without position_ids",
-                "cache": "wrong logits with a static cache", "generate": "wrong logits with a static cache"},
-    "openai-gpt": {"batch": "positions from the first padding column without position_ids"},
-    "mamba": {"cache": "a multi-token cache continuation differs from the full forward"},
-    "jamba": {"cache": "a multi-token cache continuation differs from the full forward"},
-    "paligemma": {"kernels": "the SDPA path is not causal on text without token_type_ids"},
-    "deepseek_v4": {"generate": "a left-padded batch differs from each row alone once a compressed entry exists",
-                    "batch": "the compressor pools left padding into its first storage window"},
-    "hunyuan_vl": {"rope": "XD-RoPE pairs read two different position streams: no rotation for image tokens"},
-    "led": {"cache": "wrong logits at single-token steps with a static cache",
-            "generate": "wrong logits at single-token steps with a static cache"},
-    "nystromformer": {"batch": "its value convolution reads padded tokens"},
-    "gpt-sw3": {"batch": "positions from the first padding column without position_ids"},
-    "gpt_bigcode": {"batch": "positions from the first padding column without position_ids"},
-    "biogpt": {"batch": "positions from the first padding column without position_ids"},
-    "xglm": {"batch": "positions from the first padding column without position_ids"},
-    "blip": {"batch": "positions from the first padding column without position_ids"},
-    "vision-encoder-decoder": {"batch": "positions from the first padding column without position_ids"},
-    "whisper": {"generate": "positions from the first padding column: its forward takes position_ids only through "
-                            "**kwargs, so generate() derives none"},
-    "kosmos-2": {"cache": "crashes with a static cache",
-                 "generate": "cached steps count a left-padded row's pads into its positions; static cache crashes"},
-    "ctrl": {"batch": "positions from the first padding column without position_ids"},
-    "moshi": {"cache": "its forward ignores the sliding window its cache applies",
-              "generate": "its forward ignores the sliding window its cache applies"},
-    "beam": {"batch": "without position_ids its absolute query scale reads positions from the first padding column"},
-    "git": {"batch": "positions from the first padding column without position_ids",
-            "generate": "each cached step widens the padding mask by the image patch tokens"},
-    "falcon_mamba": {"cache": "a multi-token cache continuation restarts the recurrent state"},
-    "convbert": {"batch": "its convolution branch reads padded tokens"},
-    "fsmt": {"generate": "a static cache's empty slots are attended (no mask when decoding)"},
-    "rwkv": {"batch": "attention_mask accepted and ignored: left padding runs through the recurrence"},
-    "recurrent_gemma": {"batch": "without position_ids a left-padded row reads its pads into the recurrence",
-                        "cache": "a multi-token cache continuation restarts the convolution state"},
-    "trocr": {"generate": "positions from the first padding column: the position_ids generate() derives are dropped"},
-    "yoso": {"batch": "its padding mask is a no-op (a 0/1 mask read as additive)"},
-    "bamba": {"cache": "a cached forward without position_ids numbers the new tokens from 0"},
-    "blt": {"generate": "every cached forward crashes: DynamicCache(config) reads a num_hidden_layers BltConfig lacks"},
-    "prophetnet": {"cache": "crashes with a static cache", "generate": "crashes with a static cache"},
-    "cpmant": {"cache": "crashes with a static cache (prompt positions not counted)",
-               "generate": "crashes with a static cache (prompt positions not counted)"},
-    "kosmos-2.5": {"generate": "cached steps number a left-padded row from its first padding column"},
-    **{t: {"generate": "static cache past the sliding window crashes (hybrid_sliding mask sized for full layers)"}
+SYMBOL = {"pass": "PASS", "fail": "**FAIL**", "warn": "WARN", "skip": "skip", "n/a": "n/a", "error": "**ERROR**"}
+# Rows swept since checks report "n/a" (does not apply by design) carry this; older rows report those as skips.
+ROW_STATUSES = "with n/a"
+WRONG = "wrong values"  # Finding.kind of a path that runs and gives outputs that differ from what they must equal
+PLAIN = "tests/test_findings_plain.py"  # the plain-transformers reproductions (two float64 computations, no verdict)
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One upstream finding: a check FAILs (or WARNs) on a path of a stock model for a reason shown in plain
+    transformers. A verdict is this finding only when its summary matches the fingerprint (path and kind)."""
+
+    path: str  # the failing path as the check's summary names it first ("static/decode", "row 'a right-padded'")
+    kind: str  # WRONG, or for a crash its exception type ("RuntimeError")
+    what: str  # what goes wrong, in a few words
+    test: str  # the test that reproduces it in plain transformers (path::name)
+    message: str = ""  # for a crash: a fragment of the exception's message
+    design: bool = False  # faithful to the published architecture: by design, not a bug
+
+    def matches(self, summary: str) -> bool:
+        """The summary names this path first and fails it the way this finding does."""
+        if self.path not in summary:
+            return False
+        crashed = f"{self.path} crashed: "
+        if self.kind == WRONG:
+            return crashed not in summary
+        return f"{crashed}{self.kind}:" in summary and self.message in summary
+
+
+def _crash(path: str, kind: str, message: str, what: str, test: str) -> Finding:
+    return Finding(path, kind, what, test, message)
+
+
+def _static_crash(path: str, what: str) -> Finding:
+    return _crash(path, "RuntimeError", "must match the size of tensor b", what, f"{PLAIN}::test_cached_path_crashes")
+
+
+# batch's WARN for the caller's contract (only the left-padded row without position_ids differs; explicit ids right)
+DEFAULTS_ROW = "left-padded rows without position_ids are numbered from the first padding column"
+CONTINUATION = f"{PLAIN}::test_cached_continuation_differs_from_the_full_forward"
+PADDED = f"{PLAIN}::test_padded_row_differs_from_itself_alone"
+LEFT_PADDED_GENERATE = f"{PLAIN}::test_left_padded_generate_differs_from_each_row_alone"
+INKLING_SLIDING = "static cache past the sliding window crashes (hybrid_sliding mask sized for the full layers)"
+# model type -> {check: Finding}: the verdicts on these healthy default-init models that are upstream findings (bugs in
+# stock transformers on paths it accepts, or by design), each reproduced in plain transformers by the test it names and
+# described under "Findings" in docs/support.md. Any other FAIL, or a FAIL of a listed check that does not match its
+# fingerprint, is a false verdict to fix (counted as unclassified).
+FINDINGS: dict[str, dict[str, Finding]] = {
+    "gpt_neo": {"cache": _static_crash(
+        "static/decode", "a StaticCache longer than max_position_embeddings crashes with every position in range: "
+        "the hard-coded causal buffer is max_position_embeddings wide")},
+    "mamba": {"cache": Finding("dynamic/chunks", WRONG, "a multi-token cache continuation differs from the full "
+                               "forward", CONTINUATION)},
+    "jamba": {"cache": Finding("dynamic/chunks", WRONG, "a multi-token cache continuation differs from the full "
+                               "forward", CONTINUATION)},
+    "falcon_mamba": {"cache": Finding("dynamic/chunks", WRONG, "a multi-token cache continuation restarts the "
+                                      "recurrent state", CONTINUATION)},
+    "paligemma": {"kernels": Finding("on the unpadded input", WRONG, "the SDPA path is not causal on text without "
+                                     "token_type_ids", f"{PLAIN}::test_paligemma_sdpa_is_not_causal_on_text")},
+    "deepseek_v4": {"generate": Finding("dynamic/batch", WRONG, "a left-padded batch differs from each row alone "
+                                        "once a compressed entry exists", LEFT_PADDED_GENERATE),
+                    "batch": Finding("row 'a left-padded'", WRONG, "the compressor pools left padding into its "
+                                     "first storage window", PADDED)},
+    "hunyuan_vl": {"rope": Finding("mRoPE rotation disagrees", WRONG, "XD-RoPE pairs read two different position "
+                                   "streams: no rotation for image tokens",
+                                   "tests/test_sweep_findings_b.py::test_hunyuan_vl_xdrope_is_no_rotation_for_image_tokens")},
+    "led": {"cache": Finding("static/decode", WRONG, "wrong logits at single-token steps with a static cache",
+                             CONTINUATION),
+            "generate": Finding("static/single", WRONG, "wrong logits at single-token steps with a static cache",
+                                f"{PLAIN}::test_static_cache_generate_differs_from_the_dynamic_one")},
+    "nystromformer": {"batch": Finding("row 'a right-padded'", WRONG, "its value convolution reads padded tokens",
+                                       PADDED)},
+    "biogpt": {"batch": Finding(DEFAULTS_ROW, WRONG, "its position embedding's mask-derived branch never runs: the "
+                                "forward fills missing position_ids with arange first", PADDED)},
+    "whisper": {"generate": Finding("dynamic/batch", WRONG, "positions from the first padding column: its forward "
+                                    "takes position_ids only through **kwargs, so generate() derives none",
+                                    LEFT_PADDED_GENERATE)},
+    "kosmos-2": {"cache": _static_crash("static/decode", "crashes with a static cache (its mask is expanded to the "
+                                        "cache length)"),
+                 "generate": Finding("dynamic/batch", WRONG, "cached steps count a left-padded row's pads into its "
+                                     "positions (the static cache crashes as well)", LEFT_PADDED_GENERATE)},
+    "moshi": {"cache": Finding("dynamic/decode", WRONG, "its forward ignores the sliding window its cache applies",
+                               "tests/test_sweep_sliding.py::test_moshi_forward_ignores_the_window_its_cache_applies"),
+              "generate": Finding("dynamic/single", WRONG, "its forward ignores the sliding window its cache applies",
+                                  "tests/test_sweep_sliding.py::test_moshi_forward_ignores_the_window_its_cache_applies")},
+    "git": {"generate": Finding("dynamic/batch", WRONG, "each cached step widens the padding mask by the image patch "
+                                "tokens", LEFT_PADDED_GENERATE)},
+    "convbert": {"batch": Finding("row 'a right-padded'", WRONG, "its convolution branch reads padded tokens (the "
+                                  "published architecture's span convolution has no mask)", PADDED, design=True)},
+    "fsmt": {"generate": Finding("static/single", WRONG, "a static cache's empty slots are attended (no mask when "
+                                 "decoding)", f"{PLAIN}::test_static_cache_generate_differs_from_the_dynamic_one")},
+    "rwkv": {"batch": Finding("row 'a left-padded'", WRONG, "no attention_mask in the published recurrence: left "
+                              "padding runs through it", PADDED, design=True)},
+    "recurrent_gemma": {"batch": Finding(DEFAULTS_ROW, WRONG, "without position_ids a left-padded row reads its pads "
+                                         "into the recurrence", PADDED),
+                        "cache": Finding("dynamic/chunks", WRONG, "a multi-token cache continuation restarts the "
+                                         "convolution state", CONTINUATION)},
+    "trocr": {"generate": Finding("dynamic/batch", WRONG, "positions from the first padding column: the position_ids "
+                                  "generate() derives are dropped", LEFT_PADDED_GENERATE)},
+    "yoso": {"batch": Finding("row 'a right-padded'", WRONG, "its padding mask is a no-op (a 0/1 mask read as "
+                              "additive)", PADDED)},
+    "bamba": {"cache": Finding("dynamic/decode", WRONG, "a cached forward without position_ids numbers the new tokens "
+                               "from 0", CONTINUATION)},
+    "blt": {"generate": _crash("dynamic/single", "AttributeError", "num_hidden_layers", "every cached forward crashes: "
+                               "DynamicCache(config) reads a num_hidden_layers BltConfig lacks",
+                               f"{PLAIN}::test_cached_path_crashes")},
+    "prophetnet": {"cache": _static_crash("static/decode", "crashes with a static cache (its mask is built for the "
+                                          "static key length)"),
+                   "generate": _crash("static/single", "RuntimeError", "expand(", "crashes with a static cache (its "
+                                      "n-gram mask is built for the static key length)",
+                                      f"{PLAIN}::test_cached_path_crashes")},
+    **{"cpmant": {name: _crash(path, "IndexError", "index_copy_()", "crashes with a static cache (its prompt "
+                               "positions are not counted)", f"{PLAIN}::test_cached_path_crashes")
+                  for name, path in (("cache", "static/decode"), ("generate", "static/single"))}},
+    "kosmos-2.5": {"generate": Finding("dynamic/batch", WRONG, "cached steps number a left-padded row from its first "
+                                       "padding column", "tests/test_sweep_kosmos25.py::"
+                                       "test_kosmos25_decode_positions_count_the_padding_plain_transformers")},
+    **{t: {"generate": _static_crash("static/single", INKLING_SLIDING)}
        for t in ("inkling2", "inkling2_loop", "inkling2_loop_text", "inkling2_text")},
-    **{t: {"generate": "static cache past the sliding window crashes (hybrid_sliding mask sized for full layers)",
-           "cache": "static cache: the relative bias reads the query offset after the update has grown it"}
+    **{t: {"generate": _static_crash("static/single", INKLING_SLIDING),
+           "cache": Finding("static/decode", WRONG, "static cache: the relative bias reads the query offset after the "
+                            "update has grown it", CONTINUATION)}
        for t in ("inkling_text", "inkling_mm_model")},
 }
 
@@ -114,7 +185,7 @@ def check_one(model_type: str, seq_len: int = 16, threads: int = 1) -> dict:
     from posdiag.options import RunOptions
     from posdiag.testing.multimodal import small_model
 
-    row: dict = {"type": model_type, "kind": model_types().get(model_type, "?")}
+    row: dict = {"type": model_type, "kind": model_types().get(model_type, "?"), "statuses": ROW_STATUSES}
     try:
         subject = from_module(small_model(model_type), name=model_type)
     except Exception as exc:  # not instantiable from a small config on CPU: listed with the reason
@@ -149,9 +220,10 @@ def done() -> dict[str, dict]:
     return rows
 
 
-def run_all(timeout: float, only: list[str], write: bool) -> None:
+def run_all(timeout: float, only: list[str], write: bool, rerun: bool = False) -> None:
+    """Sweep the types not swept yet (or, with `rerun`, the `only` types again: their new rows replace the old)."""
     types = model_types()
-    todo = [t for t in (only or sorted(types)) if t not in done()]
+    todo = [t for t in (only or sorted(types)) if rerun or t not in done()]
     script = HERE / "support_matrix.py"
     for i, model_type in enumerate(todo):
         start = time.time()
@@ -168,8 +240,15 @@ def run_all(timeout: float, only: list[str], write: bool) -> None:
         with RESULTS.open("a") as f:
             f.write(json.dumps(row) + "\n")
         print(f"[{i + 1}/{len(todo)}] {model_type} {time.time() - start:.0f}s", flush=True)
+    compact()
     if write:
         write_page()
+
+
+def compact() -> None:
+    """One row per model type in benchmarks/sweep.jsonl (a re-run appends rows; the latest is kept), sorted."""
+    rows = done()
+    RESULTS.write_text("".join(json.dumps(rows[t]) + "\n" for t in sorted(rows)))
 
 
 def _limit_memory() -> None:
@@ -177,56 +256,72 @@ def _limit_memory() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
 
 
+def finding_of(row: dict, name: str) -> Finding | None:
+    """The listed finding a row's verdict of check `name` is: a FAIL or WARN matching the entry's fingerprint."""
+    found = FINDINGS.get(row["type"], {}).get(name)
+    status, summary = row.get("checks", {}).get(name, ("skip", ""))
+    return found if found and status in ("fail", "warn") and found.matches(summary) else None
+
+
+def stale_findings() -> list[str]:
+    """FINDINGS entries the committed rows do not show (the row passes, or fails some other way)."""
+    rows = done()
+    return [f"{t} {n}" for t, by_check in FINDINGS.items() for n in by_check
+            if t in rows and finding_of(rows[t], n) is None]
+
+
 def counts() -> dict[str, int]:
     """The sweep's headline figures (docs/support.md and the README quote them; tests/test_support_subset.py checks
     that the README's match)."""
     rows = done()
     judged = [r for r in rows.values() if "checks" in r]
-    statuses = [(r["type"], n, s) for r in judged for n, (s, _) in r["checks"].items()]
-    fails = [(t, n) for t, n, s in statuses if s == "fail"]
+    statuses = [(r, n, s) for r in judged for n, (s, _) in r["checks"].items()]
+    fails = [finding_of(r, n) for r, n, s in statuses if s == "fail"]
     return {"total": len(model_types()), "swept": len(rows), "judged": len(judged),
             "not_built": len(rows) - len(judged), "skips": sum(s == "skip" for *_, s in statuses),
             "errors": sum(s == "error" for *_, s in statuses), "fails": len(fails),
-            "unclassified": sum(n not in FINDINGS.get(t, {}) for t, n in fails)}
+            "not_applicable": sum(s == "n/a" for *_, s in statuses),
+            "current": sum(r.get("statuses") == ROW_STATUSES for r in rows.values()),
+            "unclassified": sum(f is None for f in fails), "by_design": sum(bool(f and f.design) for f in fails)}
 
 
 def readme_sentence(c: dict[str, int]) -> str:
     """The README's coverage line, from counts(); write_page() puts it between the README's sweep-counts markers."""
     swept = "every model type" if c["swept"] == c["total"] else f"{c['swept']} of the {c['total']} model types"
-    fails = (f"{c['fails']} FAILs, {c['fails'] - c['unclassified']} of them upstream findings" if c["unclassified"]
-             else f"{c['fails']} FAILs, all upstream findings")
+    found = c["fails"] - c["unclassified"]
+    fails = (f"{c['fails']} FAILs, {'all' if not c['unclassified'] else f'{found} of them'} upstream findings "
+             f"({found - c['by_design']} bugs, {c['by_design']} by design)")
     return (f"Swept over {swept} of transformers' causal-LM, seq2seq, masked-LM and image-text-to-text mappings, a "
-            f"tiny default-init model each ([the table](docs/support.md#every-model-type-the-sweep)): "
+            f"tiny default-init model each ([the table](docs/support.md#every-model-type-the-sweep)"
+            + (f"; {c['current']} rows re-swept on the current code, the others from the previous full sweep"
+               if c["current"] < c["swept"] else "") + "): "
             f"**{c['judged']} of {c['total']} model types judged**, {c['skips']} check results skipped with their "
-            f"reasons, {c['errors']} errors, {fails}; {c['not_built']} cannot be built from a small config on CPU "
-            f"(listed with the reason).")
+            f"reasons, {c['not_applicable']} not applicable by design, {c['errors']} errors, {fails}; "
+            f"{c['not_built']} cannot be built from a small config on CPU (listed with the reason).")
 
 
 def write_page() -> None:
-    from posdiag import checks
-
-    names = [n for n in checks.available() if n != "load"]
+    """Rebuild the sweep block of docs/support.md and the README's coverage line from the committed rows."""
     rows = done()
-    judged = [r for r in rows.values() if "checks" in r]
     c = counts()
     swept = (f"{c['swept']} of {c['total']} model types swept" if c["swept"] < c["total"]
              else f"all {c['total']} model types swept")
+    found = c["fails"] - c["unclassified"]
     lines = [f"{swept}: {c['judged']} judged, {c['not_built']} not buildable as a small CPU model (listed below with "
-             f"the reason); {c['skips']} check results skipped with reasons, {c['errors']} errors; {c['fails']} FAILs "
-             f"on healthy default-init models, {c['fails'] - c['unclassified']} of them upstream findings (marked "
-             f"*finding*, see [findings](#findings-on-stock-transformers-524))"
+             f"the reason); {c['skips']} check results skipped with reasons, {c['not_applicable']} not applicable by "
+             f"design, {c['errors']} errors; {c['fails']} FAILs "
+             f"on healthy default-init models, {found} of them upstream findings ({found - c['by_design']} bugs, "
+             f"marked *finding*; {c['by_design']} by design, marked *by design*; see [findings](#findings-on-stock-"
+             f"transformers-524) and [the list below](#what-each-finding-fails))"
              + (f", {c['unclassified']} not yet classified." if c["unclassified"] else "."), "",
-             "| model type | kind | positions | " + " | ".join(names) + " |", "|---" * (len(names) + 3) + "|"]
-    for r in sorted(judged, key=lambda r: r["type"]):
-        known = FINDINGS.get(r["type"], {})
-        status = {n: r["checks"].get(n, ["skip"])[0] for n in names}
-        cells = [SYMBOL[status[n]] + (" *finding*" if status[n] == "fail" and n in known else "") for n in names]
-        kind = r["kind"] if r["kind"] == "image-text" else r["family_kind"]  # bart: seq2seq, though also a causal LM
-        lines.append(f"| {r['type']} | {kind} | {r['position_kind']} | " + " | ".join(cells) + " |")
-    lines += ["", "Not judged (cannot be built from a small config on CPU, or over the time limit):", ""]
+             f"{c['current']} of the {c['swept']} rows were swept since checks report *n/a* for what does not apply "
+             "by design; the others come from the previous full sweep, which reported those as skips.", "",
+             *_verdict_table(rows), "", "Not judged (cannot be built from a small config on CPU, or over the time "
+             "limit):", ""]
     for r in sorted((r for r in rows.values() if "checks" not in r), key=lambda r: r["type"]):
         why = r.get("unbuildable") or f"over the {r.get('timeout', 0):.0f} s limit per model type"
         lines.append(f"- `{r['type']}` ({r['kind']}): {why.replace('|', '/')}")
+    lines += ["", "### What each finding fails", "", *_findings_table()]
     table = "\n".join(lines)
     text = PAGE.read_text()
     block = f"<!-- sweep:start -->\n{table}\n<!-- sweep:end -->"
@@ -240,3 +335,33 @@ def write_page() -> None:
                     lambda _: f"<!-- sweep-counts:start -->\n{readme_sentence(c)}\n<!-- sweep-counts:end -->", readme,
                     flags=re.S)
     README.write_text(readme)
+
+
+def _verdict_table(rows: dict[str, dict]) -> list[str]:
+    """One line per judged model type, one cell per check; a verdict that is a listed finding is marked."""
+    from posdiag import checks
+
+    names = [n for n in checks.available() if n != "load"]
+    lines = ["| model type | kind | positions | " + " | ".join(names) + " |", "|---" * (len(names) + 3) + "|"]
+    for r in sorted((r for r in rows.values() if "checks" in r), key=lambda r: r["type"]):
+        cells = []
+        for n in names:
+            finding = finding_of(r, n)
+            mark = "" if finding is None else " *by design*" if finding.design else " *finding*"
+            cells.append(SYMBOL[r["checks"].get(n, ["skip"])[0]] + mark)
+        kind = r["kind"] if r["kind"] == "image-text" else r["family_kind"]  # bart: seq2seq, though also a causal LM
+        lines.append(f"| {r['type']} | {kind} | {r['position_kind']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _findings_table() -> list[str]:
+    """FINDINGS as the page shows it: what each entry fails, how (its fingerprint), and the plain reproduction."""
+    lines = ["The fingerprint a verdict must match to count as the finding (anything else is unclassified): the path "
+             "the check's summary names first, and how it fails there.", "",
+             "| model type | check | path | fails as | what | bug or by design | reproduced in |", "|---" * 7 + "|"]
+    for model_type, by_check in sorted(FINDINGS.items()):
+        for name, f in sorted(by_check.items()):
+            how = "wrong values" if f.kind == WRONG else f"crash: {f.kind} (`{f.message}`)"
+            lines.append(f"| {model_type} | {name} | `{f.path}` | {how} | {f.what} | "
+                         f"{'by design' if f.design else 'bug'} | `{f.test}` |")
+    return lines

@@ -15,9 +15,15 @@ SCHEMA_VERSION = 1
 
 
 class Status(str, enum.Enum):
-    """Outcome of one check. Order matters: later is worse for `worst()`."""
+    """Outcome of one check. Order matters: later is worse for `worst()`.
+
+    NA ("n/a"): the check does not apply to this model by design (`table` on a RoPE model, `cache` on a model that
+    keeps no cache): nothing to judge, so neither a pass nor a skip (a skip is a check that applies and could not
+    run). It never fails the gate, except for a check the policy requires to pass.
+    """
 
     PASS = "pass"
+    NA = "n/a"
     SKIP = "skip"
     WARN = "warn"
     FAIL = "fail"
@@ -29,11 +35,11 @@ class Status(str, enum.Enum):
 
     @staticmethod
     def worst(statuses: list[Status]) -> Status:
-        """The most severe status; an empty list is a SKIP (nothing was judged)."""
+        """The most severe status (n/a is the least: one stack that applies decides); an empty list is a SKIP."""
         return max(statuses, key=lambda s: s.rank) if statuses else Status.SKIP
 
 
-_RANK = {Status.PASS: 0, Status.SKIP: 1, Status.WARN: 2, Status.FAIL: 3, Status.ERROR: 4}
+_RANK = {Status.NA: -1, Status.PASS: 0, Status.SKIP: 1, Status.WARN: 2, Status.FAIL: 3, Status.ERROR: 4}
 
 
 @dataclass(frozen=True)

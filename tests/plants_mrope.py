@@ -151,3 +151,34 @@ def generate_ignoring_rope_deltas(model_type: str) -> nn.Module:
 def generate_restarting_at_zero(model_type: str) -> nn.Module:
     """generate() restarts the t/h/w streams at 0 after the prompt."""
     return _planted_generate(with_image(model_type), lambda pos: pos[0, :, -1] - pos[0, :, -1].min())
+
+
+def _wrapped_forward(model: nn.Module, refuse) -> nn.Module:
+    """The model's forward, raising where refuse(model, kwargs) names an exception (an instance attribute)."""
+    original = model.forward
+
+    def forward(*args, **kwargs):
+        exc = refuse(model, kwargs)
+        if exc is not None:
+            raise exc
+        return original(*args, **kwargs)
+
+    model.forward = forward
+    return model
+
+
+def decode_crashing_after_an_image(model_type: str) -> nn.Module:
+    """A cached one-token step after an image prompt (stored rope_deltas non-zero) raises; text decoding runs."""
+    def refuse(model, kwargs):
+        ids, deltas = kwargs.get("input_ids"), getattr(model.model, "rope_deltas", None)
+        after_image = isinstance(deltas, torch.Tensor) and bool((deltas != 0).any())
+        if ids is not None and ids.shape[1] == 1 and after_image:
+            return IndexError("planted: decode step after an image")
+        return None
+    return _wrapped_forward(with_image(model_type), refuse)
+
+
+def refusing_pixel_values(model_type: str) -> nn.Module:
+    """Every forward given pixel values raises: posdiag's image prompt is not an input this model takes."""
+    return _wrapped_forward(with_image(model_type), lambda model, kwargs: ValueError("planted: no pixel values")
+                            if kwargs.get("pixel_values") is not None else None)

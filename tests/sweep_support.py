@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 import warnings
+from pathlib import Path
 
 from posdiag.api import run_checks
 from posdiag.model.loading import from_module
@@ -21,3 +24,14 @@ def sweep_model(model_type: str, **overrides):
 def run_named(model, names: list[str], options: RunOptions = SHORT) -> dict:
     """{check name: result} of `names` run on `model`."""
     return {c.name: c for c in run_checks(from_module(model), names, options).checks}
+
+
+def sweep_module():
+    """benchmarks/sweep.py as a module (registered under its name: its dataclasses look their module up)."""
+    if "sweep" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("sweep", Path(__file__).resolve().parent.parent / "benchmarks"
+                                                      / "sweep.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["sweep"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["sweep"]

@@ -25,20 +25,23 @@ def batch(model, options=OPTIONS, **load):
     return _run_one(from_module(model, options=LoadOptions(**load)), "batch", options)
 
 
-# Upstream behaviour of stock transformers 5.24 on a path users take (nnsight #672, transformers #3021/#18478):
-# called without position_ids, GPT-2 and GPT-Neo number a left-padded row from its first padding column, so the
-# row differs from itself alone (0.98-1.0 relative, the same in float64); with explicit ids every row is right.
+# Documented behaviour of stock transformers 5.24 (GPT-2's model doc: pad on the right; #18478, #3095): called
+# without position_ids, GPT-2 and GPT-Neo number a left-padded row from its first padding column, so the row differs
+# from itself alone (0.98-1.0 relative, the same in float64); with explicit ids every row is right. The caller's
+# contract: a WARN stating the fix, not a FAIL.
 DEFAULT_PATH_BUGS = ("gpt2", "gpt_neo")
 LEFT_DEFAULTS = "a left-padded, no position_ids (the model's defaults)"
+DEFAULTS_WARN = ("left-padded rows without position_ids are numbered from the first padding column (documented for "
+                 "absolute-position models): pass position_ids = attention_mask.cumsum(-1) - 1")
 
 
 def assert_healthy(result, family):
-    """PASS, or for the families above a FAIL of the left-padded defaults row alone, saying how to call them."""
+    """PASS, or for the families above a WARN of the left-padded defaults row alone, saying how to call them."""
     if family not in DEFAULT_PATH_BUGS:
         assert result.status is Status.PASS, result.summary
         return
-    assert result.status is Status.FAIL and result.summary.startswith(f"row '{LEFT_DEFAULTS}'"), result.summary
-    assert "attention_mask.cumsum(-1) - 1" in result.summary
+    assert result.status is Status.WARN and result.summary.startswith(DEFAULTS_WARN), result.summary
+    assert "pass position_ids = attention_mask.cumsum(-1) - 1" in result.summary
     tolerance = result.metrics["tolerance"]
     assert {r for r, e in result.details["error_per_row"].items() if e > tolerance} == {LEFT_DEFAULTS}
 

@@ -33,7 +33,7 @@ def test_healthy_family_passes_or_skips(family):
     model = zoo.tiny_model(family)
     result = cache(model)
     if zoo.model_kind(family) == "encoder":
-        assert result.status is Status.SKIP and "encoder" in result.summary
+        assert result.status is Status.NA and "encoder" in result.summary
         return
     if family in STATIC_CACHE_BUGS:
         assert result.status is Status.FAIL, result.summary
@@ -93,3 +93,33 @@ def test_positions_from_static_buffer_length_fail(family):
 def test_generation_only_bug_is_not_a_cache_bug():
     """The forward pass is healthy when only generate's position numbering is planted."""
     assert cache(plants.generation_positions_off_by_one(zoo.tiny_model("llama"))).status is Status.PASS
+
+
+def _asserting(model, when):
+    """The model's forward raising AssertionError where when(ids, cache) holds (an instance attribute)."""
+    original = model.forward
+
+    def forward(*args, **kwargs):
+        ids, past = kwargs.get("input_ids"), kwargs.get("cache", kwargs.get("past_key_values"))
+        cached = past is not None and past.get_seq_length() > 0
+        assert not (ids is not None and cached and when(ids)), "planted: this cache path is not supported"
+        return original(*args, **kwargs)
+
+    model.forward = forward
+    return model
+
+
+def test_an_assertion_on_the_one_token_decode_is_a_fail_naming_it():
+    """Every user's decode path (generate(), a manual loop): the model's AssertionError there is a crash, a FAIL."""
+    result = cache(_asserting(zoo.tiny_model("llama"), lambda ids: ids.shape[1] == 1))
+    assert result.status is Status.FAIL, result.summary
+    assert "AssertionError: planted: this cache path is not supported" in result.summary
+    assert "crashed" in result.details["paths"]["dynamic/decode"]
+
+
+def test_an_assertion_on_a_multi_token_schedule_is_a_refusal_not_judged():
+    """posdiag's multi-token continuations against a cache: a precondition the model states, named, not judged."""
+    result = cache(_asserting(zoo.tiny_model("llama"), lambda ids: ids.shape[1] > 1))
+    assert result.status is Status.PASS, result.summary
+    assert "not judged, the model refuses them" in result.summary and "dynamic/chunks" in result.summary
+    assert result.details["paths"]["dynamic/chunks"]["status"] is Status.SKIP

@@ -5,7 +5,10 @@ What counts as a command: in a fenced block tagged bash, sh, shell or console (o
 `posdiag ...` or `$ posdiag ...`, also after `pip install ... &&`. In a console block, the lines after a
 `$ posdiag` line up to the next `$` line are its shown output; the expected exit code is the one the output
 prints ("exit code N"), else 1 when it shows a FAIL verdict, else 0. Every verdict the page shows
-(`FAIL load:` or `load   FAIL ...`) must be in the real output too. Each block runs in a fresh temporary
+(`FAIL load:` or `load   FAIL ...`) must be in the real output too, and the numbers of its summary as well: the
+same count of numbers in the same order, integers (counts, lengths, positions) exactly, decimals (residuals, floors,
+ratios) within a factor of NUMBER_FACTOR of the real figure, so a paste that drifted from what the command prints
+fails. Each block runs in a fresh temporary
 directory holding `fixtures/` and `tests/` (links to the repository's), and, when the page shows a
 `[tool.posdiag]` toml example, that example as `pyproject.toml`: a page's config example is the config of
 its commands. Files a command names with --json/--junit/--save-baseline must exist afterwards.
@@ -35,10 +38,13 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md"] + sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "DEVELOPING.md")
 SHELL = {"", "bash", "sh", "shell", "console"}
 NOT_RUN = "<!-- not run: needs the hub -->"
-STATUSES = "PASS|FAIL|WARN|SKIP|ERROR"
+STATUSES = "PASS|FAIL|WARN|SKIP|N/A|ERROR"
 QUIET_LINE = re.compile(rf"^({STATUSES}) ([a-z_]+):")
 TABLE_LINE = re.compile(rf"^([a-z_]+)\s+({STATUSES})\s")
 WRITES = ("--json", "--junit", "--save-baseline")
+NUMBER = re.compile(r"(?<![\w.])[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?(?![\d.])")  # "4.93e+04x" holds 4.93e+04
+NUMBER_FACTOR = 3.0  # measured figures move with BLAS, thread count and torch version; a drifted paste moves more
+SUMMARY_END = re.compile(r"^\s*($|\.\.\.|[┏┃┡│└╭╰]|\$ |\S+: \S.* by layer)")
 
 
 @dataclass
@@ -77,6 +83,38 @@ def verdicts(lines) -> set[tuple[str, str]]:
         elif m := TABLE_LINE.match(line):
             found.add((m.group(1), m.group(2)))
     return found
+
+
+def summaries(lines) -> dict[str, str]:
+    """check -> its summary (a verdict line and the lines it wraps onto), from report lines in -q or table form."""
+    found: dict[str, str] = {}
+    current = None
+    for line in lines:
+        m = QUIET_LINE.match(line) or TABLE_LINE.match(line)
+        if m:
+            current = m.group(2) if QUIET_LINE.match(line) else m.group(1)
+            found[current] = line
+        elif current is not None and not SUMMARY_END.match(line):
+            found[current] += " " + line.strip()
+        else:
+            current = None
+    return found
+
+
+def number_drift(shown: str, real: str) -> str:
+    """Why the numbers of a shown summary are not the real ones ('' when they agree)."""
+    a, b = NUMBER.findall(shown), NUMBER.findall(real)
+    if len(a) != len(b):
+        return f"{len(a)} numbers shown, {len(b)} printed"
+    for x, y in zip(a, b, strict=True):
+        exact = not any(c in x + y for c in ".e")
+        fx, fy = float(x), float(y)
+        if exact and fx != fy:
+            return f"{x} shown, {y} printed"
+        if not exact and (fx == 0) != (fy == 0) or fx * fy < 0 or (
+                fx and fy and max(abs(fx), abs(fy)) > NUMBER_FACTOR * min(abs(fx), abs(fy))):
+            return f"{x} shown, {y} printed (more than {NUMBER_FACTOR:g}x apart)"
+    return ""
 
 
 def fences(page: Path):
@@ -194,6 +232,10 @@ def test_doc_commands_run(block, tmp_path, monkeypatch):
             f"{result.output}")
         missing = verdicts(command.output) - verdicts(result.output.splitlines())
         assert not missing, f"{block.id}: `{command.line}` no longer gives {sorted(missing)}\n{result.output}"
+        printed = summaries(result.output.splitlines())
+        drift = {check: why for check, text in summaries(command.output).items()
+                 if (why := number_drift(text, printed.get(check, "")))}
+        assert not drift, f"{block.id}: `{command.line}` pasted numbers drifted: {drift}\n{result.output}"
         for name in written_files(command.argv):
             assert (where / name).is_file(), f"{block.id}: `{command.line}` did not write {name}"
 
@@ -268,3 +310,17 @@ def test_ci_examples_run(tmp_path, monkeypatch):
     uploaded = re.search(r"path: \|\n((?:\s+\S+\n)+)", workflow).group(1).split()
     for name in uploaded:
         assert (tmp_path / name).is_file(), f"the workflow uploads {name}, which the gate did not write"
+
+
+def test_pasted_numbers_are_compared():
+    """A paste whose figures moved more than NUMBER_FACTOR, or whose counts changed, is refused; rounding-level
+    movement of a floor is not."""
+    shown = "PASS cache: max step error 2.29e-07 = 1.91x noise floor 1.2e-07 (8 paths, 64 tokens)"
+    assert number_drift(shown, shown.replace("2.29e-07 = 1.91x", "2.43e-07 = 2.02x")) == ""
+    assert "more than" in number_drift(shown, shown.replace("2.29e-07", "3.1e-06"))
+    assert number_drift(shown, shown.replace("8 paths", "7 paths")) == "8 shown, 7 printed"
+    assert number_drift(shown, shown.replace(" (8 paths, 64 tokens)", "")) == "5 numbers shown, 3 printed"
+    lines = ["shuffle  PASS    residual 0.00711 = 4.93e+04x noise floor", "                 1.4e-07 (3 permutations)",
+             "shuffle: shuffle residual by layer", "│ block 1 │ 5.606e-03 │"]
+    assert summaries(lines) == {"shuffle": "shuffle  PASS    residual 0.00711 = 4.93e+04x noise floor 1.4e-07 (3 "
+                                           "permutations)"}

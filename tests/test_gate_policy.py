@@ -85,6 +85,11 @@ def test_panel_says_ok_only_when_every_check_passed():
     assert "not passed: rope (warn), table (skip)" in mixed and "exit code 0" in mixed
     blind = panel(report(("cache", Status.SKIP), ("table", Status.SKIP)))
     assert "OK" not in blind and "2 skip — nothing was judged" in blind
+    # n/a is counted apart: every check that applies passed -> OK
+    applicable = panel(report(("load", Status.PASS), ("shuffle", Status.PASS), ("table", Status.NA)))
+    assert "OK — no position bug found" in applicable and "2 pass · 1 n/a" in applicable
+    nothing = panel(report(("table", Status.NA)))
+    assert "OK" not in nothing and "1 n/a — nothing was judged" in nothing
     warned = panel(report(("rope", Status.WARN), ("copy", Status.WARN)))
     assert "OK" not in warned and "2 warn — not a full bill of health" in warned
 
@@ -103,25 +108,34 @@ def test_panel_names_findings_refusals_and_internal_errors_apart():
 # ---------------------------------------------------------------- the command line
 
 
-def test_all_skip_run_is_not_ok_and_fail_on_skip_refuses_it(fixtures_dir):
+def test_not_applicable_is_not_ok_alone_and_not_refused_by_fail_on_skip(fixtures_dir):
+    """`table` on a RoPE model does not apply: alone it judged nothing (never OK); --fail-on skip does not refuse it,
+    --require table does (it did not pass)."""
     blind = invoke("check", fixtures_dir / "llama-tiny", "--only", "table")
     assert blind.exit_code == 0, blind.output
-    assert "SKIP" in blind.output and "OK" not in blind.output and "nothing was judged" in blind.output
-    refused = invoke("check", fixtures_dir / "llama-tiny", "--only", "table", "--fail-on", "skip")
+    assert "N/A" in blind.output and "OK" not in blind.output and "nothing was judged" in blind.output
+    assert invoke("check", fixtures_dir / "llama-tiny", "--only", "table", "--fail-on", "skip").exit_code == 0
+    refused = invoke("check", fixtures_dir / "llama-tiny", "--only", "table", "--require", "table")
     assert refused.exit_code == 1
-    assert "GATE FAILED — table skip, and the gate fails on skip" in refused.output
+    assert "GATE FAILED — table required, but n/a" in refused.output
+
+
+def test_fail_on_skip_refuses_a_skip():
+    assert report(("table", Status.SKIP), ("load", Status.NA)).exit_code == 0
+    refused = report(("table", Status.SKIP), ("load", Status.NA), policy=GatePolicy(fail_on=frozenset({Status.SKIP})))
+    assert [(r.check, r.why) for r in refused.gate] == [("table", "skip, and the gate fails on skip")]
 
 
 def test_require_cache_on_an_encoder(fixtures_dir):
     result = invoke("check", fixtures_dir / "bert-tiny", "--only", "cache", "--require", "cache", "--json", "-")
     assert result.exit_code == 1
     data = json.loads(result.stdout[result.stdout.index("{"):])
-    assert data["schema"] == 1 and data["checks"][0]["status"] == "skip"
+    assert data["schema"] == 1 and data["checks"][0]["status"] == "n/a"  # an encoder keeps no cache by design
     assert data["policy"] == {"fail_on": [], "require": ["cache"]}
     (reason,) = data["gate"]["reasons"]
-    assert reason["check"] == "cache" and reason["kind"] == "policy" and reason["why"] == "required, but skip"
+    assert reason["check"] == "cache" and reason["kind"] == "policy" and reason["why"] == "required, but n/a"
     assert reason["summary"] == data["checks"][0]["summary"] and data["gate"]["passed"] is False
-    assert "GATE FAILED — cache required, but skip" in result.stderr
+    assert "GATE FAILED — cache required, but n/a" in result.stderr
 
 
 def test_bad_policy_is_a_usage_error(fixtures_dir):
@@ -160,7 +174,7 @@ def test_fail_on_from_the_config_file(fixtures_dir, tmp_path, monkeypatch):
     shown = invoke("check", "--show-config")
     assert shown.exit_code == 0 and "fail-on" in shown.output and "require" in shown.output
     result = invoke("check", "--only", "table", "-q")
-    assert result.exit_code == 1 and "GATE FAILED — table required, but skip" in result.output
+    assert result.exit_code == 1 and "GATE FAILED — table required, but n/a" in result.output
     typed = invoke("check", "--only", "table", "--fail-on", "warn", "--require", "load", "-q")
     assert typed.exit_code == 1 and "required, but it did not run" in typed.output  # the command line wins
 
@@ -184,11 +198,30 @@ def test_junit_skip_is_skipped_with_the_reason_and_refusals_are_failures():
     assert err.find("testcase/error").get("type") == "InternalError" and err.get("failures") == "0"
 
 
+def test_junit_warn_is_visible_and_a_failure_when_refused():
+    root = ET.fromstring(format_junit(report(("batch", Status.WARN), ("table", Status.NA))))
+    cases = {c.get("name"): c for c in root.iter("testcase")}
+    warn = cases["batch"]
+    assert warn.find("skipped") is None and warn.find("failure") is None
+    props = {p.get("name"): p.get("value") for p in warn.iter("property")}
+    assert props == {"status": "warn", "warning": "batch said warn"}
+    assert warn.find("system-out").text.startswith("WARN: batch said warn")
+    assert cases["table"].find("skipped").get("type") == "NotApplicable"  # not judged: never a passed testcase
+    assert root.get("skipped") == "1" and root.get("failures") == "0"
+    refused = ET.fromstring(format_junit(report(("batch", Status.WARN),
+                                                policy=GatePolicy(fail_on=frozenset({Status.WARN})))))
+    node = refused.find("testcase/failure")
+    assert node.get("type") == "GatePolicy" and "warn, and the gate fails on warn" in node.get("message")
+
+
 def test_github_annotations_follow_the_policy():
     text = format_github(report(("rope", Status.WARN), ("cache", Status.SKIP),
                                 policy=GatePolicy(fail_on=frozenset({Status.SKIP}))))
     assert text.splitlines() == ["::warning title=posdiag rope (m)::rope said warn",
                                  "::error title=posdiag cache (m)::skip, and the gate fails on skip: cache said skip"]
+    plain = format_github(report(("rope", Status.WARN), ("cache", Status.SKIP), ("table", Status.NA)))
+    assert plain.splitlines() == ["::warning title=posdiag rope (m)::rope said warn",
+                                  "::notice title=posdiag cache (m)::cache said skip"]  # n/a: nothing to annotate
 
 
 def test_python_api_takes_the_policy():
@@ -198,7 +231,8 @@ def test_python_api_takes_the_policy():
     model = zoo.tiny_model("llama")
     assert check_model(model, ["table"]).exit_code == 0
     strict = check_model(model, ["table"], fail_on="skip")
-    assert strict.exit_code == 1 and strict.policy.fail_on == {Status.SKIP}
+    assert strict.exit_code == 0 and strict.policy.fail_on == {Status.SKIP}  # table does not apply to RoPE: n/a
+    assert check_model(model, ["table"], require="table").exit_code == 1
 
 
 PLUGIN_TEST = '''
@@ -211,9 +245,43 @@ def test_required(posdiag):
     posdiag.assert_ok(zoo.tiny_model("llama"), checks=["table"], require=["table"])
 '''
 
+PLUGIN_DEFAULTS = '''
+import pytest
+from posdiag.results import CheckResult, Report, Status
+from posdiag.testing.pytest_plugin import PosdiagFixture
+
+class Canned(PosdiagFixture):
+    def __init__(self, status):
+        self.status = status
+
+    def check(self, model, checks=None, fail_on=(), require=None, **kwargs):
+        from posdiag.api import gate_policy
+        from tests_info import MODEL
+        return Report(MODEL, (CheckResult("shuffle", self.status, "said so"),), policy=gate_policy(fail_on, require))
+
+@pytest.mark.parametrize("status", ["skip", "warn"])
+def test_refused_by_default(status):
+    Canned(Status(status)).assert_ok(None)
+
+def test_allowed_when_told():
+    Canned(Status.SKIP).assert_ok(None, allow_skips=True)
+    Canned(Status.WARN).assert_ok(None, allow_warnings=True)
+    Canned(Status.NA).assert_ok(None)
+'''
+
 
 def test_pytest_plugin_respects_the_policy(pytester):
     pytester.makepyfile(test_model=PLUGIN_TEST)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist")
     result.assert_outcomes(passed=1, failed=1)
-    result.stdout.fnmatch_lines(["*posdiag found 1 problem(s)*", "*SKIP table:*", "*gate: table required, but skip*"])
+    result.stdout.fnmatch_lines(["*posdiag found 1 problem(s)*", "*N/A table:*", "*gate: table required, but n/a*"])
+
+
+def test_pytest_plugin_refuses_skips_and_warnings_unless_told(pytester):
+    """A SKIP or a WARN was not judged: assert_ok does not pass it by default (allow_skips / allow_warnings)."""
+    pytester.makepyfile(test_defaults=PLUGIN_DEFAULTS, tests_info=f"from posdiag.results import ModelInfo\n"
+                        f"MODEL = {MODEL!r}\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist")
+    result.assert_outcomes(passed=1, failed=2)
+    result.stdout.fnmatch_lines(["*gate: shuffle skip, and the gate fails on skip*",
+                                 "*gate: shuffle warn, and the gate fails on warn*"])

@@ -71,3 +71,19 @@ def test_without_image_tokens_in_the_vocabulary_it_says_so():
 def test_models_without_mrope_are_unchanged():
     c = _checks(tiny_multimodal("llava"), ["cache"])["cache"]
     assert "after an image" not in c.summary and "after_image" not in c.details
+
+
+def test_a_crash_of_the_decode_after_an_image_fails_naming_it():
+    """The plain forward of the image prompt runs, the cached step after it raises: a path users take, a FAIL."""
+    c = _checks(plants.decode_crashing_after_an_image("qwen2_vl"), ["cache"])["cache"]
+    assert c.status is Status.FAIL, c.summary
+    assert "after an image: decode raised IndexError: planted: decode step after an image" in c.summary
+    assert c.details["after_image"]["crashed"].startswith("IndexError")
+
+
+def test_an_input_the_plain_forward_refuses_is_not_probed():
+    """posdiag's own prompt refused by the plain forward says nothing about the model: not probed, with why."""
+    c = _checks(plants.refusing_pixel_values("qwen2_vl"), ["cache"])["cache"]
+    assert c.status is Status.PASS, c.summary
+    assert "not probed: decode after an image (the plain forward of posdiag's image prompt raised ValueError" \
+        in c.summary

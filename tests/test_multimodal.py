@@ -84,7 +84,7 @@ def test_healthy_vlm(model_type):
             # token_type_ids) while eager stays causal; a real disagreement, reported, not a posdiag error.
             assert check.status is Status.FAIL, check.summary
             continue
-        assert check.status in (Status.PASS, Status.SKIP), (name, check.summary)
+        assert check.status in (Status.PASS, Status.SKIP, Status.NA), (name, check.summary)
         assert check.status is Status.PASS or check.summary
 
 

@@ -2,26 +2,25 @@
 varied model types (a RoPE causal LM, a learned-position causal LM, an encoder, a masked LM, a vision-language
 model with mRoPE, a decoder with no quirk row). Every check gives a verdict or a SKIP with its reason: no `error`,
 no FAIL on a healthy default-init model (documented upstream findings would be listed here), every SKIP
-explained. The whole sweep is `python benchmarks/support_matrix.py --all --write`."""
+explained. The whole sweep is `python benchmarks/support_matrix.py --all --write`. The committed rows and the
+findings list agree: every FINDINGS entry is what its row shows (its fingerprint matches), every FAIL is one of
+them, and each names the test that reproduces it in plain transformers."""
 
 from __future__ import annotations
 
-import importlib.util
 import warnings
 from pathlib import Path
 
 import pytest
 from sweep_rows import rotating
+from sweep_support import sweep_module
 
-SWEEP = Path(__file__).resolve().parent.parent / "benchmarks" / "sweep.py"
+ROOT = Path(__file__).resolve().parent.parent
 SUBSET = ("llama", "opt", "bert", "roberta", "qwen2_vl", "afmoe", "mamba")
 
 
 def _sweep():
-    spec = importlib.util.spec_from_file_location("sweep", SWEEP)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return sweep_module()
 
 
 @pytest.mark.parametrize("model_type", rotating(SUBSET, always=("llama", "qwen2_vl")))
@@ -33,7 +32,7 @@ def test_sweep_row(model_type):
     for name, (status, summary) in row["checks"].items():
         assert status != "error", (name, summary)
         if status == "fail":
-            assert name in sweep.FINDINGS.get(model_type, {}), (name, summary)  # documented upstream findings
+            assert sweep.finding_of(row, name), (name, summary)  # a documented upstream finding, as it fails
         if status == "skip":
             assert summary.strip(), name
     assert any(status == "pass" for status, _ in row["checks"].values())
@@ -45,3 +44,36 @@ def test_readme_quotes_the_committed_sweep():
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     block = readme.split("<!-- sweep-counts:start -->\n", 1)[1].split("\n<!-- sweep-counts:end -->", 1)[0]
     assert block == sweep.readme_sentence(sweep.counts())
+
+
+def test_every_finding_is_what_its_committed_row_shows():
+    sweep = _sweep()
+    assert sweep.stale_findings() == []
+    rows = sweep.done()
+    unclassified = [(t, n, s[1]) for t, r in rows.items() for n, s in r.get("checks", {}).items()
+                    if s[0] == "fail" and sweep.finding_of(r, n) is None]
+    assert unclassified == [], unclassified
+
+
+def test_a_fail_that_does_not_match_its_fingerprint_is_unclassified():
+    sweep = _sweep()
+    crash = sweep.FINDINGS["gpt_neo"]["cache"]
+    assert crash.matches("static/decode crashed: RuntimeError: The size of tensor a (256) must match the size of "
+                         "tensor b (263) at non-singleton dimension 3")
+    assert not crash.matches("static/decode: step 1 (position 8) differs from the full forward by 0.3")  # wrong values
+    assert not crash.matches("static/decode crashed: IndexError: index out of range")  # another exception
+    assert not crash.matches("dynamic/decode crashed: RuntimeError: must match the size of tensor b")  # another path
+    wrong = sweep.FINDINGS["mamba"]["cache"]
+    assert wrong.matches("dynamic/chunks: step 1 (positions 4-6) differs from the full forward by 0.00362")
+    assert not wrong.matches("dynamic/chunks crashed: RuntimeError: boom")
+    assert not wrong.matches("dynamic/decode: step 1 (position 8) differs from the full forward by 0.01")
+    row = {"type": "mamba", "checks": {"cache": ["fail", "dynamic/decode: step 1 differs by 0.01"]}}
+    assert sweep.finding_of(row, "cache") is None
+
+
+def test_every_finding_names_a_test_that_exists():
+    sweep = _sweep()
+    for model_type, by_check in sweep.FINDINGS.items():
+        for name, finding in by_check.items():
+            path, _, function = finding.test.partition("::")
+            assert f"def {function}(" in (ROOT / path).read_text(), (model_type, name, finding.test)

@@ -25,6 +25,8 @@ from posdiag.testing.multimodal import small_config, small_model
 OPTIONS = RunOptions(seq_len=12)
 GENERATE = RunOptions(seq_len=8, check_options={"generate": {"new_tokens": 3}})  # each failure shows by step 1
 LEFT_DEFAULTS = "a left-padded, no position_ids (the model's defaults)"
+DEFAULTS_WARN = ("left-padded rows without position_ids are numbered from the first padding column (documented for "
+                 "absolute-position models): pass position_ids = attention_mask.cumsum(-1) - 1")
 
 
 def build(model_type: str, config=None) -> torch.nn.Module:
@@ -47,14 +49,16 @@ def decided_bug(result, path: str) -> None:
 # ------------------------------------------------------------------ learned tables numbered from the first column
 @pytest.mark.parametrize("model_type", ["gpt-sw3", "gpt_bigcode", "git", "biogpt", "ctrl", "xglm", "blip",
                                         "vision-encoder-decoder"])
-def test_left_padded_default_positions_fail_like_gpt2(model_type):
+def test_left_padded_default_positions_warn_like_gpt2(model_type):
     """GPT-SW3 (GPT-2's classes), GPTBigCode, GIT, BioGPT, CTRL and XGLM number positions by arange when called
     without position_ids, so a left-padded row starts at the padding: only that row fails (0.8-0.98; BioGPT, whose
     scaled embeddings dilute the table, 0.19; the same in float64: XGLM runs it only with float64 as torch's default
-    dtype, its mask floor is built in the default dtype), and posdiag says how to call them."""
+    dtype, its mask floor is built in the default dtype), and posdiag says how to call them: the caller's contract
+    transformers documents for absolute positions, a WARN (BioGPT's table is written to read the mask, but its
+    forward always passes arange first: a bug, listed as one, with the same WARN from batch)."""
     result = check(build(model_type), "batch")
-    assert result.status is Status.FAIL and result.summary.startswith(f"row '{LEFT_DEFAULTS}'"), result.summary
-    assert "attention_mask.cumsum(-1) - 1" in result.summary
+    assert result.status is Status.WARN and result.summary.startswith(DEFAULTS_WARN), result.summary
+    assert "pass position_ids = attention_mask.cumsum(-1) - 1" in result.summary
     failing = {r for r, e in result.details["error_per_row"].items() if e > result.metrics["tolerance"]}
     assert failing == {LEFT_DEFAULTS}
     assert result.details["error_per_row"][LEFT_DEFAULTS] > 0.1  # the floor is ~1e-7

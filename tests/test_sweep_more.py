@@ -46,7 +46,7 @@ def test_a_forward_without_position_ids_takes_none():
 
 def test_trocr_positions_skip_and_its_left_padded_generate_is_an_upstream_finding():
     found = _run(_model("trocr"), ["positions", "batch", "generate"])
-    assert found["positions"].status is Status.SKIP and "takes no position_ids" in found["positions"].summary
+    assert found["positions"].status is Status.NA and "takes no position_ids" in found["positions"].summary
     assert found["batch"].status is Status.PASS, found["batch"].summary  # right padding (left: not the same input)
     generate = found["generate"]
     assert generate.status is Status.FAIL and "dynamic/batch" in generate.summary, generate.summary
@@ -71,9 +71,9 @@ def test_roformer_is_rope_from_a_sinusoidal_table():
     model = _model("roformer")
     assert from_module(model).position_kind == "rope"
     found = _run(model, ["positions", "shift", "table", "batch"])
-    assert found["positions"].status is Status.SKIP and "takes no position_ids" in found["positions"].summary
+    assert found["positions"].status is Status.NA and "takes no position_ids" in found["positions"].summary
     assert found["shift"].status is Status.PASS, found["shift"].summary
-    assert found["table"].status is Status.SKIP, found["table"].summary
+    assert found["table"].status is Status.NA, found["table"].summary
     assert found["batch"].status is Status.PASS and "a left-padded" in found["batch"].summary
 
 
@@ -88,14 +88,14 @@ def test_roformer_with_its_rotation_removed_fails_shuffle():
 @pytest.mark.parametrize("model_type", ["xlnet", "cpmant"])
 def test_bidirectional_decoders_are_not_causal_by_design(model_type):
     causal = _run(_model(model_type), ["causal"])["causal"]
-    assert causal.status is Status.SKIP and causal.summary.startswith("not causal by design"), causal.summary
+    assert causal.status is Status.NA and causal.summary.startswith("not causal by design"), causal.summary
 
 
 def test_ultravbert_is_an_encoder():
     model = _model("ultravbert")
     assert from_module(model).kind == "encoder"
     found = _run(model, ["causal", "shuffle"])
-    assert found["causal"].status is Status.SKIP and "bidirectional encoder" in found["causal"].summary
+    assert found["causal"].status is Status.NA and "bidirectional encoder" in found["causal"].summary
     assert found["shuffle"].status is Status.PASS, found["shuffle"].summary
 
 
@@ -177,7 +177,7 @@ def test_xlm_kind_follows_its_causal_flag(causal):
     torch.manual_seed(0)
     model = auto_class(config, family_for(config)).from_config(config).eval()
     result = run_checks(from_module(model), ["causal"], RunOptions(seq_len=12)).check("causal")
-    assert result.status is (Status.PASS if causal else Status.SKIP), result.summary
+    assert result.status is (Status.PASS if causal else Status.NA), result.summary
 
 
 @pytest.mark.parametrize("planted", [False, True])

@@ -33,13 +33,28 @@ def test_omni_thinker_config_carries_vision_start_token_id(model_type):
     # config classes declare no default (the talkers' do: 151652), the released checkpoints and transformers' own
     # tests set it. Without it, batch raised AttributeError and generate() crashed.
     assert not hasattr(transformers.AutoConfig.for_model(model_type), "vision_start_token_id")
-    assert small_config(model_type).vision_start_token_id == 151652
-    moved = small_config(model_type, image_tokens_in_vocab=True)
+    assert small_config(model_type, image_tokens_in_vocab=False).vision_start_token_id == 151652
+    moved = small_config(model_type)  # the default: placeholders inside the small vocabulary
     assert moved.vision_start_token_id < moved.get_text_config().vocab_size
 
 
 def test_placeholder_ids_a_config_declares_are_kept():
-    assert small_config("qwen2_vl").vision_start_token_id == 151652
+    assert small_config("qwen2_vl", image_tokens_in_vocab=False).vision_start_token_id == 151652
+
+
+@pytest.mark.parametrize("model_type", ["glm4v", "hunyuan_vl", "qwen2_5_omni_thinker"])
+def test_placeholder_and_delimiter_ids_move_inside_the_small_vocabulary(model_type):
+    # The decode-after-image probe needs the image token inside the embedding (it was 151655 of 256 rows on every
+    # Qwen-VL type), and the start/end delimiters the model reads beside it: GLM-4V's image/video start and end ids,
+    # HunYuan-VL's im_start_id / im_end_id, the omni thinkers' audio ids. Distinct ids stay distinct.
+    config = small_config(model_type)
+    vocab = config.get_text_config().vocab_size
+    ids = {k: v for k, v in config.to_dict().items() if k.endswith(("token_id", "token_index", "_id"))
+           and k.startswith(("image", "video", "vision", "audio", "im_")) and isinstance(v, int)}
+    assert ids and all(0 <= v < vocab for v in ids.values()), ids
+    assert len(set(ids.values())) == len(ids), ids
+    kept = small_config(model_type, image_tokens_in_vocab=False)
+    assert any(getattr(kept, k) >= vocab for k in ids)
 
 
 @pytest.mark.parametrize("model_type", ["qwen2_5_omni_thinker", "qwen3_omni_moe_thinker"])

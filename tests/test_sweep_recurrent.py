@@ -82,7 +82,9 @@ def test_recurrent_gemma_findings_left_padding_without_ids_and_chunked_continuat
     options = RunOptions(seq_len=12, check_options={"cache": {"decode_steps": 2}})
     report = run_checks(from_module(model, name="recurrent_gemma"), ["batch", "cache"], options)
     batch = report.check("batch")
-    assert batch.status is Status.FAIL and "ignores its attention_mask" not in batch.summary
+    # only the defaults break (the recurrence is not reset at the first real token): the caller's contract, a WARN
+    assert batch.status is Status.WARN and batch.summary.startswith("left-padded rows without position_ids are "
+                                                                    "numbered from the first padding column")
     failing = [r for r, e in batch.details["error_per_row"].items() if e > 1e-3]
     assert failing == [LEFT_DEFAULTS], batch.details["error_per_row"]  # explicit position_ids reset the recurrence
     cache = report.check("cache")
@@ -97,7 +99,7 @@ def test_deberta_v3_relative_positions_from_storage_order_and_a_twin_without_pos
     report = run_checks(subject, ["shuffle", "positions"], RunOptions(seq_len=16))
     shuffle, positions = report.check("shuffle"), report.check("positions")
     assert shuffle.status is Status.PASS and "storage order" in shuffle.summary, shuffle.summary
-    assert positions.status is Status.SKIP and "takes no position_ids" in positions.summary, positions.summary
+    assert positions.status is Status.NA and "takes no position_ids" in positions.summary, positions.summary
     # planted: relative attention off and no absolute table: nothing carries position
     twin = from_module(zoo.tiny_model_of_type("deberta-v2", head="base", **{**DEBERTA_V3, "relative_attention": False}),
                        name="deberta-v2")

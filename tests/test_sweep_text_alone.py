@@ -34,7 +34,7 @@ def test_text_model_held_inside_is_driven_alone(model_type, inner, attribute, cr
     assert ("cross-attention" in subject.tested) is cross
     judged = _judged(subject)
     for name, check in judged.items():
-        assert check.status in (Status.PASS, Status.SKIP), (name, check.summary)
+        assert check.status in (Status.PASS, Status.SKIP, Status.NA), (name, check.summary)
     assert judged["causal"].status is Status.PASS
 
 

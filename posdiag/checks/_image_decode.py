@@ -13,7 +13,9 @@ position ids each forward hands it, and the decoded (or generated) tokens' posit
 sequence's get_rope_index numbering, exactly (integers: no tolerance). The caller also compares the decoded
 logits with the full forward. Applies where the model has get_rope_index, an image token inside its
 vocabulary and a vision config with patch sizes; elsewhere a reason, reported by the caller when the model has
-multimodal RoPE at all.
+multimodal RoPE at all. A crash of the probed path (the cache continuation, generate()) after the plain forward
+of the same prompt ran is a FAIL naming the exception; a prompt the plain forward refuses is posdiag's input, not
+the model's answer: "not probed", with the reason.
 """
 
 from __future__ import annotations
@@ -145,7 +147,16 @@ class ImageRun:
     mismatch: str = ""  # the first decode position off the model's own numbering
     errors: list[float] = field(default_factory=list)  # per new token, relative to the full forward
     floor: float = 0.0  # prompt positions: prefill vs the full forward
-    crashed: str = ""
+    crashed: str = ""  # the exception the probed path raised after the plain forward of the same input ran
+    invalid: str = ""  # the plain forward refused posdiag's input: the probe says nothing about the model
+
+
+def _named(exc: BaseException) -> str:
+    from posdiag.errors import raised_in_posdiag
+
+    if raised_in_posdiag(exc):  # posdiag's own bug: an ERROR, never a verdict about the model
+        raise exc
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
 
 
 def _continuation(prompt: ImagePrompt, steps: int, seed: int, vocab: int) -> torch.Tensor:
@@ -167,13 +178,18 @@ def decode_after_image(subject: Subject, prompt: ImagePrompt, cache: Any, steps:
     try:
         with torch.inference_mode():
             full = model(**prompt.inputs(full_ids), use_cache=False, return_dict=True).logits[0]
-            with watching(subject) as watch:
-                first = model(**prompt.inputs(), cache=cache, use_cache=True, return_dict=True).logits[0]
-                outs = [model(input_ids=full_ids[:, t:t + 1], cache=cache, use_cache=True,
-                              return_dict=True).logits[0, -1] for t in range(n, full_ids.shape[1])]
-        subject.forward_count += 2 + steps
+        subject.forward_count += 1
     except Exception as exc:
-        run.crashed = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+        run.invalid = f"the plain forward of posdiag's image prompt raised {_named(exc)}"
+        return run
+    try:
+        with torch.inference_mode(), watching(subject) as watch:
+            first = model(**prompt.inputs(), cache=cache, use_cache=True, return_dict=True).logits[0]
+            outs = [model(input_ids=full_ids[:, t:t + 1], cache=cache, use_cache=True,
+                          return_dict=True).logits[0, -1] for t in range(n, full_ids.shape[1])]
+        subject.forward_count += 1 + steps
+    except Exception as exc:
+        run.crashed = _named(exc)
         return run
     run.floor = max(relative_l2(first[t], full[t]) for t in range(n))
     run.errors = [relative_l2(o, full[n + i]) for i, o in enumerate(outs)]
@@ -184,21 +200,37 @@ def decode_after_image(subject: Subject, prompt: ImagePrompt, cache: Any, steps:
 def generate_after_image(subject: Subject, prompt: ImagePrompt, new_tokens: int, pad: int) -> ImageRun:
     """Greedy generate() from the image prompt: the new tokens' positions and logits against one full forward of
     the generated sequence (teacher-forced)."""
+    from posdiag.errors import refused_by_generation
     from posdiag.model.tensors import relative_l2
 
     run = ImageRun("after an image: generate")
     model, n = subject.model, prompt.ids.shape[1]
     try:
+        with torch.inference_mode():
+            model(**prompt.inputs(), use_cache=False, return_dict=True)
+        subject.forward_count += 1
+    except Exception as exc:
+        run.invalid = f"the plain forward of posdiag's image prompt raised {_named(exc)}"
+        return run
+    try:
         with torch.inference_mode(), watching(subject) as watch:
             out = model.generate(**prompt.inputs(), attention_mask=torch.ones_like(prompt.ids),
                                  max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                                  output_logits=True, return_dict_in_generate=True, pad_token_id=pad)
-        seq = out.sequences
+        subject.forward_count += new_tokens
+    except Exception as exc:
+        if refused_by_generation(exc):  # refused before running: nothing was probed
+            run.invalid = f"generate() refused the image prompt: {_named(exc)}"
+        else:
+            run.crashed = _named(exc)
+        return run
+    seq = out.sequences
+    try:
         with torch.inference_mode():
             full = model(**prompt.inputs(seq), use_cache=False, return_dict=True).logits[0]
-        subject.forward_count += 1 + new_tokens
+        subject.forward_count += 1
     except Exception as exc:
-        run.crashed = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+        run.invalid = f"the teacher-forced forward of the generated sequence raised {_named(exc)}"
         return run
     run.floor = 0.0  # generate() gives logits of new tokens only; the caller's floor applies
     run.errors = [relative_l2(step[0], full[n - 1 + i]) for i, step in enumerate(out.logits)]
@@ -220,9 +252,12 @@ def with_image_decode(result: CheckResult, subject: Subject, seed: int, probe) -
         return result
     prompt, why = image_prompt(subject, seed)
     run = None if prompt is None else probe(prompt)
-    if run is not None and run.crashed:
-        why = f"{run.name} raised {run.crashed}"
-    if run is None or run.crashed:
+    if run is not None and run.crashed:  # the model's own path crashed on an input its plain forward runs
+        text = f"{run.name} raised {run.crashed} (the plain forward of the same prompt runs)"
+        summary = f"{result.summary}; {text}" if result.status is Status.FAIL else text
+        return _replaced(result, Status.FAIL, summary, {"after_image": {"path": run.name, "crashed": run.crashed}})
+    if run is None or run.invalid:
+        why = run.invalid if run is not None else why
         return _replaced(result, result.status, f"{result.summary}; not probed: decode after an image ({why})",
                          {"after_image": {"not_probed": why}})
     floor = noise_floor(run.floor, subject.dtype_name)

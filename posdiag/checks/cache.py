@@ -10,7 +10,8 @@ default (DynamicCache from the config: sliding layers keep only the window) and 
 pre-allocated StaticCache (its key length is max_cache_len, not the tokens seen): transformers
 runs a static cache on any model that uses Cache objects, whatever the class declares, so it is
 judged on every one, and a crash there is a FAIL that names the exception; a path the model asserts it does not
-support (an AssertionError in its code: ProphetNet caches one decoder token at a time) is named and not judged.
+support (an AssertionError in its code: ProphetNet caches one decoder token at a time) is named and not judged on
+posdiag's multi-token schedules; on the one-token decode (generate()'s path and a manual decode loop's) it is a FAIL.
 Steps pass no position_ids (the model's defaults, as in a manual decode loop); families that take position ids
 also run decode and chunks with explicit ids. Sliding-window models run past the window. Reference sliding-window
 layers (every prefill token stays in reach, later tokens see a window of their own) are compared with the full
@@ -99,10 +100,10 @@ class Measurement:
 
 def run(subject: Subject, options: RunOptions) -> CheckResult:
     ok, why = cache_support(subject)
-    if not ok:
-        return CheckResult("cache", Status.SKIP, why)
+    if not ok:  # an encoder decodes nothing by design; the other refusals are what posdiag cannot drive
+        return CheckResult("cache", Status.NA if subject.kind == "encoder" else Status.SKIP, why)
     if not keeps_kv_cache(subject):
-        return CheckResult("cache", Status.SKIP, f"{type(subject.model).__name__} keeps no KV cache (a forward with "
+        return CheckResult("cache", Status.NA, f"{type(subject.model).__name__} keeps no KV cache (a forward with "
                            "use_cache=True returns none; a cache handed to it stays empty): there is no cached "
                            "decoding to compare, and generate() re-runs the whole prefix each step (see `generate`)")
     no_dynamic = cache_refusal(subject, "dynamic")
@@ -188,10 +189,13 @@ def _measure(subject: Subject, ids: torch.Tensor, schedules: dict[str, list[tupl
             for start, end in path.steps:
                 out = forward(start, end, cache, path.explicit_ids)
                 path.errors.append(relative_l2(out, reference[start:end]))
-        except AssertionError as exc:  # the model states a precondition the path does not meet: a refusal
-            if raised_in_posdiag(exc):
+        except AssertionError as exc:  # a precondition the model states: a refusal of posdiag's multi-token
+            if raised_in_posdiag(exc):    # schedules, but a crash of the one-token decode every user runs
                 raise
-            path.refused, path.errors = describe_error(exc), []
+            if path.schedule == "decode":
+                path.crashed, path.errors = describe_error(exc), []
+            else:
+                path.refused, path.errors = describe_error(exc), []
         except Exception as exc:  # a path transformers accepts that crashes: users hit it
             path.crashed, path.errors = describe_error(exc), []
     return Measurement(floor, paths, prefill_declared=bool(references))

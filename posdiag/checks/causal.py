@@ -65,10 +65,10 @@ def _chunk_size(subject: Subject, length: int) -> int:
 
 def run(subject: Subject, options: RunOptions) -> CheckResult:
     if subject.kind == "encoder":
-        return CheckResult("causal", Status.SKIP,
+        return CheckResult("causal", Status.NA,
                            "bidirectional encoder: every token sees every other by design, there is no future to leak")
     if subject.family.not_causal:
-        return CheckResult("causal", Status.SKIP, f"not causal by design: {subject.family.not_causal}")
+        return CheckResult("causal", Status.NA, f"not causal by design: {subject.family.not_causal}")
     dtype = subject.dtype_name
     ids = probe_ids(subject, options)[0]
     if options.seq_len is None and options.token_ids is None:

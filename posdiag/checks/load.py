@@ -56,9 +56,11 @@ def position_parameters(subject: Subject) -> CheckResult:
     """Whether every position parameter of the model came from the checkpoint."""
     info = subject.load_info
     if info.checkpoint_keys is None:
-        reason = ("no checkpoint files: the model was built in memory" if info.source != "pickle"
-                  else "pickle checkpoint: keys not read without unpickling")
-        return CheckResult("load", Status.SKIP, reason, details={"source": info.source})
+        if info.source != "pickle":  # nothing was loaded: there is no checkpoint to check
+            return CheckResult("load", Status.NA, "no checkpoint files: the model was built in memory",
+                               details={"source": info.source})
+        return CheckResult("load", Status.SKIP, "pickle checkpoint: keys not read without unpickling",
+                           details={"source": info.source})
 
     keys = set(info.checkpoint_keys)
     model_position = [n for n, _ in subject.model.state_dict().items() if is_position_key(n)]
@@ -99,6 +101,7 @@ def position_parameters(subject: Subject) -> CheckResult:
         what = {"rope": "RoPE frequencies are recomputed from the config (non-persistent inv_freq)",
                 "alibi": "ALiBi slopes are computed, not stored"}.get(subject.position_kind,
                                                                      "no position parameters in this model")
-        return CheckResult("load", Status.PASS, f"nothing to load for positions: {what}", metrics, details, tables)
+        # Nothing was read, so nothing passed: the check does not apply (computed, not stored, positions).
+        return CheckResult("load", Status.NA, f"nothing stored to check: {what}", metrics, details, tables)
     return CheckResult("load", Status.PASS, f"all {len(provided)} position parameter(s) came from the checkpoint "
                        f"({info.source})", metrics, details, tables)

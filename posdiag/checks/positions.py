@@ -98,14 +98,14 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     recurrent = recurrent_mixers(subject.language_model)
     if recurrent and subject.position_kind not in ("rope", "learned", "sinusoidal", "alibi", "relative_bias"):
         return CheckResult(
-            "positions", Status.SKIP,
+            "positions", Status.NA,
             f"{recurrent_reason(subject)}; and no position mechanism was found ({subject.position_kind}), so there "
             f"are no position ids to honour", details={"recurrent_mixers": recurrent})
     if not fam.takes_position_ids:
         inside = ("no position mechanism was found" if subject.position_kind == "none found"
                   else f"{subject.position_kind} positions are derived inside the model")
         return CheckResult(
-            "positions", Status.SKIP,
+            "positions", Status.NA,
             f"{fam.name} takes no position_ids (dropped or not in its forward; {inside}), so there are none to honour",
             details={"position_ids": fam.position_ids, "position_kind": subject.position_kind})
     if subject.kind == "seq2seq":

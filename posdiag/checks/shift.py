@@ -83,7 +83,7 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
         recurrent = recurrent_mixers(subject.language_model)
         why = (f"; order enters through {subject.family.name}'s recurrent sequence mixers ({', '.join(recurrent)}), "
                f"which read no position ids") if recurrent else ""
-        return CheckResult("shift", Status.SKIP, f"no position mechanism found ({kind}): nothing to shift{why}")
+        return CheckResult("shift", Status.NA, f"no position mechanism found ({kind}): nothing to shift{why}")
     if subject.dtype_name in LOW_PRECISION:
         return _decided_in_float64(subject, options)
     return _stacks(subject, options)
@@ -306,14 +306,14 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
                                f"absolute positions ({subject.position_kind}) yet a shift of {probe.ladder[0]} changes "
                                f"the outputs by only {first:.3g} ({first / floor:.3g}x the noise floor): are the "
                                f"position ids used?", metrics, details, (table,))
-        return CheckResult("shift", Status.SKIP,
+        return CheckResult("shift", Status.NA,
                            f"absolute positions ({subject.position_kind}): outputs change by {first:.3g} under a shift "
                            f"of {probe.ladder[0]} ({first / floor:.3g}x the noise floor), as expected; relative "
                            f"invariance does not apply", metrics, details, (table,))
 
     if breaks is not None and subject.family.absolute_by_design:
         details["absolute_by_design"] = subject.family.absolute_by_design
-        return CheckResult("shift", Status.SKIP,
+        return CheckResult("shift", Status.NA,
                            f"relative invariance does not apply: {subject.family.absolute_by_design}; a shift of "
                            f"{probe.ladder[breaks]} moves the outputs {errors[final][breaks]:.3g} "
                            f"({ratio[breaks]:.3g}x floor + rounding term); the rotation itself is judged by `rope`",

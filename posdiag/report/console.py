@@ -15,6 +15,7 @@ STYLE = {
     Status.FAIL: "bold red",
     Status.WARN: "bold yellow",
     Status.SKIP: "dim",
+    Status.NA: "dim",
     Status.ERROR: "bold magenta",
 }
 
@@ -74,8 +75,9 @@ def _table(check: CheckResult, table) -> RichTable:
 
 
 def _verdict_panel(report: Report) -> Panel:
-    """What the run judged, in one look: OK only when every check passed; a run with skips or warnings is
-    not a full bill of health; findings, refusals of the gate policy and internal errors each say so."""
+    """What the run judged, in one look: OK only when every check that applies passed (n/a counted apart); a run
+    with skips or warnings is not a full bill of health; findings, refusals of the gate policy and internal errors
+    each say so."""
     counts = " · ".join(f"{n} {s.value}" for s in Status if (n := sum(c.status is s for c in report.checks)))
     counts = counts or "no checks ran"
     footer = [part for part in (report.policy.describe(), f"exit code {report.exit_code}") if part]
@@ -85,14 +87,15 @@ def _verdict_panel(report: Report) -> Panel:
     elif report.gate:
         lines = list(_gate_lines(report, findings=True))
         footer.insert(0, counts)
-    elif report.checks and all(c.status is Status.PASS for c in report.checks):
+    elif any(c.status is Status.PASS for c in report.checks) and all(c.status in (Status.PASS, Status.NA)
+                                                                      for c in report.checks):
         lines = [Text("OK — no position bug found", style="bold green")]
         footer.insert(0, counts)
     else:
-        blind = all(c.status is Status.SKIP for c in report.checks)  # no check ran on this model
+        blind = all(c.status in (Status.SKIP, Status.NA) for c in report.checks)  # no check ran on this model
         verdict = "nothing was judged" if blind else "not a full bill of health"
         lines = [Text(f"{counts} — {verdict}", style="bold yellow")]
-        short = [f"{c.name} ({c.status.value})" for c in report.checks if c.status is not Status.PASS]
+        short = [f"{c.name} ({c.status.value})" for c in report.checks if c.status not in (Status.PASS, Status.NA)]
         if short:
             footer.insert(0, f"not passed: {', '.join(short)}")
     return Panel(Group(*lines, Text(" · ".join(footer), style="dim")), expand=False)

@@ -1,6 +1,7 @@
 """GitHub Actions annotations: `::error` for what fails the gate (a failed check, a status the gate
 policy refuses, a required check that did not pass, a check posdiag could not run), `::warning` for the
-other warnings."""
+other warnings, `::notice` for the other skips (a check that could not run is said, never silent). A check
+that does not apply (n/a) is not annotated."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def format_github(report: Report) -> str:
     lines = []
     refused = {r.check: r for r in report.gate if r.kind == "policy"}
     for check in report.checks:
-        level = {Status.FAIL: "error", Status.ERROR: "error", Status.WARN: "warning"}.get(check.status)
+        level = {Status.FAIL: "error", Status.ERROR: "error", Status.WARN: "warning",
+                 Status.SKIP: "notice"}.get(check.status)
         summary = check.summary
         if check.name in refused:
             level, summary = "error", f"{refused[check.name].why}: {summary}"

@@ -1,8 +1,10 @@
 """JUnit XML: one testcase per check, for CI systems that show test reports.
 
 classname = the model id, name = the check. FAIL carries the summary and key numbers; SKIP is <skipped>
-with its reason (never counted as passed); ERROR (posdiag could not run the check) is <error>. A WARN or
-SKIP the gate policy refuses (--fail-on), or a required check that did not pass (--require), is a
+with its reason (never counted as passed), and so is a check that does not apply (n/a: <skipped
+type="NotApplicable">); a WARN is a testcase without <skipped> whose <properties> carry status=warn and the
+warning, repeated in system-out (visible, not silently passed); ERROR (posdiag could not run the check) is
+<error>. A WARN or SKIP the gate policy refuses (--fail-on), or a required check that did not pass (--require), is a
 <failure type="GatePolicy"> saying so; a required check that did not run gets a testcase of its own.
 Characters XML 1.0 forbids are replaced.
 """
@@ -26,7 +28,7 @@ def format_junit(report: Report) -> str:
     failures = sum(c.status is Status.FAIL or c.name in refused for c in report.checks)
     missing = [r for r in refused.values() if r.status == "missing"]
     errors = sum(c.status is Status.ERROR for c in report.checks) + (1 if report.incomplete else 0)
-    skipped = sum(c.status is Status.SKIP and c.name not in refused for c in report.checks)
+    skipped = sum(c.status in (Status.SKIP, Status.NA) and c.name not in refused for c in report.checks)
     suite = ET.Element("testsuite", {
         "name": "posdiag",
         "tests": str(len(report.checks) + len(missing)),
@@ -58,7 +60,15 @@ def format_junit(report: Report) -> str:
         elif check.status is Status.SKIP:
             node = ET.SubElement(case, "skipped", {"message": _clean(check.summary)})
             node.text = _clean(check.summary)
+        elif check.status is Status.NA:
+            node = ET.SubElement(case, "skipped", {"message": _clean(f"not applicable: {check.summary}"),
+                                                   "type": "NotApplicable"})
+            node.text = _clean(check.summary)
         else:
+            if check.status is Status.WARN:
+                props = ET.SubElement(case, "properties")
+                ET.SubElement(props, "property", {"name": "status", "value": "warn"})
+                ET.SubElement(props, "property", {"name": "warning", "value": _clean(check.summary)})
             out = ET.SubElement(case, "system-out")
             out.text = _clean(f"{check.status.value.upper()}: {check.summary}\n{numbers}")
     for reason in missing:

@@ -4,10 +4,11 @@
 4 heads of 16 dims, hidden 64, vocab 256) and every other tower (1 layer, hidden 32, 28-pixel images of 14-pixel
 patches) with whatever size fields each sub-config has. Multimodal RoPE sections (``mrope_section``, which
 Qwen-VL rotary classes default to a 128-dim head) are scaled to the small head: 4 + 2 + 2 of its 8 pairs.
-Special text ids (padding, bos, eos, decoder start, ...) beyond the small vocabulary move to its top, and the fields
-that depend on the headline sizes follow them (``posdiag.testing.shrink_rules``: latent attention, experts,
-state-space and linear-attention heads, layer patterns). Placeholder ids the modelling code reads but the config
-class does not declare are set as the model's other configs declare them. ``tiny_multimodal`` builds the
+Special text ids (padding, bos, eos, decoder start, ...) beyond the small vocabulary move to its top, below the
+image/video/audio placeholder and delimiter ids (which take the top rows, so a prompt with an image can be built),
+and the fields that depend on the headline sizes follow them (``posdiag.testing.shrink_rules``: latent attention,
+experts, state-space and linear-attention heads, layer patterns). Placeholder ids the modelling code reads but the
+config class does not declare are set as the model's other configs declare them. ``tiny_multimodal`` builds the
 image-text-to-text model (``AutoModelForImageTextToText``) from it.
 
 Hybrids keep an attention layer, as their checkpoints do, also where the default pattern has none
@@ -34,6 +35,7 @@ from posdiag.testing.shrink_rules import (
     parts_of_sizes,
     per_layer,
     per_layer_overrides,
+    placeholder_ids,
     repeated_pattern,
     required_defaults,
     undeclared_placeholders,
@@ -76,11 +78,12 @@ TEXT_TOKENS = tuple(f"{k}_token_id" for k in ("pad", "bos", "eos", "decoder_star
 _NOT_ATTENTION = frozenset({"linear_attention", "mamba", "conv", "moe", "dense", "sparse"})
 
 
-def small_config(model_type: str, *, image_tokens_in_vocab: bool = False, **text_overrides: Any) -> PretrainedConfig:
+def small_config(model_type: str, *, image_tokens_in_vocab: bool = True, **text_overrides: Any) -> PretrainedConfig:
     """The default config of ``model_type`` with every tower shrunk (``text_overrides`` win for the text model).
 
-    The image/video placeholder ids keep their (large) defaults, outside the small vocabulary, so random text never
-    holds one; ``image_tokens_in_vocab`` moves them to the top of the vocabulary for prompts with an image."""
+    The image/video/audio placeholder ids (and their start/end delimiters) move to the top of the small vocabulary,
+    so a prompt with an image can be built (random probe text never holds one: Subject.sample_ids leaves special ids
+    out); ``image_tokens_in_vocab=False`` keeps their large defaults, outside the embedding."""
     try:
         config = _small(model_type, image_tokens_in_vocab, text_overrides)
     except Exception as exc:  # the config takes no grouped key/value heads (ESM-C, dots3, GLM-5): one per head
@@ -130,7 +133,8 @@ def _small(model_type: str, image_tokens_in_vocab: bool, text_overrides: dict[st
             kwargs[name].update(_outputs_to_text(sub, _text(base), text_sizes, kwargs[name]))
     vocab = text_overrides.get("vocab_size", TEXT_SIZES["vocab_size"])
     text = getattr(base, "text_config", None)
-    moves = _token_moves([base, text or {}], vocab)
+    placed = placeholder_ids(base, SPECIAL_TOKENS, vocab) if image_tokens_in_vocab else {}
+    moves = _token_moves([base, text or {}], vocab, max(len(SPECIAL_TOKENS), len(placed)))
     nested = nested_configs(base, text_sizes, TOWER_SIZES, _shrunk, set(_SUB_CONFIGS))
     for name, fields in nested.items():
         kwargs[name] = {**kwargs.get(name, {}), **fields}
@@ -138,13 +142,12 @@ def _small(model_type: str, image_tokens_in_vocab: bool, text_overrides: dict[st
         kwargs.update({k: v for k, v in _shrunk(base, text_sizes).items() if k != "model_type"})
     if "text_config" in kwargs:
         kwargs["text_config"].update(_moved(text.to_dict(), moves))
-    if image_tokens_in_vocab:
-        kwargs.update({k: vocab - 1 - i for i, k in enumerate(SPECIAL_TOKENS) if getattr(base, k, None) is not None})
     if not kwargs:  # a text-only config: shrink it directly
         fields = _shrunk(base, text_sizes)
         fields.pop("model_type")
-        return transformers.AutoConfig.for_model(model_type, **{**fields, **_moved(base.to_dict(), moves),
+        return transformers.AutoConfig.for_model(model_type, **{**fields, **_moved(base.to_dict(), moves), **placed,
                                                                 **required_defaults(base, _modelling_source(base))})
+    kwargs.update(placed)
     placeholders = undeclared_placeholders(base, SPECIAL_TOKENS, _modelling_source(base))
     if image_tokens_in_vocab:
         placeholders = {k: vocab - 1 - SPECIAL_TOKENS.index(k) for k in placeholders}
@@ -186,11 +189,12 @@ def _applies_window(config: Any) -> bool:
     return not classes or any("sliding" in inspect.getsource(c.forward) for c in classes)
 
 
-def _token_moves(configs: list[Any], vocab: int) -> dict[int, int]:
-    """Each special text id at or beyond ``vocab`` -> its id at the top of the vocabulary (placeholders aside)."""
+def _token_moves(configs: list[Any], vocab: int, placeholders: int) -> dict[int, int]:
+    """Each special text id at or beyond ``vocab`` -> its id near the top of the vocabulary, below the top
+    ``placeholders`` ids (the image/video placeholders' slots)."""
     ids = [v for c in configs for k in TEXT_TOKENS for v in _ids(_get(c, k))]
     beyond = sorted({i for i in ids if i >= vocab})
-    return {old: vocab - 1 - len(SPECIAL_TOKENS) - n for n, old in enumerate(beyond)}
+    return {old: vocab - 1 - placeholders - n for n, old in enumerate(beyond)}
 
 
 def _moved(fields: dict[str, Any], moves: dict[int, int]) -> dict[str, Any]:

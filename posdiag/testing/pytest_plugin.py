@@ -3,7 +3,11 @@
     def test_positions(posdiag):
         posdiag.assert_ok(build_my_model())                 # every applicable check
         posdiag.assert_ok(build_my_model(), checks=["shuffle"])
-        posdiag.assert_ok(build_my_model(), fail_on="skip", require=["shuffle", "cache"])  # a stricter gate
+        posdiag.assert_ok(build_my_model(), require=["shuffle", "cache"])  # these must pass, not only not fail
+        posdiag.assert_ok(build_my_model(), allow_skips=True)  # a check that could not run is accepted
+
+By default a test passes only when every check passed or does not apply (n/a): a SKIP (not run) or a WARN (not
+decided) was not judged, so it does not pass a unit test unless the test says so (allow_skips / allow_warnings).
 
 A failure shows the report (one line per check, with the numbers), not a traceback into posdiag.
 Registered through the `pytest11` entry point, so installing posdiag is enough.
@@ -25,13 +29,14 @@ class PosdiagFixture:
 
         return check_model(model, checks, **kwargs)
 
-    def assert_ok(self, model: Any, checks: Iterable[str] | None = None, *, allow_warnings: bool = True,
-                  fail_on: str | Iterable[str] | None = None, require: str | Iterable[str] | None = None,
-                  **kwargs: Any):
-        """Fail the test when the gate does not pass: a check fails, posdiag cannot run one, or the policy
-        refuses a result (`fail_on` warn/skip, `require`d checks; allow_warnings=False is fail_on warn).
-        Returns the report."""
-        statuses = set(_split(fail_on)) | (set() if allow_warnings else {"warn"})
+    def assert_ok(self, model: Any, checks: Iterable[str] | None = None, *, allow_warnings: bool = False,
+                  allow_skips: bool = False, fail_on: str | Iterable[str] | None = None,
+                  require: str | Iterable[str] | None = None, **kwargs: Any):
+        """Fail the test when the gate does not pass: a check fails, posdiag cannot run one, a check warns or
+        skips (unless allow_warnings / allow_skips), or the policy refuses a result (`require`d checks that did
+        not pass, n/a included). Returns the report."""
+        statuses = set(_split(fail_on)) | (set() if allow_warnings else {"warn"}) | (set() if allow_skips else
+                                                                                     {"skip"})
         report = self.check(model, checks, fail_on=sorted(statuses), require=require, **kwargs)
         if report.exit_code != 0:
             from posdiag.results import Status

@@ -9,6 +9,7 @@ modelling code reads that the config class leaves undeclared.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 # Multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash, ...): one query/key head is a 16-dim part without
@@ -118,6 +119,24 @@ def undeclared_placeholders(config: Any, names: tuple[str, ...], modelling_sourc
         declared = [getattr(c, name) for c in siblings if isinstance(getattr(c, name, None), int)]
         if declared:
             out[name] = declared[0]
+    return out
+
+
+# Placeholder and delimiter ids of images, video and audio a config may hold beyond the four main ones: GLM-4V's
+# image/video start and end ids, HunYuan-VL's im_start_id / im_end_id / im_newline_id, the Qwen omni thinkers' audio
+# ids, Gemma 3's boi/eoi, LLaVA's image_token_index.
+_PLACEHOLDER = re.compile(r"^(image|video|vision|audio|im|boi|eoi)_\w*(token_id|token_index|_id)$")
+
+
+def placeholder_ids(config: Any, first: tuple[str, ...], vocab: int) -> dict[str, int]:
+    """The image/video/audio placeholder and delimiter ids of ``config`` moved to the top of a ``vocab``-row
+    vocabulary: the ``first`` names (those the config has) to ``vocab - 1 - index``, then every other such id the
+    config keeps beyond the vocabulary, below them. An image prompt needs them inside the embedding: the
+    decode-after-image probe refused every Qwen-VL type while its image token 151655 sat past the 256 rows."""
+    out = {k: vocab - 1 - i for i, k in enumerate(first) if getattr(config, k, None) is not None}
+    extra = sorted(k for k, v in config.to_dict().items() if k not in first and _PLACEHOLDER.match(k)
+                   and isinstance(v, int) and not isinstance(v, bool) and v >= vocab)
+    out.update({k: vocab - 1 - len(first) - n for n, k in enumerate(extra)})
     return out
 
 

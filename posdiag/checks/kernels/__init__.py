@@ -87,11 +87,11 @@ def _eager_baseline(subject: Subject, scenarios: list[Scenario]) -> tuple[list[R
 
 def _not_applicable(subject: Subject) -> CheckResult | None:
     if not subject.is_hf:
-        return CheckResult("kernels", Status.SKIP, "factory models have a single attention path: nothing to compare")
+        return CheckResult("kernels", Status.NA, "factory models have a single attention path: nothing to compare")
     if not hasattr(subject.model, "set_attn_implementation"):
         return CheckResult("kernels", Status.SKIP, "the model cannot switch attention implementations")
     if attention_free(subject.language_model):
-        return CheckResult("kernels", Status.SKIP, f"{recurrent_reason(subject)}; and no layer is attention, so no "
+        return CheckResult("kernels", Status.NA, f"{recurrent_reason(subject)}; and no layer is attention, so no "
                                                    "attention kernel runs: nothing to compare")
     return None
 

@@ -64,8 +64,8 @@ SPEC = CheckSpec(
 
 def run(subject: Subject, options: RunOptions) -> CheckResult:
     specs, skip = _specs_or_skip(subject)
-    if skip:
-        return CheckResult("rope", Status.SKIP, skip)
+    if skip:  # a model without RoPE: the check does not apply; the other reasons are what posdiag cannot probe
+        return CheckResult("rope", Status.NA if subject.position_kind != "rope" else Status.SKIP, skip)
     plan = make_plan(subject, options.for_check("rope"), specs)
     token = int(subject.sample_ids(1, 1, options.seed)[0, 0])
     seen = _observe(subject, specs, plan, token, options.seed)

@@ -65,7 +65,7 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
         why = {"rope": "RoPE rotates q/k by position: no table (see `rope`)",
                "alibi": "ALiBi adds a distance bias computed on the fly: no table",
                "relative_bias": "relative position buckets, not an absolute table (see `shuffle`)"}
-        return CheckResult("table", Status.SKIP, why.get(kind, f"no absolute position table ({kind})"),
+        return CheckResult("table", Status.NA, why.get(kind, f"no absolute position table ({kind})"),
                            details={"position_kind": kind})
     tables = find_tables(subject)
     if not tables:
