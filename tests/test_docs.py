@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md"] + sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "DEVELOPING.md")
 SHELL = {"", "bash", "sh", "shell", "console"}
 NOT_RUN = "<!-- not run: needs the hub -->"
-STATUSES = "PASS|FAIL|WARN|SKIP|ERROR"
+STATUSES = "PASS|FAIL|WARN|SKIP|ERROR|N/A"
 QUIET_LINE = re.compile(rf"^({STATUSES}) ([a-z_]+):")
 TABLE_LINE = re.compile(rf"^([a-z_]+)\s+({STATUSES})\s")
 WRITES = ("--json", "--junit", "--save-baseline")
