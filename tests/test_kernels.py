@@ -135,7 +135,7 @@ def test_factory_models_skip():
             return self.emb(input_ids)
 
     result = run_checks(from_module(Tiny()), ["kernels"]).check("kernels")
-    assert result.status is Status.SKIP
+    assert result.status is Status.NA  # one attention path by design: nothing to compare
 
 
 def test_streamed_reference_restores_the_model_exactly():

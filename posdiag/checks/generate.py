@@ -76,17 +76,14 @@ class Run:
         return worst_error(e for errs in self.errors.values() for e in errs)
 
 
-NO_HEAD = "has no generation head (can_generate() is False)"
-
-
-def _support(subject: Subject) -> tuple[bool, str]:
+def _support(subject: Subject) -> tuple[Status | None, str]:
     ok, why = cache_support(subject)
     if not ok:
-        return ok, why
+        return Status.NA if subject.kind == "encoder" else Status.SKIP, why
     can = getattr(subject.model, "can_generate", None)
     if not callable(can) or not can():
-        return False, f"{type(subject.model).__name__} {NO_HEAD}"
-    return True, ""
+        return Status.NA, f"{type(subject.model).__name__} has no generation head (can_generate() is False)"
+    return None, ""
 
 
 def _pad_id(subject: Subject) -> tuple[int, str]:
@@ -114,10 +111,9 @@ def _pad_id(subject: Subject) -> tuple[int, str]:
 
 
 def run(subject: Subject, options: RunOptions) -> CheckResult:
-    ok, why = _support(subject)
-    if not ok:  # an encoder, or a class without a generation head, generates nothing by design
-        by_design = subject.kind == "encoder" or why.endswith(NO_HEAD)
-        return CheckResult("generate", Status.NA if by_design else Status.SKIP, why)
+    status, why = _support(subject)
+    if status is not None:  # n/a: an encoder, or a class without a generation head; skip: what cannot be driven
+        return CheckResult("generate", status, why)
     new_tokens = int(SPEC.setting(options, "new_tokens"))
     length = probe_length(subject, options)
     window, declared = subject.sliding_window, subject.max_positions
