@@ -62,6 +62,7 @@ from posdiag.verdict import (
 TITLE = "KV-cache decoding vs full forward"
 
 DECODE_STEPS = 8  # single-token steps (each is one forward); options: {"decode_steps": n}
+PAST_WINDOW = 64  # tokens the probe runs past a sliding window (at most: 2 x window + 4 for short windows)
 CHUNKS = 5  # multi-token chunks after the prefill (q_len > 1 against a cache), at least 2 tokens each
 FLOOR_SOURCE = "cache-free prefix forwards vs the full forward (max per position)"
 JITTER_SOURCE = ("the full forward with its token embeddings jittered by ~1 ulp (rounding sensitivity, max per "
@@ -366,12 +367,14 @@ def _schedules(length: int, decode_steps: int) -> dict[str, list[tuple[int, int]
 
 
 def _length(subject: Subject, options: RunOptions) -> int:
-    """Probe length, extended past the sliding window (plus the decode steps) where there is one."""
+    """Probe length, extended past the sliding window where there is one: the decode steps and the last chunks run
+    up to PAST_WINDOW tokens past it, after a prefill longer than the window (2 x window + 4 tokens for a window of up
+    to PAST_WINDOW; a longer window adds no other boundary, only cost: every path feeds every token)."""
     length = probe_length(subject, options)
     window = subject.sliding_window
     declared = subject.max_positions
     if window and options.token_ids is None:
-        want = 2 * window + 4
+        want = window + min(window, PAST_WINDOW) + 4
         if length < want:
             length = want if declared is None else min(want, declared)
     return length
