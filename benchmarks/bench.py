@@ -118,7 +118,9 @@ transformers.Gemma3ForCausalLM(cfg).save_pretrained(sys.argv[1])
 
 
 def child(code: str, *args: str, env: dict | None = None) -> dict:
-    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env)
+    # In the measured checkout: `python -c` puts the working directory first on sys.path, before PYTHONPATH.
+    cwd = (env or {}).get("PYTHONPATH", "").split(os.pathsep)[0] or None
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, cwd=cwd)
     lines = out.stdout.strip().splitlines()
     if out.returncode != 0 or not lines:
         raise SystemExit(f"child failed ({out.returncode}): {out.stderr[-2000:]}")
@@ -130,7 +132,7 @@ def resolve(model: str) -> str:
     if model == "gemma3-270m":
         path = os.path.join(tempfile.gettempdir(), "posdiag-bench-gemma3-270m")
         if not os.path.isfile(os.path.join(path, "model.safetensors")):
-            child(GEMMA3_270M + "\nprint('{}')", path)
+            child(GEMMA3_270M + "\nprint('{}')", path, env={**os.environ, "PYTHONPATH": ""})
         return path
     if model == "smollm2":
         from posdiag.testing.pretrained import smollm2_checkpoint
@@ -171,8 +173,8 @@ def main() -> None:
     a = parser.parse_args()
     model = resolve(a.model)
     env = dict(os.environ)
-    if a.code:
-        env["PYTHONPATH"] = os.path.abspath(a.code)
+    code = os.path.abspath(a.code) if a.code else os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([code] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     if a.force_arbitration:
         env["POSDIAG_BENCH_FORCE_ARBITRATION"] = "1"
 
