@@ -42,20 +42,23 @@ def embedding_module(subject: Subject, stack: str) -> torch.nn.Module | None:
 
 
 @contextlib.contextmanager
-def jittered(subject: Subject, stack: str, row: int, total_rows: int, seed: int = 0) -> Iterator[bool]:
+def jittered(subject: Subject, stack: str, row: int, total_rows: int, seed: int = 0,
+             settle_masks: bool = True) -> Iterator[bool]:
     """Within the block, the token embeddings of batch row `row` are multiplied by (1 + ε·n).
 
     Works across --max-batch chunks: forward() splits rows in order into chunks of
     `max_batch`, and the hooked module is called once per chunk (twice when an encoder-decoder
     shares one embedding between its stacks and the decoder stack is run — then both calls of
     that row are jittered, still rounding-level noise). Yields False when no embedding module
-    was found (the caller falls back to the machine epsilon and says so).
+    was found (the caller falls back to the machine epsilon and says so). `settle_masks=False` for a caller that
+    calls the model itself, without the explicit masks whose refusal is settled first.
     """
     emb = embedding_module(subject, stack)
     if emb is None:
         yield False
         return
-    mask_refusal(subject, stack)  # settled now: finding out later, under the hook, would add calls it counts
+    if settle_masks:
+        mask_refusal(subject, stack)  # settled now: finding out later, under the hook, would add calls it counts
     step = subject.options.max_batch or total_rows
     target_chunk, local = divmod(row, step)
     calls_per_chunk = 1
@@ -247,6 +250,25 @@ def cache_refusal(subject: Subject, kind: str) -> str:
     return ""
 
 
+def final_state(out: Any, new: int) -> torch.Tensor | None:
+    """The final hidden state of the last `new` positions of a forward ([B, new, ...]); None when the output carries
+    none per token. Everything after it (a final norm, the LM head, logit softcapping) is the same function at every
+    position, so two paths that agree here agree in their logits, and a difference here shows there too; comparing it
+    spares a [T, vocab] head output per forward. Streams stacked per token ([streams, B, T, D]: Gemma 3n's AltUp)
+    become [B, T, streams * D]."""
+    hidden = getattr(out, "decoder_hidden_states", None) or getattr(out, "hidden_states", None)
+    if not hidden:
+        return None
+    rows, h = output_of(out).shape[0], hidden[-1]
+    while isinstance(h, (tuple, list)):
+        h = h[0]
+    if not isinstance(h, torch.Tensor):
+        return None
+    if h.ndim == 4 and h.shape[1] == rows:
+        h = h.permute(1, 2, 0, 3).reshape(rows, h.shape[2], -1)
+    return h[:, -new:] if h.ndim >= 3 and h.shape[0] == rows and h.shape[1] >= new else None
+
+
 def output_of(out: Any) -> torch.Tensor:
     """Logits where the model has a head, else the final hidden state: [B, T, *]."""
     logits = getattr(out, "logits", None)
@@ -270,11 +292,13 @@ class Arbitration:
         return f" ({verdict.reason})" if verdict is not None else ""
 
 
-def arbitrate(subject: Subject, measure: Callable[[], T], measured_floor: float, verdicts: dict[str, FloorVerdict],
-              dtype: str, figures: Callable[[T], tuple[float, dict[str, float]]]) -> Arbitration:
+def arbitrate(subject: Subject, measure: Callable[..., T], measured_floor: float, verdicts: dict[str, FloorVerdict],
+              dtype: str, figures: Callable[[T], tuple[float, dict[str, float]]], *,
+              subset: bool = False) -> Arbitration:
     """Decide, don't shrug: comparisons that are above their tolerance, or judged against a degenerate floor,
     are measured again with `measure` re-run in float64 (the model converted module by module) and decided
     there: rounding shrinks by ~1e9, a bug does not. `figures(measurement) -> (floor, {name: error})`.
+    With `subset`, `measure(names)` re-runs only the named comparisons (those that passed need no deciding).
 
     When no float64 run is possible the run-dtype verdict stands where its floor was a measurement; against a
     degenerate floor it becomes a WARN that names the float64 re-run that could not be made."""
@@ -283,7 +307,7 @@ def arbitrate(subject: Subject, measure: Callable[[], T], measured_floor: float,
         return Arbitration()
     # Padding rows fully masked in float64 turn NaN and spread through 0-weight attention; the guard zeroes them
     # (a NaN in the run dtype is decided before this: judge_arbitrated never calls it rounding).
-    finer = run_finer(subject, measure, what="re-run")
+    finer = run_finer(subject, (lambda: measure(set(pending))) if subset else measure, what="re-run")
     release_freed_memory()
     if finer.value is None:
         details = {"arbitration": {"ran": False, "reason": finer.reason}}

@@ -16,11 +16,12 @@ Steps pass no position_ids (the model's defaults, as in a manual decode loop); f
 also run decode and chunks with explicit ids. Sliding-window models run past the window. Reference sliding-window
 layers (every prefill token stays in reach, later tokens see a window of their own) are compared with the full
 forward with the path's first forward declared the prefill, the semantics the cached run has by design.
-Per step error = ||cached − full|| / ||full|| over the step's positions; the noise floor is
-measured in the same run: cache-free forwards of prefixes of the same tokens must equal the
-full forward at those positions (they differ only by matmul shapes), max per position.
-Verdict: posdiag.verdict.judge_agreement(max step error, floor, dtype); a path above its
-tolerance (or a degenerate floor) is re-run in float64 with the full forward and decided there.
+Per step error = ||cached − full|| / ||full|| over the step's positions, in the final hidden state (which determines
+the logits: no [T, vocab] output is kept); the noise floor is measured in the same run: cache-free forwards of
+prefixes of the same tokens must equal the full forward at those positions (they differ only by matmul shapes), max
+per position; where they reproduce it bit for bit (a degenerate floor), the full forward with its embeddings jittered
+by ~1 ulp measures the rounding sensitivity instead. Verdict: posdiag.verdict.judge_agreement(max step error, floor,
+dtype); a path above its tolerance is re-run in float64, up to its last step over it, and decided there.
 """
 
 from __future__ import annotations
@@ -31,15 +32,17 @@ from typing import Any
 import torch
 
 from posdiag.checks import CheckSpec, Option
+from posdiag.checks._feed import Feed, StateMissing
 from posdiag.checks._image_decode import decode_after_image, with_image_decode
 from posdiag.checks._shared import (
     arbitrate,
     cache_layer_note,
     cache_refusal,
     cache_support,
+    jittered,
     keeps_kv_cache,
     new_cache,
-    output_of,
+    per_token_change,
     static_cache_refusal,
     worst_error,
 )
@@ -48,10 +51,20 @@ from posdiag.model.subject import Subject
 from posdiag.model.tensors import relative_l2
 from posdiag.options import RunOptions, probe_ids, probe_length
 from posdiag.results import CheckResult, Status, Table
-from posdiag.verdict import FAIL_RATIO, FloorVerdict, judge_agreement, noise_floor
+from posdiag.verdict import (
+    FAIL_RATIO,
+    FloorVerdict,
+    agreement_tolerance,
+    degenerate_floor,
+    judge_agreement,
+    noise_floor,
+)
 
+PAST_WINDOW = 64  # tokens the probe runs past a sliding window (at most: 2 x window + 4 for short windows)
 CHUNKS = 5  # multi-token chunks after the prefill (q_len > 1 against a cache), at least 2 tokens each
 FLOOR_SOURCE = "cache-free prefix forwards vs the full forward (max per position)"
+JITTER_SOURCE = ("the full forward with its token embeddings jittered by ~1 ulp (rounding sensitivity, max per "
+                 "position): the cache-free prefixes reproduced the full forward bit for bit")
 
 SPEC = CheckSpec(
     name="cache",
@@ -96,6 +109,7 @@ class Measurement:
     paths: list[PathResult]
     finite: bool = True
     prefill_declared: bool = False  # each path's reference declares its first forward the prefill (_prefill_layers)
+    floor_source: str = FLOOR_SOURCE
 
 
 def run(subject: Subject, options: RunOptions) -> CheckResult:
@@ -118,17 +132,19 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     refused = static_cache_refusal(subject)  # a static cache users cannot build: those paths are not run
     kinds = ("dynamic",) if refused else ("dynamic", "static")
 
-    def measure() -> Measurement:
-        return _measure(subject, ids, schedules, explicit, kinds)
-
-    first = measure()
+    first = _measure(subject, ids, schedules, explicit, kinds, jitter=options.seed)
     if not first.finite:
         return CheckResult("cache", Status.FAIL, "non-finite outputs in the full forward", details={"seq_len": length})
     verdicts = {p.name: judge_agreement(p.max_error, first.floor, dtype) for p in first.paths if p.judged}
     if not verdicts and not any(p.crashed for p in first.paths):
         return CheckResult("cache", Status.SKIP, f"the model refuses every cache path: {first.paths[0].refused}")
+
+    def measure(names: set[str]) -> Measurement:  # float64: only the paths that differ, up to their last bad step
+        return _measure(subject, ids, schedules, explicit, kinds, _steps_to_rerun(first, names, tolerance))
+
+    tolerance = agreement_tolerance(first.floor, dtype)
     arbitration = arbitrate(subject, measure, first.floor, verdicts, dtype,
-                            lambda m: (m.floor, {p.name: p.max_error for p in m.paths if p.judged}))
+                            lambda m: (m.floor, {p.name: p.max_error for p in m.paths if p.judged}), subset=True)
     verdicts.update(arbitration.verdicts)
     result = _report(subject, first, verdicts, arbitration, length, dtype, refused)
     steps = int(SPEC.setting(options, "decode_steps"))  # multimodal RoPE: after an image
@@ -137,68 +153,78 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
 
 
 def _measure(subject: Subject, ids: torch.Tensor, schedules: dict[str, list[tuple[int, int]]],
-             explicit: bool, kinds: tuple[str, ...]) -> Measurement:
-    """The full forward, the floor from cache-free prefixes, then every cache path against the full forward."""
-    model, seq2seq, length = subject.model, subject.kind == "seq2seq", ids.shape[1]
-    encoder_outputs = None
-    if seq2seq:  # the decoder is what caches; one fixed encoder input (the same ids)
-        with torch.inference_mode():
-            encoder_outputs = model.get_encoder()(input_ids=ids, return_dict=True)
-        subject.forward_count += 1
+             explicit: bool, kinds: tuple[str, ...], only: dict[str, int] | None = None,
+             jitter: int | None = None) -> Measurement:
+    """The full forward, the floor from cache-free prefixes, then every cache path against the full forward.
 
-    whole = not seq2seq and _feeds_whole_sequence(model)
-
-    def forward(start: int, end: int, cache: Any = None, with_ids: bool = False) -> torch.Tensor:
-        subject.forward_count += 1
-        first = 0 if whole and cache is not None else start  # CPM-Ant slices the cached prefix off itself
-        kwargs: dict[str, Any] = {"cache": cache, "use_cache": cache is not None, "return_dict": True}
-        if with_ids:
-            positions = torch.arange(start, end, device=ids.device)[None]
-            kwargs["position_ids"] = subject.position_ids_for(positions)
-        with torch.inference_mode():
-            if seq2seq:
-                out = model(encoder_outputs=encoder_outputs, decoder_input_ids=ids[:, start:end], **kwargs)
-            else:
-                out = model(input_ids=ids[:, first:end], **kwargs)
-        return output_of(out)[0][-(end - start):]
-
-    full = forward(0, length)
-    if not torch.isfinite(full).all():
-        return Measurement(0.0, [], finite=False)
-    prefixes = sorted({end for sched in schedules.values() for _, end in sched[:1]} - {length})
-    floor = 0.0
-    for end in prefixes:
-        part = forward(0, end)
-        floor = max(floor, max(relative_l2(part[t], full[t]) for t in range(end)))
+    Each forward is reduced to the final hidden state as it comes out (it determines the logits: the head and any
+    softcapping after it are position-free), so no full-vocabulary logits are kept. `only` (the float64 re-run)
+    names the paths to run and how many of their steps: a path up to its last step over the tolerance, the full
+    forward up to the last position those steps reach. `jitter` (the seed) re-measures a degenerate floor in the
+    run dtype from the full forward with its token embeddings jittered by ~1 ulp."""
+    feed, length = Feed(subject, ids), ids.shape[1]
     paths = [PathResult(kind, name, sched) for kind in kinds for name, sched in schedules.items()]
     if explicit:
         paths += [PathResult("dynamic", name, schedules[name], explicit_ids=True) for name in ("decode", "chunks")]
+    if only is not None:
+        paths = [p for p in paths if p.name in only]
+        for p in paths:
+            p.steps = p.steps[:only[p.name]]
+    reach = max((p.steps[-1][1] for p in paths), default=length)
+    full = feed(0, reach)
+    if not torch.isfinite(full).all():
+        return Measurement(0.0, [], finite=False)
+    floor, source = 0.0, FLOOR_SOURCE
+    for end in sorted({p.steps[0][1] for p in paths} - {reach}):
+        floor = max(floor, float(per_token_change(feed(0, end), full[:end]).max()))
+    if jitter is not None and degenerate_floor(floor, subject.dtype_name):
+        with jittered(subject, "decoder", 0, 1, jitter, settle_masks=False) as found:
+            shaken = feed(0, reach) if found else None
+        if shaken is not None:
+            floor, source = float(per_token_change(shaken, full).max()), JITTER_SOURCE
     references = {}  # first-forward length -> the full forward with those tokens declared the prefill
     for path in paths:
-        cache = new_cache(subject, path.cache, max_len=length + 7, encoder_len=length if seq2seq else 0)
+        cache = feed.cache(path.cache)
         reference = full
         if _prefill_layers(cache):
             prefill = path.steps[0][1]
             if prefill not in references:
-                declared = new_cache(subject, "dynamic", max_len=length + 7, encoder_len=length if seq2seq else 0)
+                declared = feed.cache("dynamic")
                 for layer in _prefill_layers(declared):
                     layer.set_prefill_length(prefill)
-                references[prefill] = forward(0, length, declared)
+                references[prefill] = feed(0, reach, declared)
             reference = references[prefill]
-        try:
-            for start, end in path.steps:
-                out = forward(start, end, cache, path.explicit_ids)
-                path.errors.append(relative_l2(out, reference[start:end]))
-        except AssertionError as exc:  # a precondition the model states: a refusal of posdiag's multi-token
-            if raised_in_posdiag(exc):    # schedules, but a crash of the one-token decode every user runs
-                raise
-            if path.schedule == "decode":
-                path.crashed, path.errors = describe_error(exc), []
-            else:
-                path.refused, path.errors = describe_error(exc), []
-        except Exception as exc:  # a path transformers accepts that crashes: users hit it
+        _run_path(feed, path, cache, reference)
+    return Measurement(floor, paths, prefill_declared=bool(references), floor_source=source)
+
+
+def _run_path(feed: Feed, path: PathResult, cache: Any, reference: torch.Tensor) -> None:
+    """Feed the path's steps through its cache, each step's error against the reference taken as it comes out."""
+    try:
+        for start, end in path.steps:
+            path.errors.append(relative_l2(feed(start, end, cache, path.explicit_ids), reference[start:end]))
+    except StateMissing:
+        raise
+    except AssertionError as exc:  # a precondition the model states: a refusal of posdiag's multi-token
+        if raised_in_posdiag(exc):    # schedules, but a crash of the one-token decode every user runs
+            raise
+        if path.schedule == "decode":
             path.crashed, path.errors = describe_error(exc), []
-    return Measurement(floor, paths, prefill_declared=bool(references))
+        else:
+            path.refused, path.errors = describe_error(exc), []
+    except Exception as exc:  # a path transformers accepts that crashes: users hit it
+        path.crashed, path.errors = describe_error(exc), []
+
+
+def _steps_to_rerun(m: Measurement, names: set[str], tolerance: float) -> dict[str, int]:
+    """How many steps of each named path the float64 re-run needs: up to the last one over the tolerance (later steps
+    agreed in the run dtype; earlier ones build the cache it continues)."""
+    steps = {}
+    for p in m.paths:
+        if p.name in names:
+            bad = [i for i, err in enumerate(p.errors) if not (err <= tolerance)]
+            steps[p.name] = bad[-1] + 1 if bad else len(p.steps)
+    return steps
 
 
 def _prefill_layers(cache: Any) -> list[Any]:
@@ -212,16 +238,6 @@ def _prefill_layers(cache: Any) -> list[Any]:
     return [layer for layer in getattr(cache, "layers", ()) if callable(getattr(layer, "set_prefill_length", None))]
 
 
-def _feeds_whole_sequence(model: torch.nn.Module) -> bool:
-    """Whether generate() hands this model the whole sequence at every cached step (its prepare_inputs_for_generation
-    keeps every id: CPM-Ant's forward slices the cached prefix off itself, and fed the new tokens alone it raises)."""
-    try:
-        step = model.prepare_inputs_for_generation(torch.tensor([[4, 5, 6]]), next_sequence_length=1)
-        return step["input_ids"].shape[1] > 1
-    except Exception:  # a signature of its own: steps are fed as generate() feeds most models
-        return False
-
-
 def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict], arbitration: Any,
             length: int, dtype: str, refused: str = "") -> CheckResult:
     floor = noise_floor(m.floor, dtype)
@@ -232,7 +248,7 @@ def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict],
     failing = crashed + [p for p in judged if verdicts[p.name].status is Status.FAIL]
     status = Status.worst([Status.FAIL] * bool(crashed) + [v.status for v in verdicts.values()])
     worst = failing[0] if failing else max(judged, key=lambda p: p.max_error)
-    rows, details = [], {"seq_len": length, "sliding_window": subject.sliding_window, "floor_source": FLOOR_SOURCE,
+    rows, details = [], {"seq_len": length, "sliding_window": subject.sliding_window, "floor_source": m.floor_source,
                          "paths": {}, **arbitration.details}
     for p in m.paths:
         if p.crashed or p.refused:
@@ -302,12 +318,14 @@ def _schedules(length: int, decode_steps: int) -> dict[str, list[tuple[int, int]
 
 
 def _length(subject: Subject, options: RunOptions) -> int:
-    """Probe length, extended past the sliding window (plus the decode steps) where there is one."""
+    """Probe length, extended past the sliding window where there is one: the decode steps and the last chunks run
+    up to PAST_WINDOW tokens past it, after a prefill longer than the window (2 x window + 4 tokens for a window of up
+    to PAST_WINDOW; a longer window adds no other boundary, only cost: every path feeds every token)."""
     length = probe_length(subject, options)
     window = subject.sliding_window
     declared = subject.max_positions
     if window and options.token_ids is None:
-        want = 2 * window + 4
+        want = window + min(window, PAST_WINDOW) + 4
         if length < want:
             length = want if declared is None else min(want, declared)
     return length

@@ -27,22 +27,21 @@ import torch
 
 from posdiag.checks import CheckSpec, Option
 from posdiag.checks._image_decode import generate_after_image, with_image_decode
+from posdiag.checks._reference import JITTER_SOURCE, jitter_floor, reference
 from posdiag.checks._shared import (
     arbitrate,
     cache_layer_note,
     cache_support,
     generate_guarded,
     new_cache,
-    output_of,
     static_cache_refusal,
     worst_error,
 )
-from posdiag.model.precision import weight_bytes
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import relative_l2
 from posdiag.options import RunOptions, probe_length
 from posdiag.results import CheckResult, Status, Table
-from posdiag.verdict import FAIL_RATIO, FloorVerdict, judge_agreement, noise_floor
+from posdiag.verdict import FAIL_RATIO, FloorVerdict, degenerate_floor, judge_agreement, noise_floor
 
 SPEC = CheckSpec("generate", "generate() vs forward pass",
                  "greedy generate() agrees step by step with the teacher-forced forward, alone and in a padded batch",
@@ -128,10 +127,10 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     prompts = [prompts[r, :n] for r, n in enumerate(lens)]
     dtype = subject.dtype_name
 
-    def measure() -> Measurement:
-        return _measure(subject, prompts, new_tokens)
+    def measure(names: set[str]) -> Measurement:  # float64: only the runs that differ
+        return _measure(subject, prompts, new_tokens, only=names)
 
-    first = measure()
+    first = _measure(subject, prompts, new_tokens, jitter=options.seed)
     if first.runs and all(r.refused for r in first.runs):  # transformers' own configuration error: nothing ran
         return CheckResult("generate", Status.SKIP, f"transformers refuses generate() for this model before running "
                            f"it: {first.runs[0].refused}", details={"refused": {r.name: r.refused for r in first.runs}})
@@ -139,7 +138,7 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
                                       "a token differs beyond a near-tie") if r.token_failure else
                          judge_agreement(r.max_error, first.floor, dtype)) for r in first.done}
     arbitration = arbitrate(subject, measure, first.floor, verdicts, dtype,
-                            lambda m: (m.floor, {r.name: r.max_error for r in m.done}))
+                            lambda m: (m.floor, {r.name: r.max_error for r in m.done}), subset=True)
     verdicts.update(arbitration.verdicts)
     result = _report(subject, first, verdicts, arbitration, lens, new_tokens)
     return with_image_decode(result, subject, options.seed,  # multimodal RoPE: generate() after an image
@@ -156,13 +155,17 @@ class Measurement:
     pad_note: str
     cache_note: str
     static_note: str = ""  # why no static-cache run (transformers cannot build the cache)
+    floor_source: str = ""  # what measured the floor, where not the default of the model's kind
 
     @property
     def done(self) -> list[Run]:
         return [r for r in self.runs if not r.crashed and not r.refused]
 
 
-def _measure(subject: Subject, prompts: list[torch.Tensor], new_tokens: int) -> Measurement:
+def _measure(subject: Subject, prompts: list[torch.Tensor], new_tokens: int, only: set[str] | None = None,
+             jitter: int | None = None) -> Measurement:
+    """Every generate() run (those named in `only`: the float64 re-run) against the teacher-forced forward; `jitter`
+    (the seed) re-measures a degenerate floor in the run dtype (_reference.jitter_floor)."""
     model, seq2seq, length = subject.model, subject.kind == "seq2seq", len(prompts[0])
     pad, pad_note = _pad_id(subject)
     cache_note = cache_layer_note(subject)
@@ -197,6 +200,8 @@ def _measure(subject: Subject, prompts: list[torch.Tensor], new_tokens: int) -> 
         for variant, ids, attn, rows in (("single", prompts[0][None], torch.ones_like(prompts[0])[None], [0]),
                                          ("batch", batch, mask, list(range(len(prompts))))):
             run_ = Run(kind, variant, rows)
+            if only is not None and run_.name not in only:
+                continue
             runs.append(run_)
             result, run_.crashed, run_.refused = generate_guarded(model, generate, ids, attn,
                                                                   None if kind == "dynamic" else "static")
@@ -208,24 +213,30 @@ def _measure(subject: Subject, prompts: list[torch.Tensor], new_tokens: int) -> 
     # Teacher-forced forward of every generated row *alone* (unpadded prompt + its tokens), with the
     # decoder start generate() used (the config may not say: T5Gemma keeps it in generation_config).
     start_id = decoder_start[0] if decoder_start else None
-    refs, prompt_logits, floor_measured = _reference(subject, prompts, done, pad, seq2seq, start_id)
+    items = [(r.name, i, row, r.tokens[i]) for r in done for i, row in enumerate(r.rows)]
+    refs, prompt_logits, floor_measured = reference(subject, prompts, items, pad, seq2seq, start_id)
+    source = ""
+    if jitter is not None and not seq2seq and degenerate_floor(floor_measured, subject.dtype_name):
+        shaken = jitter_floor(subject, prompts[items[0][2]], items[0][3], jitter)
+        if shaken is not None:
+            floor_measured, source = shaken, JITTER_SOURCE
     tolerance = FAIL_RATIO * noise_floor(floor_measured, subject.dtype_name)
     first_step_error = 0.0
     for run_ in done:
         for i, row in enumerate(run_.rows):
-            start = 0 if seq2seq else len(prompts[row]) - 1
-            first_step_error = max(first_step_error, relative_l2(run_.logits[i, 0], prompt_logits[row][start]))
-            run_.errors[row] = _compare_row(run_, i, row, refs[(run_.name, i)], start, tolerance)
+            first_step_error = max(first_step_error, relative_l2(run_.logits[i, 0], prompt_logits[row]))
+            run_.errors[row] = _compare_row(run_, i, row, refs[(run_.name, i)], tolerance)
         run_.logits = run_.tokens = None  # judged: only the figures are kept
-    return Measurement(runs, floor_measured, first_step_error, pad_note, cache_note, refused)
+    return Measurement(runs, floor_measured, first_step_error, pad_note, cache_note, refused, source)
 
 
-def _compare_row(run_: Run, i: int, row: int, ref: torch.Tensor, start: int, tolerance: float) -> list[float]:
-    """Per-step errors of one generated row against its teacher-forced logits, up to the first token that differs
-    (later steps see other prefixes); a mismatch beyond a near-tie of the forward's top two is a token failure."""
+def _compare_row(run_: Run, i: int, row: int, ref: torch.Tensor, tolerance: float) -> list[float]:
+    """Per-step errors of one generated row against its teacher-forced logits at the generated positions ([N, V]), up
+    to the first token that differs (later steps see other prefixes); a mismatch beyond a near-tie of the forward's
+    top two is a token failure."""
     errs: list[float] = []
     for k in range(run_.logits.shape[1]):
-        want, got = ref[start + k], run_.logits[i, k]
+        want, got = ref[k], run_.logits[i, k]
         errs.append(relative_l2(got, want))
         token = int(run_.tokens[i, k])
         if token != int(got.argmax()):
@@ -258,9 +269,10 @@ def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict],
     rows = []
     details: dict[str, Any] = {"prompt_lengths": lens, "new_tokens": new_tokens,
                                "padding": "right (encoder input)" if seq2seq else "left",
-                               "floor_source": ("padded encoder batch vs each encoder alone" if seq2seq else
-                                                "short prompt prefixes vs the teacher-forced forward")
-                               + " (max per position)", "runs": {}, **arbitration.details}
+                               "floor_source": m.floor_source or (
+                                   ("padded encoder batch vs each encoder alone" if seq2seq else
+                                    "short prompt prefixes vs the teacher-forced forward") + " (max per position)"),
+                               "runs": {}, **arbitration.details}
     for r in m.runs:
         if r.crashed or r.refused:  # a crash FAILs the run; a refusal by transformers is not judged
             key, why, st = ("crashed", r.crashed, Status.FAIL) if r.crashed else ("refused", r.refused, Status.SKIP)
@@ -320,81 +332,3 @@ def _first_bad(r: Run, tolerance: float) -> str | None:
         if best is None or (k, row) < best[:2]:
             best = (k, row, f"row {row} step {k} token differs (forward top-2 gap {gap:.3g} > tie tolerance {tie:.2g})")
     return None if best is None else best[2]
-
-
-def _reference(subject: Subject, prompts: list[torch.Tensor], done: list[Run], pad: int, seq2seq: bool,
-               start_id: int | None) -> tuple[dict[tuple[str, int], torch.Tensor], list[torch.Tensor], float]:
-    """Teacher-forced forward logits for each generated row alone, prompt-only logits per prompt,
-    and the measured noise floor (max per position over equivalent cache-free paths).
-
-    Decoder-only: every sequence right-padded into one forward without a mask (a causal model
-    never sees the keys after a query, so the padding is invisible), prompts likewise.
-    Encoder-decoders: one forward per prompt (its unpadded encoder input), all its decoder
-    sequences stacked; the prompt-only pass is the padded-encoder batch with its mask.
-    """
-    model = subject.model
-    items = [(r.name, i, row, r.tokens[i]) for r in done for i, row in enumerate(r.rows)]
-    refs: dict[tuple[str, int], torch.Tensor] = {}
-    with torch.inference_mode():
-        if not seq2seq:
-            # Identical generations (dynamic and static caches usually agree) share one reference row.
-            index: dict[tuple, int] = {}
-            seqs: list[torch.Tensor] = []
-            for _, _, row, toks in items:
-                key = (row, tuple(toks.tolist()))
-                if key not in index:
-                    index[key] = len(seqs)
-                    seqs.append(torch.cat([prompts[row], toks[:-1]]))
-            out = _logits(subject, _right_padded(seqs, pad, subject.device)[0])
-            for name, i, row, toks in items:
-                refs[(name, i)] = out[index[(row, tuple(toks.tolist()))]]
-            pstack, _ = _right_padded(prompts, pad, subject.device)
-            pout = _logits(subject, pstack)
-            # Short prefixes: decode steps run at a small width, and so does this pass (measured on
-            # CPU: widths >= 16 reproduce a longer forward bit for bit, widths 1-8 do not).
-            short = max(1, min(len(p) for p in prompts) // 2)
-            sout = _logits(subject, pstack[:, :short])
-            floor = max(relative_l2(sout[j, t], refs[(name, i)][t])
-                        for j in range(len(prompts)) for name, i, row, _ in items if row == j for t in range(short))
-            return refs, [pout[j] for j in range(len(prompts))], floor
-        for row, prompt in enumerate(prompts):
-            mine = [(name, i, toks) for name, i, r, toks in items if r == row]
-            if not mine:
-                continue
-            start = torch.full((1,), start_id, dtype=torch.long, device=subject.device)
-            dec = torch.stack([torch.cat([start, toks[:-1]]) for _, _, toks in mine])
-            subject.forward_count += 1
-            out = output_of(model(input_ids=prompt[None].expand(len(mine), -1), decoder_input_ids=dec,
-                                  use_cache=False, return_dict=True))
-            for j, (name, i, _) in enumerate(mine):
-                refs[(name, i)] = out[j]
-        enc, enc_mask = _right_padded(prompts, pad, subject.device)
-        start = torch.full((len(prompts), 1), start_id, dtype=torch.long, device=subject.device)
-        subject.forward_count += 1
-        pout = output_of(model(input_ids=enc, attention_mask=enc_mask, decoder_input_ids=start,
-                               use_cache=False, return_dict=True))
-        floor = max(relative_l2(pout[j, 0], refs[(name, i)][0]) for name, i, row, _ in items for j in (row,))
-        return refs, [pout[j] for j in range(len(prompts))], floor
-
-
-def _right_padded(seqs: list[torch.Tensor], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack sequences of different lengths, right-padded with `pad`; also the 0/1 attention mask."""
-    width = max(len(x) for x in seqs)
-    ids = torch.full((len(seqs), width), pad, dtype=torch.long, device=device)
-    mask = torch.zeros_like(ids)
-    for j, x in enumerate(seqs):
-        ids[j, :len(x)], mask[j, :len(x)] = x, 1
-    return ids, mask
-
-
-def _logits(subject: Subject, ids: torch.Tensor) -> torch.Tensor:
-    """Cache-free logits of right-padded rows, as few rows per call as keep each call's logits within a tenth of
-    the weights' memory (in float64: the arbitration's re-run), kept in float32 like generate()'s own."""
-    width, vocab = ids.shape[1], subject.vocab_size
-    rows = max(1, weight_bytes(subject, torch.float32) // 10 // (width * vocab * 8))
-    parts = []
-    for start in range(0, ids.shape[0], rows):
-        subject.forward_count += 1
-        parts.append(output_of(subject.model(input_ids=ids[start:start + rows], use_cache=False,
-                                             return_dict=True)).float())
-    return torch.cat(parts)

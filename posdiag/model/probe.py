@@ -255,3 +255,45 @@ def judge_fidelity(default: torch.Tensor, explicit: torch.Tensor, blocked: torch
         reason = f"opening future keys changes nothing (effect {open_effect:.1e}): a causal pattern is hard-coded"
         return Fidelity(False, reason, reproduces, block_effect, open_effect, tolerance)
     return Fidelity(True, "explicit mask honoured", reproduces, block_effect, open_effect, tolerance)
+
+
+
+
+def logits_at(subject: Subject, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Cache-free logits of each row of `ids` ([R, T]) at its own positions (`positions`, [R, P] integer), as
+    [R, P, vocab] in float32. The LM head runs at those positions only where the model takes a 2D logits_to_keep
+    (transformers' slice_logits_to_keep); elsewhere (or where that answers in another shape) the full logits of a few
+    rows at a time are gathered as they come out. Each call's logits stay within a tenth of the weights' memory in
+    float64 (the arbitration's re-run): no [T, vocab] output is kept for more than one chunk of rows."""
+    budget = sum(p.numel() for p in subject.model.parameters()) * 8 // 10
+    keep = subject.takes_logits_to_keep
+    width = positions.shape[1] if keep else ids.shape[1]
+    rows = max(1, budget // (width * (subject.vocab_size or 1) * 8))
+    parts = []
+    for start in range(0, ids.shape[0], rows):
+        chunk, where = ids[start:start + rows], positions[start:start + rows].to(ids.device)
+        got = _logits(subject, chunk, where) if keep else None
+        if got is None:
+            full = _logits(subject, chunk, None)
+            got = full.gather(1, where[..., None].expand(-1, -1, full.shape[-1]))
+        parts.append(got.float())
+    return torch.cat(parts)
+
+
+def _logits(subject: Subject, ids: torch.Tensor, where: torch.Tensor | None) -> torch.Tensor | None:
+    """One cache-free forward's logits, at `where` ([R, P]) through logits_to_keep, or at every position (None).
+    None where the model does not answer logits_to_keep with logits of that shape."""
+    kwargs: dict[str, Any] = {} if where is None else {"logits_to_keep": where}
+    subject.forward_count += 1
+    try:
+        with torch.inference_mode():
+            out = subject.model(input_ids=ids, use_cache=False, return_dict=True, **kwargs)
+        logits = out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+    except Exception:
+        if where is None:
+            raise
+        subject.forward_count -= 1  # not answered: the full logits are taken instead
+        return None
+    if where is not None and tuple(logits.shape[:2]) != tuple(where.shape):
+        return None
+    return logits

@@ -1,0 +1,72 @@
+"""Feeding the `cache` check's probe to the model: token ranges with a cache or without, as generate() feeds them,
+each reduced to the final hidden state of the tokens fed as it comes out (no [tokens, vocab] logits kept)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from posdiag.checks._shared import final_state, new_cache, output_of
+from posdiag.model.subject import Subject
+
+
+class Feed:
+    """Feeds token ranges of the probe to the model, with a cache or without, as generate() feeds them, and returns
+    the final hidden state of the tokens fed ([n, ...]); the LM head computes the last position only where the
+    model takes logits_to_keep (logits where no hidden state per token comes back)."""
+
+    def __init__(self, subject: Subject, ids: torch.Tensor):
+        self.subject, self.ids, self.seq2seq = subject, ids, subject.kind == "seq2seq"
+        self.encoder_outputs = None
+        if self.seq2seq:  # the decoder is what caches; one fixed encoder input (the same ids)
+            with torch.inference_mode():
+                self.encoder_outputs = subject.model.get_encoder()(input_ids=ids, return_dict=True)
+            subject.forward_count += 1
+        self.whole = not self.seq2seq and feeds_whole_sequence(subject.model)
+        self.extra = {"logits_to_keep": 1} if subject.takes_logits_to_keep else {}
+        self.hidden: bool | None = None  # compared by the final hidden state (else by the logits)
+
+    def cache(self, kind: str) -> Any:
+        length = self.ids.shape[1]
+        return new_cache(self.subject, kind, max_len=length + 7, encoder_len=length if self.seq2seq else 0)
+
+    def __call__(self, start: int, end: int, cache: Any = None, with_ids: bool = False) -> torch.Tensor:
+        subject, ids = self.subject, self.ids
+        subject.forward_count += 1
+        first = 0 if self.whole and cache is not None else start  # CPM-Ant slices the cached prefix off itself
+        kwargs: dict[str, Any] = {"cache": cache, "use_cache": cache is not None, "return_dict": True,
+                                  "output_hidden_states": True, **self.extra}
+        if with_ids:
+            positions = torch.arange(start, end, device=ids.device)[None]
+            kwargs["position_ids"] = subject.position_ids_for(positions)
+        with torch.inference_mode():
+            if self.seq2seq:
+                out = subject.model(encoder_outputs=self.encoder_outputs, decoder_input_ids=ids[:, start:end],
+                                    **kwargs)
+            else:
+                out = subject.model(input_ids=ids[:, first:end], **kwargs)
+        state = final_state(out, end - start)
+        if self.hidden is None:  # the first forward (the full one) settles what every later one is compared by
+            self.hidden = state is not None
+            if not self.hidden and self.extra:  # no state per token: logits, then at every position
+                self.extra = {}
+                return self(start, end, cache, with_ids)
+        if self.hidden and state is None:
+            raise StateMissing(f"{type(subject.model).__name__} returned no final hidden state for a cached step "
+                               "although its full forward did: posdiag cannot compare the two")
+        return state[0] if self.hidden else output_of(out)[0][-(end - start):]
+
+
+class StateMissing(Exception):
+    """posdiag's own failure to compare (not the model's answer): raised, reported as an internal error."""
+
+
+def feeds_whole_sequence(model: torch.nn.Module) -> bool:
+    """Whether generate() hands this model the whole sequence at every cached step (its prepare_inputs_for_generation
+    keeps every id: CPM-Ant's forward slices the cached prefix off itself, and fed the new tokens alone it raises)."""
+    try:
+        step = model.prepare_inputs_for_generation(torch.tensor([[4, 5, 6]]), next_sequence_length=1)
+        return step["input_ids"].shape[1] > 1
+    except Exception:  # a signature of its own: steps are fed as generate() feeds most models
+        return False
