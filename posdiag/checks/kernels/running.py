@@ -75,6 +75,18 @@ def reference_runs(subject: Subject, scenarios: list[Scenario]) -> FinerRun[list
                      reached=lambda runs, dtype: all(r.hidden[-1].dtype == dtype for r in runs), what="reference")
 
 
+def finer_runs(subject: Subject, name: str, scenarios: list[Scenario], dtype: torch.dtype) -> list[Run] | None:
+    """Implementation `name` on every scenario in `dtype` (the reference's), converted as the reference was;
+    None where it cannot run there (no kernel in that dtype, a refusal): its rounding cannot be measured."""
+    try:
+        with implementation(subject, name):
+            got = run_finer(subject, lambda: [forward(subject, sc) for sc in scenarios], dtype,
+                            reached=lambda runs, d: all(r.hidden[-1].dtype == d for r in runs))
+    except Exception:  # refused or crashed in the finer dtype: undecided, the judgement says so
+        return None
+    return got.value if got.ran and got.dtype == dtype else None
+
+
 def forward(subject: Subject, sc: Scenario) -> Run:
     """Hidden states of every layer (and the last position's logits) on one scenario."""
     with warnings.catch_warnings():
