@@ -97,10 +97,13 @@ def test_a_degenerate_floor_that_cannot_be_decided_is_a_warn():
 
 
 def test_arbitration_reruns_the_implementation_in_float64(monkeypatch):
-    """Every floor taken as degenerate: a rounding-sized implementation passes, a wrong scale still fails."""
+    """Every floor taken as degenerate: sdpa off by 32 units of float32 passes (1.3e-6 in float32, 1.8e-8 in
+    float64, where the reference's own float32 softmax is what is left), a wrong scale still fails."""
     monkeypatch.setattr(judging, "degenerate_floor", lambda floor, dtype: True)
-    good = _kernels(zoo.tiny_model("llama"), [plants.register_rounding()])
+    good = _kernels(zoo.tiny_model("llama"), [plants.register_rounding()])  # FAILs the 2x rule in float32 alone
     assert good.status is Status.PASS, good.summary
+    decided = [s["arbitrated"] for s in good.details["implementations"][plants.ROUNDING]["scenarios"].values()]
+    assert any(decided) and all("rounding" in reason for a in decided for reason in a.values())
     bad = _kernels(zoo.tiny_model("llama"), [plants.register_bad_scale()])
     assert bad.status is Status.FAIL and bad.metrics["implementation"] == plants.BAD_SCALE, bad.summary
     arbitrated = [s["arbitrated"] for s in bad.details["implementations"][plants.BAD_SCALE]["scenarios"].values()]
