@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 import posdiag.checks.kernels.judging as judging
+import posdiag.model.memory as memory
 import posdiag.model.precision as precision
 from posdiag.api import run_checks
 from posdiag.checks.kernels.judging import Evidence, judge
@@ -42,14 +43,14 @@ def _with_unused_tower(model: torch.nn.Module) -> torch.nn.Module:
 def test_towers_never_run_do_not_deny_the_float64_reference(monkeypatch):
     model = _with_unused_tower(zoo.tiny_model("llama"))
     whole = precision.weight_bytes(from_module(model), torch.float64)
-    monkeypatch.setattr(precision, "free_memory", lambda device: whole)  # a whole float64 copy does not fit
+    monkeypatch.setattr(memory, "free_memory", lambda device: whole)  # a whole float64 copy does not fit
     result = _kernels(model)
     assert result.metrics["reference_dtype"] == "float64", result.summary
     assert result.status is Status.PASS, result.summary
 
 
 def test_no_finer_reference_fitting_is_a_skip_not_eager_against_itself(monkeypatch):
-    monkeypatch.setattr(precision, "free_memory", lambda device: 1024)
+    monkeypatch.setattr(memory, "free_memory", lambda device: 1024)
     result = _kernels(zoo.tiny_model("llama"))
     assert result.status is Status.SKIP, result.summary
     assert "no reference more precise than float32 fits" in result.summary

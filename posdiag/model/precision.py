@@ -12,7 +12,7 @@ only the model's weights are seen in the finer dtype while it runs.
                                              than the run dtype), trying the ways in order; restored
     finer_dtype(subject, dtype, how)         one conversion way, as a context manager
     reference_dtype(subject)                 float64 where a conversion fits in memory, else float32, else none
-    memory_allows(subject, extra, fraction)  the one memory-budget rule of posdiag
+    memory_allows(subject, extra, fraction)  the one memory-budget rule of posdiag (posdiag.model.memory)
 
 Conversion ways (WAYS), cheapest first:
 - "module": one module at a time (streamed_dtype: never a whole finer copy; embedding tables and
@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 import torch
 
 from posdiag.errors import one_line
+from posdiag.model.memory import memory_allows, weight_bytes
 from posdiag.model.placement import is_dispatched
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import default_dtype, dtype_name
@@ -48,7 +48,6 @@ BLOCK_NAMES = ("layers", "layer", "h", "block", "blocks")  # ModuleLists that ho
 SLICE_BYTES = 16 << 20  # the most finer-dtype weight a sliced linear layer holds at once
 REFERENCE_FRACTION = {"cuda": 0.5, "cpu": 0.4}  # of free memory a reference copy may take (reference_dtype)
 WHOLE_FRACTION = 0.8  # of free memory a whole finer copy may take (the "whole" way)
-UNKNOWN_FREE_BYTES = 8 << 30  # assumed free memory where the system does not say
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,29 +157,6 @@ def reference_dtype(subject: Subject) -> torch.dtype:
         if fraction is not None and memory_allows(subject, streamed_bytes(subject, dtype), fraction):
             return dtype
     return subject.dtype
-
-
-def memory_allows(subject: Subject, extra_bytes: int, fraction: float) -> bool:
-    """The memory-budget rule: `extra_bytes` fit in `fraction` of the free memory of the subject's device."""
-    return extra_bytes < fraction * free_memory(subject.device)
-
-
-def free_memory(device: torch.device | str) -> int:
-    """Free bytes: a CUDA device's free memory; otherwise the available physical memory
-    (UNKNOWN_FREE_BYTES where the system does not say)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return UNKNOWN_FREE_BYTES
-
-
-def weight_bytes(subject: Subject, dtype: torch.dtype) -> int:
-    """Bytes of a copy of every parameter of the model in `dtype`."""
-    return sum(p.numel() for p in subject.model.parameters()) * dtype.itemsize
 
 
 def streamed_bytes(subject: Subject, dtype: torch.dtype) -> int:
