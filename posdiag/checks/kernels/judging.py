@@ -5,7 +5,10 @@
 over valid (non-padding) positions, against the finer-dtype eager reference. NaN/Inf at valid
 positions fails; what a kernel writes at padding queries is reported as information. An input
 on which eager itself is SAME_FUNCTION or more off the reference is not judged (the reference
-computed something else there).
+computed something else there). A layer over tolerance where eager's error is a degenerate floor (0, or
+below one unit of the run dtype: one ulp measures no rounding) is decided by the implementation re-run in
+the reference dtype (verdict.judge_arbitrated: rounding shrinks, a bug stays); undecided (WARN) if it
+cannot run there.
 """
 
 from __future__ import annotations
