@@ -11,6 +11,7 @@
   PyTorch #103749 / transformers #38690 behaviour; the NaN then reaches valid tokens in the next
   layer through 0 · NaN.
 - register_sdpa_copy(): the healthy twin of the registered ones: plain sdpa under a new name.
+- register_rounding(): sdpa off by 32 units of its dtype: over the 2x rule, yet shrinking with precision.
 Every registered name also gets transformers' sdpa mask builder (without one, transformers hands a
 custom implementation no mask at all).
 """
@@ -86,3 +87,20 @@ def register_sdpa_copy() -> str:
 
     _register(SDPA_COPY, sdpa_attention_forward)
     return SDPA_COPY
+
+
+ROUNDING = "posdiag_plant_rounding"
+
+
+def register_rounding() -> str:
+    """Healthy, with rounding-sized differences: sdpa with its output perturbed by 32 units of its own dtype (over
+    the 2x rule in float32; shrinks with precision like any summation-order difference)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def rounding(module, query, key, value, attention_mask, **kwargs):
+        out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        noise = torch.randn(out.shape, generator=torch.Generator().manual_seed(0)).to(out)
+        return out * (1 + 32 * torch.finfo(out.dtype).eps * noise), weights
+
+    _register(ROUNDING, rounding)
+    return ROUNDING

@@ -11,8 +11,8 @@ only the model's weights are seen in the finer dtype while it runs.
     run_finer(subject, compute, preferred)   compute() in `preferred` (float32 when that is still finer
                                              than the run dtype), trying the ways in order; restored
     finer_dtype(subject, dtype, how)         one conversion way, as a context manager
-    reference_dtype(subject)                 float64 where it fits in memory, else float32, else none
-    memory_allows(subject, extra, fraction)  the one memory-budget rule of posdiag
+    reference_dtype(subject)                 float64 where a conversion fits in memory, else float32, else none
+    memory_allows(subject, extra, fraction)  the one memory-budget rule of posdiag (posdiag.model.memory)
 
 Conversion ways (WAYS), cheapest first:
 - "module": one module at a time (streamed_dtype: never a whole finer copy; embedding tables and
@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 import torch
 
 from posdiag.errors import one_line
+from posdiag.model.memory import memory_allows, weight_bytes
 from posdiag.model.placement import is_dispatched
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import default_dtype, dtype_name
@@ -47,7 +47,7 @@ WAYS = {"module": "one module at a time", "block": "one block at a time", "whole
 BLOCK_NAMES = ("layers", "layer", "h", "block", "blocks")  # ModuleLists that hold transformer blocks
 SLICE_BYTES = 16 << 20  # the most finer-dtype weight a sliced linear layer holds at once
 REFERENCE_FRACTION = {"cuda": 0.5, "cpu": 0.4}  # of free memory a reference copy may take (reference_dtype)
-UNKNOWN_FREE_BYTES = 8 << 30  # assumed free memory where the system does not say
+WHOLE_FRACTION = 0.8  # of free memory a whole finer copy may take (the "whole" way)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +84,8 @@ def run_finer(subject: Subject, compute: Callable[[], T], preferred: torch.dtype
     candidates = [preferred] + [d for d in (torch.float32,) if preferred.itemsize > d.itemsize > subject.dtype.itemsize]
     failure = ""
     for dtype in candidates:  # last resort: torch's default dtype too, for constants the model builds in it
-        for how, default in [(how, None) for how in conversion_ways(subject)] + [(conversion_ways(subject)[-1], dtype)]:
+        ways = conversion_ways(subject, dtype)
+        for how, default in [(how, None) for how in ways] + [(ways[-1], dtype)]:
             passes = subject.forward_count
             try:
                 with finer_dtype(subject, dtype, how, guard_padding=guard_padding) as done, default_dtype(default):
@@ -101,9 +102,14 @@ def run_finer(subject: Subject, compute: Callable[[], T], preferred: torch.dtype
                     reason=f"no {what} more precise than {subject.dtype_name} runs on {where}: {failure}")
 
 
-def conversion_ways(subject: Subject) -> tuple[str, ...]:
-    """The ways (keys of WAYS) that can convert this model, in the order to try them."""
-    return ("module",) if is_dispatched(subject.model) else tuple(WAYS)
+def conversion_ways(subject: Subject, dtype: torch.dtype | None = None) -> tuple[str, ...]:
+    """The ways (keys of WAYS) that can convert this model, in the order to try them: "whole" only where
+    a whole copy in `dtype` fits (WHOLE_FRACTION of free memory; the streamed ways hold one block's)."""
+    if is_dispatched(subject.model):
+        return ("module",)
+    if dtype is not None and not memory_allows(subject, weight_bytes(subject, dtype), WHOLE_FRACTION):
+        return ("module", "block")
+    return tuple(WAYS)
 
 
 @contextlib.contextmanager
@@ -140,38 +146,25 @@ def everywhere_at_least(value: Any, dtype: torch.dtype) -> bool:
 
 # ------------------------------------------------------------------------------ memory
 def reference_dtype(subject: Subject) -> torch.dtype:
-    """float64 where a copy of the weights fits (REFERENCE_FRACTION of free memory), else float32,
-    else the run dtype itself (also on devices other than CPU and CUDA)."""
+    """float64 where the finer copy a streamed conversion holds fits (REFERENCE_FRACTION of free memory),
+    else float32, else the run dtype itself (also on devices other than CPU and CUDA). Budgeting a copy of
+    every weight instead denied float64 to a 90k-parameter language model for the 690M parameters of
+    towers its forward never runs (VibeVoice-ASR's tokenizers), and the reference became eager itself."""
     fraction = REFERENCE_FRACTION.get(subject.device.type)
     for dtype in (torch.float64, torch.float32):
         if dtype.itemsize <= subject.dtype.itemsize:
             return subject.dtype
-        if fraction is not None and memory_allows(subject, weight_bytes(subject, dtype), fraction):
+        if fraction is not None and memory_allows(subject, streamed_bytes(subject, dtype), fraction):
             return dtype
     return subject.dtype
 
 
-def memory_allows(subject: Subject, extra_bytes: int, fraction: float) -> bool:
-    """The memory-budget rule: `extra_bytes` fit in `fraction` of the free memory of the subject's device."""
-    return extra_bytes < fraction * free_memory(subject.device)
-
-
-def free_memory(device: torch.device | str) -> int:
-    """Free bytes: a CUDA device's free memory; otherwise the available physical memory
-    (UNKNOWN_FREE_BYTES where the system does not say)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return UNKNOWN_FREE_BYTES
-
-
-def weight_bytes(subject: Subject, dtype: torch.dtype) -> int:
-    """Bytes of a copy of every parameter of the model in `dtype`."""
-    return sum(p.numel() for p in subject.model.parameters()) * dtype.itemsize
+def streamed_bytes(subject: Subject, dtype: torch.dtype) -> int:
+    """Bytes of the largest finer copy a streamed conversion holds at once: one block converted whole
+    ("block"), else one module's own parameters ("module"), in `dtype`."""
+    units = [sum(p.numel() for p in b.parameters()) for b in blocks(subject.model)]
+    units += [sum(p.numel() for p in m.parameters(recurse=False)) for m in subject.model.modules()]
+    return max(units, default=0) * dtype.itemsize
 
 
 # ------------------------------------------------------------------------------ conversion ways

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from posdiag.model.precision import free_memory
+from posdiag.model.memory import free_memory
 from posdiag.tools.attention import MaskSpec, naive_attention, run_sdpa, sdpa_backends, tiled_attention
 
 

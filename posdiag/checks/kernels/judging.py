@@ -5,7 +5,10 @@
 over valid (non-padding) positions, against the finer-dtype eager reference. NaN/Inf at valid
 positions fails; what a kernel writes at padding queries is reported as information. An input
 on which eager itself is SAME_FUNCTION or more off the reference is not judged (the reference
-computed something else there).
+computed something else there). A layer over tolerance where eager's error is a degenerate floor (0, or
+below one unit of the run dtype: one ulp measures no rounding) is decided by the implementation re-run in
+the reference dtype (verdict.judge_arbitrated: rounding shrinks, a bug stays); undecided (WARN) if it
+cannot run there.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from posdiag.checks.kernels.scenarios import Run, Scenario
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import dtype_name
 from posdiag.results import CheckResult, Status, Table
-from posdiag.verdict import MACHINE_EPSILON
+from posdiag.verdict import MACHINE_EPSILON, FloorVerdict, degenerate_floor, judge_arbitrated
 
 FACTOR = 2.0  # FlashAttention's rule: at most 2x the error of plain attention in the same dtype
 # Rounding keeps a forward pass in any inference dtype far closer than this to a more precise run of
@@ -42,6 +45,8 @@ class Evidence:
     runs: dict[str, list[Run] | str]  # every implementation (eager first): its runs, or why it did not run
     notes: dict[str, str]  # implementation -> note ("crash": it crashed on these inputs)
     skipped: dict[str, str]  # implementations not run by default, and why
+    # implementation -> its runs in ref_dtype (None: it cannot run there), for layers whose floor is degenerate
+    finer: dict[str, list[Run] | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -76,9 +81,7 @@ def judge(ev: Evidence) -> CheckResult:
     compared = [n for n in ev.runs if n != "eager" and not isinstance(ev.runs[n], str)]
     status = Status.worst(statuses)
     metrics, decided = _deciding_metrics(results, compared, ref_name, atol)
-    floor_note = f"reference eager in {ref_name}" + (
-        f" (converted {ev.built})" if ev.ref_dtype != ev.subject.dtype else
-        " (no higher precision fits: the eager baseline is the reference itself)")
+    floor_note = f"reference eager in {ref_name} (converted {ev.built})"
     details = {"implementations": results, "scenarios": [s.name for s in ev.scenarios], "reference": floor_note,
                "not_run": ev.skipped,
                "rule": f"error <= {FACTOR:g} x eager {dname} error + {atol:.1e} (relative L2, valid positions)"}
@@ -138,17 +141,25 @@ def _judge_input(ev: Evidence, name: str, si: int, g: Run, atol: float, rows: _R
     tols = [FACTOR * b + atol for b in base]
     ratios = [x / t for x, t in zip(errs, tols, strict=True)]
     worst = max(range(len(errs)), key=lambda i: ratios[i])
-    crossing = next((g.layer_names[i] for i in range(len(errs)) if errs[i] > tols[i]), None)
+    over = [i for i in range(len(errs)) if errs[i] > tols[i]]
+    decided = _arbitrate(ev, name, si, over, errs, base)
+    standing = [i for i in over if not (decided.get(i) and decided[i].status is Status.PASS)]
+    crossing = next((g.layer_names[i] for i in standing), None)
+    failing = [i for i in standing if i not in decided or decided[i] is not None]
     nt = next_token(r.logits, g.logits) if ev.subject.kind != "encoder" else None
-    status = Status.FAIL if (where_bad or crossing) else Status.PASS
+    status = Status.FAIL if (where_bad or failing) else Status.WARN if standing else Status.PASS
     entry = {
         "error": errs[worst], "eager_error": base[worst], "tolerance": tols[worst], "ratio": ratios[worst],
         "worst_layer": g.layer_names[worst], "first_layer_over_tolerance": crossing,
         "final_error": errs[-1], "final_eager_error": base[-1],
         "non_finite_at": where_bad, "padding_rows": padding_content(g, sc),
         "top1_agreement": None if nt is None else nt[0], "kl": None if nt is None else nt[1],
+        "status": status.value,
+        "arbitrate": any(i not in decided and degenerate_floor(base[i], ev.subject.dtype_name) for i in over),
+        "arbitrated": {g.layer_names[i]: (v.reason if v else f"undecided: {name} does not run in "
+                                          f"{dtype_name(ev.ref_dtype)}") for i, v in decided.items()},
     }
-    verdict = "FAIL" if status is Status.FAIL else "ok"
+    verdict = {Status.FAIL: "FAIL", Status.WARN: "undecided"}.get(status, "ok")
     why = f"NaN/Inf at {where_bad}" if where_bad else (f"over tolerance from {crossing}" if crossing else "")
     rows.summary.append((name, sc.name, f"{errs[worst]:.2e}", f"{base[worst]:.2e}", f"{ratios[worst]:.3g}",
                          g.layer_names[worst], "-" if nt is None else f"{nt[0]:.0%} / {nt[1]:.1e}",
@@ -158,6 +169,30 @@ def _judge_input(ev: Evidence, name: str, si: int, g: Run, atol: float, rows: _R
             rows.layers.append((name, sc.name, g.layer_names[i], f"{errs[i]:.2e}", f"{base[i]:.2e}",
                                 f"{tols[i]:.2e}", "over" if errs[i] > tols[i] else ""))
     return entry, status
+
+
+def _arbitrate(ev: Evidence, name: str, si: int, over: list[int], errs: list[float],
+               base: list[float]) -> dict[int, FloorVerdict | None]:
+    """{layer: verdict} for layers over tolerance where eager's error is degenerate (0, or below one unit of the
+    run dtype: a tolerance of one ulp measures no rounding), decided with `name` re-run in the reference dtype:
+    rounding shrinks there, a bug stays. None: it cannot run there (undecided). Empty until ev.finer has it."""
+    dname, finer = ev.subject.dtype_name, ev.finer
+    if name not in finer:
+        return {}
+    g, sc, r = finer[name], ev.scenarios[si], ev.reference[si]
+    decided: dict[int, FloorVerdict | None] = {}
+    for i in over:
+        if degenerate_floor(base[i], dname):
+            decided[i] = None if g is None else judge_arbitrated(
+                errs[i], base[i], dname, rel(g[si].hidden[i], r.hidden[i], valid_for(g[si], sc, i)), 0.0,
+                dtype_name(ev.ref_dtype))
+    return decided
+
+
+def needs_arbitration(result: CheckResult) -> list[str]:
+    """Implementations with a layer over tolerance where eager's error is a degenerate floor."""
+    return [n for n, res in result.details.get("implementations", {}).items()
+            if any(s.get("arbitrate") for s in res.get("scenarios", {}).values())]
 
 
 def _deciding_metrics(results: dict[str, dict[str, Any]], compared: list[str], ref_name: str,
@@ -183,7 +218,9 @@ def _deciding_metrics(results: dict[str, dict[str, Any]], compared: list[str], r
 def _summary(ev: Evidence, results: dict[str, dict[str, Any]], compared: list[str], decided: tuple) -> str:
     dname = ev.subject.dtype_name
     failed = [(n, sn, s) for n in compared + ["eager"] for sn, s in results[n].get("scenarios", {}).items()
-              if s["non_finite_at"] or s["first_layer_over_tolerance"]]
+              if s["status"] == "fail"]
+    undecided = [(n, sn, s) for n in compared for sn, s in results[n].get("scenarios", {}).items()
+                 if s["status"] == "warn"]
     crashed = [n for n in ev.runs if isinstance(ev.runs[n], str) and ev.notes.get(n) == "crash"]
     if failed:
         n, sn, s = max(failed, key=lambda f: (bool(f[2]["non_finite_at"]), f[2]["ratio"]))
@@ -195,6 +232,11 @@ def _summary(ev: Evidence, results: dict[str, dict[str, Any]], compared: list[st
                 f"(worst {s['worst_layer']})")
     if crashed:
         return f"{', '.join(crashed)} crashed: " + "; ".join(str(ev.runs[n]) for n in crashed)
+    if undecided:
+        n, sn, s = undecided[0]
+        return (f"undecided: {n} is {s['error']:.3g} off the reference on the {sn} input from "
+                f"{s['first_layer_over_tolerance']}, where eager's error {s['eager_error']:.3g} is below one unit of "
+                f"{dname} (no measure of rounding), and {n} does not run in {dtype_name(ev.ref_dtype)} to decide it")
     name, sc_name, s = decided
     refused = [n for n in ev.runs if isinstance(ev.runs[n], str)]
     summary = (f"{', '.join(compared)} agree with eager: worst error {s['error']:.3g} vs eager's "

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from posdiag.checks.kernels.scenarios import Run, Scenario
-from posdiag.model.precision import FinerRun, reference_dtype, run_finer
+from posdiag.model.precision import REFERENCE_FRACTION, FinerRun, reference_dtype, run_finer, streamed_bytes
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import token_states
 
@@ -61,9 +61,30 @@ def run_here(subject: Subject, name: str, scenarios: list[Scenario]) -> Outcome:
 def reference_runs(subject: Subject, scenarios: list[Scenario]) -> FinerRun[list[Run]]:
     """Eager on every scenario in float64 where it fits (precision.reference_dtype), module by
     module, else per block, else the whole model; float32 for a half-precision model that cannot
-    run float64. Judged reached when every run's last hidden state has the reference dtype."""
-    return run_finer(subject, lambda: [forward(subject, sc) for sc in scenarios], reference_dtype(subject),
+    run float64. Judged reached when every run's last hidden state has the reference dtype. None finer
+    fitting is a reason, never the run dtype as its own reference: eager's error would be 0 by construction
+    and the tolerance one unit roundoff, a degenerate floor that fails healthy kernels."""
+    dtype = reference_dtype(subject)
+    if dtype.itemsize <= subject.dtype.itemsize:
+        where = f"free memory on {subject.device.type}" if subject.device.type in REFERENCE_FRACTION else \
+            f"a {subject.device.type} device"
+        return FinerRun(None, dtype, reason=f"no reference more precise than {subject.dtype_name} fits ({where}: "
+                                            f"{streamed_bytes(subject, torch.float64) / 2**20:.0f} MiB for one "
+                                            "block in float64)")
+    return run_finer(subject, lambda: [forward(subject, sc) for sc in scenarios], dtype,
                      reached=lambda runs, dtype: all(r.hidden[-1].dtype == dtype for r in runs), what="reference")
+
+
+def finer_runs(subject: Subject, name: str, scenarios: list[Scenario], dtype: torch.dtype) -> list[Run] | None:
+    """Implementation `name` on every scenario in `dtype` (the reference's), converted as the reference was;
+    None where it cannot run there (no kernel in that dtype, a refusal): its rounding cannot be measured."""
+    try:
+        with implementation(subject, name):
+            got = run_finer(subject, lambda: [forward(subject, sc) for sc in scenarios], dtype,
+                            reached=lambda runs, d: all(r.hidden[-1].dtype == d for r in runs))
+    except Exception:  # refused or crashed in the finer dtype: undecided, the judgement says so
+        return None
+    return got.value if got.ran and got.dtype == dtype else None
 
 
 def forward(subject: Subject, sc: Scenario) -> Run:
