@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from posdiag.model.module_state import restore_state, saved_state
 from posdiag.model.subject import Subject
 from posdiag.tools import rope_math
 
@@ -44,15 +45,15 @@ def rotary_rebuilt(subject: Subject, params: dict[str, Any], partial: float | No
     rebuilt = [_rebuild(m, params, partial) for m in modules]
     if all(_same_buffers(m, r) for m, r in zip(modules, rebuilt, strict=True)):
         raise NotApplicable("the rotary module's frequencies do not change with this parameter")
-    saved = [_state(m) for m in modules]
+    saved = [saved_state(m) for m in modules]
     dims = _rotary_dim_attributes(subject, partial)
     try:
         for owner, name, value in dims:
             setattr(owner, name, value)
         for module, new in zip(modules, rebuilt, strict=True):
-            attrs, buffers = _state(new)[:2]
-            module.__dict__.update(attrs)
-            for name, value in buffers.items():
+            state = saved_state(new)
+            module.__dict__.update(state.attributes)
+            for name, value in state.buffers.items():
                 old = module._buffers.get(name)
                 module._buffers[name] = value if old is None or value is None else value.to(old.device)
         yield
@@ -60,14 +61,8 @@ def rotary_rebuilt(subject: Subject, params: dict[str, Any], partial: float | No
         for owner, name, _value in dims:
             setattr(owner, name, getattr(owner, f"_fit_saved_{name}"))
             delattr(owner, f"_fit_saved_{name}")
-        for module, (attrs, buffers, non_persistent) in zip(modules, saved, strict=True):
-            for key in [k for k in module.__dict__ if not k.startswith("_") and k not in attrs]:
-                delattr(module, key)
-            module.__dict__.update(attrs)
-            module._buffers.clear()
-            module._buffers.update(buffers)
-            module._non_persistent_buffers_set.clear()
-            module._non_persistent_buffers_set.update(non_persistent)
+        for module, state in zip(modules, saved, strict=True):
+            restore_state(module, state)
 
 
 ROTARY_DIM_ATTRIBUTES = ("rotary_ndims", "rotary_dim", "rotary_emb_dim")  # attention modules that slice q/k themselves
@@ -118,12 +113,6 @@ def _same_buffers(a: torch.nn.Module, b: torch.nn.Module) -> bool:
         if value.shape != other.shape or not torch.equal(value.cpu(), other.cpu()):
             return False
     return True
-
-
-def _state(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, Any], set[str]]:
-    attrs = {k: v for k, v in module.__dict__.items() if not k.startswith("_")}
-    buffers = dict(module._buffers)
-    return attrs, buffers, set(module._non_persistent_buffers_set)
 
 
 # --------------------------------------------------------------------------- q/k pairing layout

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from posdiag.checks.rope.capture import attention_modules
+from posdiag.model.module_state import restore_state, saved_state
 from posdiag.model.subject import Subject
 from posdiag.tools import rope_math
 
@@ -112,20 +113,10 @@ def _positions(top: int, extra: tuple[int, ...] = ()) -> np.ndarray:
 @contextlib.contextmanager
 def restored_rotary_state(model: torch.nn.Module):
     """Stateful rotary modules rewrite their buffers and attributes when probed long: put them back."""
-    saved = []
-    for module in model.modules():
-        if any(n.endswith("inv_freq") for n in module._buffers) or hasattr(module, "rope_type"):
-            attrs = {k: v for k, v in module.__dict__.items() if not k.startswith("_")}
-            buffers = {k: (None if v is None else v.detach().clone()) for k, v in module._buffers.items()}
-            saved.append((module, attrs, buffers, set(module._non_persistent_buffers_set)))
+    saved = [(module, saved_state(module, clone=True)) for module in model.modules()
+             if any(n.endswith("inv_freq") for n in module._buffers) or hasattr(module, "rope_type")]
     try:
         yield
     finally:
-        for module, attrs, buffers, non_persistent in saved:
-            for k in [k for k in module.__dict__ if not k.startswith("_") and k not in attrs]:
-                delattr(module, k)
-            module.__dict__.update(attrs)
-            module._buffers.clear()
-            module._buffers.update(buffers)
-            module._non_persistent_buffers_set.clear()
-            module._non_persistent_buffers_set.update(non_persistent)
+        for module, state in saved:
+            restore_state(module, state)
