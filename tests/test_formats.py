@@ -103,3 +103,13 @@ def test_group_options_reach_the_settings(command, tmp_path, monkeypatch):
                        ("fail-on", "'warn'")):
         assert rows[key] == [value, "command line"], (key, rows.get(key))
     assert rows["device"] == ["'auto'", "default"]
+
+
+def test_github_is_the_default_inside_github_actions(monkeypatch, capsys):
+    monkeypatch.setenv("GITHUB_ACTIONS", "true")
+    assert formats.default_stream() == "github"
+    with pytest.raises(typer.Exit):
+        emit(REPORT, Settings(quiet=True))
+    assert capsys.readouterr().out.endswith(format_github(REPORT))
+    monkeypatch.setenv("GITHUB_ACTIONS", "false")
+    assert formats.default_stream() == "console"

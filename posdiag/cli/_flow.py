@@ -92,9 +92,9 @@ def emit(report, settings: Settings, *, baseline: tuple[str, Any] | None = None)
     """Show the console view, write the --format chosen beside it and every file asked for (an interrupted
     run's too, marked incomplete); the exit code is the report's, 130 when interrupted. baseline: (path,
     report) of a first run's baseline to write."""
-    from posdiag.report.formats import CONSOLE, FORMATS
+    from posdiag.report.formats import CONSOLE, FORMATS, default_stream
 
-    chosen = settings.format or ("github" if os.environ.get("GITHUB_ACTIONS") == "true" else "console")
+    chosen = settings.format or default_stream()
     CONSOLE.show(report, console_for(settings.json), quiet=settings.quiet)
     writes: dict[str, str] = {}
     for fmt in FORMATS.values():

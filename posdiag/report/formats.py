@@ -30,6 +30,10 @@ class ReportFormat:
     def format(self, report: Report) -> str:
         raise NotImplementedError
 
+    def default_here(self) -> bool:
+        """A stream format chosen when --format is not given, in the environment it belongs to."""
+        return False
+
 
 class ConsoleFormat(ReportFormat):
     """The human view: header, a line per check, the tables behind each verdict, the verdict panel. The
@@ -63,6 +67,11 @@ class GithubFormat(ReportFormat):
 
         return format_github(report)
 
+    def default_here(self) -> bool:
+        import os
+
+        return os.environ.get("GITHUB_ACTIONS") == "true"
+
 
 class JsonFormat(ReportFormat):
     """The stable, versioned JSON report; a saved baseline is the same document."""
@@ -93,6 +102,11 @@ FORMATS: dict[str, ReportFormat] = {f.name: f for f in (CONSOLE, GithubFormat(),
 def stream_names() -> tuple[str, ...]:
     """The names `--format` accepts, in registry order."""
     return tuple(name for name, fmt in FORMATS.items() if fmt.stream)
+
+
+def default_stream() -> str:
+    """The stream format a run without --format writes: the first that belongs here, else the console."""
+    return next((f.name for f in FORMATS.values() if f.stream and f.default_here()), CONSOLE.name)
 
 
 def format_help() -> str:
