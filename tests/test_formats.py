@@ -1,5 +1,7 @@
-"""Output formats are declared once (posdiag/report/formats.py): `--format` takes the registry's stream
-formats, `emit` writes whatever the registry holds, and a new format needs only its class and its entry."""
+"""Output formats and options are declared once. Formats (posdiag/report/formats.py): `--format` takes the
+registry's stream formats, `emit` writes whatever the registry holds, and a new format needs only its class
+and its entry. Options (cli/options.py groups, cli/groups.takes): every command gets each group's options
+and the values typed reach the settings."""
 
 import dataclasses
 import inspect
@@ -113,3 +115,33 @@ def test_github_is_the_default_inside_github_actions(monkeypatch, capsys):
     assert capsys.readouterr().out.endswith(format_github(REPORT))
     monkeypatch.setenv("GITHUB_ACTIONS", "false")
     assert formats.default_stream() == "console"
+
+
+def test_a_group_refuses_what_it_does_not_hold_and_a_twice_declared_option():
+    from posdiag.cli.groups import Given, takes
+    from posdiag.cli.options import LOAD, OUTPUT
+
+    with pytest.raises(KeyError, match="no option nonsense"):
+        LOAD.without("nonsense")
+    with pytest.raises(KeyError, match="no option nonsense"):
+        LOAD.but(nonsense=LOAD.options["dtype"])
+
+    def command(json: str | None = None, *, output: Given) -> None: ...
+
+    with pytest.raises(TypeError, match="declared twice"):
+        takes(output=OUTPUT)(command)
+
+
+def test_a_command_gets_one_object_per_group():
+    from posdiag.cli.groups import Given, takes
+    from posdiag.cli.options import LOAD, RUN
+
+    seen = {}
+
+    @takes(load=LOAD.only("dtype", "max_memory"), run=RUN.only("seed"))
+    def command(model: str, *, load: Given, run: Given) -> None:
+        seen.update(model=model, load=dict(load), seed=run.seed)
+
+    assert list(inspect.signature(command).parameters) == ["model", "dtype", "max_memory", "seed"]
+    command("m", dtype=LOAD.options["dtype"].default, max_memory="0=1GiB", seed=3)
+    assert seen == {"model": "m", "load": {"dtype": "auto", "max_memory": "0=1GiB"}, "seed": 3}  # enums as values

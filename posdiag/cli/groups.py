@@ -68,6 +68,8 @@ class Given(Mapping[str, Any]):
         self._values = dict(values)
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # never an option (and copy/pickle probe these before __init__)
+            raise AttributeError(name)
         try:
             return self._values[name]
         except KeyError:
