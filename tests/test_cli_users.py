@@ -213,7 +213,7 @@ def test_usage_errors_come_before_loading(args, message, tmp_path, monkeypatch):
     def no_load(settings):
         raise AssertionError("the model was loaded before a usage error")
 
-    monkeypatch.setattr("posdiag.cli.check.load", no_load)
+    monkeypatch.setattr("posdiag.cli.check.load_model", no_load)
     result = invoke("check", ROOT / "fixtures" / "llama-tiny", *args)
     assert result.exit_code == 2, result.output
     lines = result.output.strip().splitlines()

@@ -1,7 +1,8 @@
 """The Typer app: parse, call the API, render, exit. No check logic lives here.
 
-One module per command (check.py holds shuffle and check); options.py holds what they accept and the
-`Settings` they build, _io.py how they end, _flow.py the steps the model commands share. Command
+One module per command (check.py holds shuffle and check); options.py holds what they accept (the option
+groups every command takes through groups.takes) and the `Settings` they build, _io.py how they end,
+_flow.py the steps the model commands share (emit writes the formats of report/formats.py). Command
 modules never import this package's `__init__`; it imports them to register the commands.
 Heavy imports (torch, transformers) happen inside commands so `posdiag --help` is instant.
 """

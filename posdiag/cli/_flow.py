@@ -27,7 +27,7 @@ def quiet_transformers() -> None:
     logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # its retry lines: posdiag says "cannot fetch" once
 
 
-def load(settings: Settings):
+def load_model(settings: Settings):
     """Load settings.model as a Subject (raises PosdiagError; callers guard)."""
     from posdiag.model.loading import load_subject
 
@@ -89,25 +89,23 @@ def tokenize(model: str, text: str, revision: str | None, trust_remote_code: boo
 
 
 def emit(report, settings: Settings, *, baseline: tuple[str, Any] | None = None) -> NoReturn:
-    """Render the report where the settings say and write every file asked for (an interrupted run's
-    too, marked incomplete); the exit code is the report's, 130 when interrupted. baseline: (path,
+    """Show the console view, write the --format chosen beside it and every file asked for (an interrupted
+    run's too, marked incomplete); the exit code is the report's, 130 when interrupted. baseline: (path,
     report) of a first run's baseline to write."""
-    from posdiag.report.console import render
-    from posdiag.report.github import format_github
-    from posdiag.report.json_report import format_json
-    from posdiag.report.junit import format_junit
+    from posdiag.report.formats import CONSOLE, FORMATS, default_stream
 
-    fmt = settings.format or ("github" if os.environ.get("GITHUB_ACTIONS") == "true" else "console")
-    render(report, console_for(settings.json), quiet=settings.quiet)
-    if fmt == "github":
-        (sys.stderr if settings.json == "-" else sys.stdout).write(format_github(report))
-    writes = {settings.json: format_json(report), settings.junit: format_junit(report),
-              settings.save_baseline: format_json(report)}
+    chosen = settings.format or default_stream()
+    CONSOLE.show(report, console_for(settings.json), quiet=settings.quiet)
+    writes: dict[str, str] = {}
+    for fmt in FORMATS.values():
+        if fmt.stream and fmt.name == chosen and fmt is not CONSOLE:
+            (sys.stderr if settings.json == "-" else sys.stdout).write(fmt.format(report))
+        for path in filter(None, (getattr(settings, key) for key in fmt.paths)):
+            writes[path] = fmt.format(report)
     if baseline:
-        writes[baseline[0]] = format_json(baseline[1])
+        writes[baseline[0]] = FORMATS["json"].format(baseline[1])
     for path, text in writes.items():
-        if path:
-            write_output(path, text, settings.debug)
+        write_output(path, text, settings.debug)
     if report.incomplete:
         interrupted()
     raise typer.Exit(report.exit_code)

@@ -12,110 +12,39 @@ from typing import Annotated, NoReturn, TypeVar
 import typer
 
 from posdiag.cli import validate
-from posdiag.cli._flow import emit, load, run_options
+from posdiag.cli._flow import emit, load_model, run_options
 from posdiag.cli._io import fail, guarded
-from posdiag.cli.options import (
-    AttnOpt,
-    ConfigOpt,
-    DebugOpt,
-    Device,
-    DeviceMapOpt,
-    DeviceOpt,
-    DType,
-    DtypeOpt,
-    FailOnOpt,
-    FormatOpt,
-    JsonOpt,
-    JunitOpt,
-    MaxBatchOpt,
-    MaxMemoryOpt,
-    OffloadOpt,
-    OptionalModelArg,
-    PermsOpt,
-    PickleOpt,
-    QuietOpt,
-    RequireOpt,
-    RevisionOpt,
-    SeedOpt,
-    SeqLenOpt,
-    Settings,
-    ShowConfigOpt,
-    TextOpt,
-    TrustOpt,
-    UpcastOpt,
-    resolve,
-)
+from posdiag.cli.groups import Given, takes
+from posdiag.cli.options import CONFIG, GATE, LOAD, OUTPUT, RUN, OptionalModelArg, Settings, resolve
 
 T = TypeVar("T")
 
 OnlyOpt = Annotated[str | None, typer.Option("--only", metavar="NAMES", help="Comma-separated checks to run.")]
 SkipOpt = Annotated[str | None, typer.Option("--skip", metavar="NAMES", help="Comma-separated checks to leave out.")]
-SaveBaselineOpt = Annotated[str | None,
-                            typer.Option("--save-baseline", metavar="PATH",
-                                         help="Also write the JSON report to PATH as a baseline.")]
-BaselineOpt = Annotated[str | None, typer.Option(
-    "--baseline", metavar="PATH", help="Fail when a metric regresses against this stored report; a file that does not "
-                                       "exist yet is written by a passing run (the first run of a CI gate).")]
-BaselineRequiredOpt = Annotated[bool, typer.Option(
-    "--baseline-required", help="A --baseline file that does not exist is a usage error (exit 2) instead of written.")]
 ListOpt = Annotated[bool, typer.Option("--list", help="List every check (name, title, what a PASS proves) and exit.")]
-MarginOpt = Annotated[float,
-                      typer.Option("--baseline-margin", min=1.0, help="Regression factor allowed against --baseline.")]
 
 
-def shuffle(
-    ctx: typer.Context,
-    model: OptionalModelArg = None,
-    revision: RevisionOpt = None, trust_remote_code: TrustOpt = False, dtype: DtypeOpt = DType.auto,
-    device: DeviceOpt = Device.auto, device_map: DeviceMapOpt = None, max_memory: MaxMemoryOpt = None,
-    offload_folder: OffloadOpt = None, attn_implementation: AttnOpt = "eager",
-    upcast: UpcastOpt = True, allow_pickle: PickleOpt = False, seq_len: SeqLenOpt = None, seed: SeedOpt = 0,
-    permutations: PermsOpt = 3, text: TextOpt = None, max_batch: MaxBatchOpt = None, json: JsonOpt = None,
-    junit: JunitOpt = None, format: FormatOpt = None, config: ConfigOpt = None, show_config: ShowConfigOpt = False,
-    fail_on: FailOnOpt = None, quiet: QuietOpt = False, debug: DebugOpt = False,
-) -> None:
+@takes(load=LOAD, run=RUN, output=OUTPUT, gate=GATE.only("fail_on"), config=CONFIG)
+def shuffle(ctx: typer.Context, model: OptionalModelArg = None, *, load: Given, run: Given, output: Given,
+            gate: Given, config: Given) -> None:
     """Permutation test (the headline): do outputs merely permute when the tokens do?"""
-    given = Settings(
-        model=model, revision=revision, trust_remote_code=trust_remote_code, dtype=dtype.value, device=device.value,
-        device_map=device_map, max_memory=max_memory, offload_folder=offload_folder,
-        attn_implementation=attn_implementation, upcast=upcast, allow_pickle=allow_pickle, seq_len=seq_len, seed=seed,
-        permutations=permutations, text=text, max_batch=max_batch, json=json, junit=junit, format=format,
-        config=config, show_config=show_config, fail_on=fail_on, quiet=quiet, debug=debug,
-    )
-    run(ctx, given, fixed_checks=["shuffle"])
+    given = Settings(model=model, **load, **run, **output, **gate, **config)
+    run_command(ctx, given, fixed_checks=["shuffle"])
 
 
-def check(
-    ctx: typer.Context,
-    model: OptionalModelArg = None,
-    only: OnlyOpt = None, skip: SkipOpt = None,
-    revision: RevisionOpt = None, trust_remote_code: TrustOpt = False, dtype: DtypeOpt = DType.auto,
-    device: DeviceOpt = Device.auto, device_map: DeviceMapOpt = None, max_memory: MaxMemoryOpt = None,
-    offload_folder: OffloadOpt = None, attn_implementation: AttnOpt = "eager",
-    upcast: UpcastOpt = True, allow_pickle: PickleOpt = False, seq_len: SeqLenOpt = None, seed: SeedOpt = 0,
-    permutations: PermsOpt = 3, text: TextOpt = None, max_batch: MaxBatchOpt = None, json: JsonOpt = None,
-    junit: JunitOpt = None, format: FormatOpt = None, config: ConfigOpt = None, show_config: ShowConfigOpt = False,
-    save_baseline: SaveBaselineOpt = None, baseline: BaselineOpt = None, baseline_required: BaselineRequiredOpt = False,
-    baseline_margin: MarginOpt = 10.0, fail_on: FailOnOpt = None, require: RequireOpt = None, quiet: QuietOpt = False,
-    debug: DebugOpt = False, list_checks: ListOpt = False,
-) -> None:
+@takes(load=LOAD, run=RUN, output=OUTPUT, gate=GATE, config=CONFIG)
+def check(ctx: typer.Context, model: OptionalModelArg = None, only: OnlyOpt = None, skip: SkipOpt = None,
+          list_checks: ListOpt = False, *, load: Given, run: Given, output: Given, gate: Given,
+          config: Given) -> None:
     """Every applicable check: the CI gate."""
     if list_checks:
         _list_checks()
         raise typer.Exit(0)
-    given = Settings(
-        model=model, only=only, skip=skip, revision=revision, trust_remote_code=trust_remote_code,
-        dtype=dtype.value, device=device.value, device_map=device_map, max_memory=max_memory,
-        offload_folder=offload_folder, attn_implementation=attn_implementation, upcast=upcast,
-        allow_pickle=allow_pickle, seq_len=seq_len, seed=seed, permutations=permutations, text=text,
-        max_batch=max_batch, json=json, junit=junit, format=format, config=config, show_config=show_config,
-        save_baseline=save_baseline, baseline=baseline, baseline_required=baseline_required,
-        baseline_margin=baseline_margin, fail_on=fail_on, require=require, quiet=quiet, debug=debug,
-    )
-    run(ctx, given)
+    given = Settings(model=model, only=only, skip=skip, **load, **run, **output, **gate, **config)
+    run_command(ctx, given)
 
 
-def run(ctx: typer.Context, given: Settings, fixed_checks: list[str] | None = None) -> NoReturn:
+def run_command(ctx: typer.Context, given: Settings, fixed_checks: list[str] | None = None) -> NoReturn:
     """Resolve the settings, then show them, or validate every option, load MODEL, run the checks and
     emit the report."""
     from rich.console import Console
@@ -140,7 +69,7 @@ def run(ctx: typer.Context, given: Settings, fixed_checks: list[str] | None = No
     policy = guarded(lambda: gate_policy(settings.fail_on, settings.require), debug)
     err = Console(stderr=True)
     with err.status(f"loading {settings.model}…"):
-        subject = guarded(lambda: _junit_if_aborted(settings, lambda: load(settings)), debug)
+        subject = guarded(lambda: _junit_if_aborted(settings, lambda: load_model(settings)), debug)
     try:
         options = guarded(lambda: _junit_if_aborted(settings, lambda: run_options(settings, subject)), debug)
         with err.status("running checks…") as status:

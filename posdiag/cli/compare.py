@@ -7,37 +7,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 
 from posdiag.cli import validate
 from posdiag.cli._flow import quiet_transformers, tokenize
 from posdiag.cli._io import console_for, fail, guarded, write_output
-from posdiag.cli.options import (
-    AttnOpt,
-    DebugOpt,
-    Device,
-    DeviceMapOpt,
-    DeviceOpt,
-    DType,
-    DtypeOpt,
-    FailOnOpt,
-    JsonOpt,
-    MaxBatchOpt,
-    MaxMemoryOpt,
-    OffloadOpt,
-    PickleOpt,
-    QuietOpt,
-    RequireOpt,
-    RevisionOpt,
-    SeedOpt,
-    Settings,
-    TextOpt,
-    TrustOpt,
-    UpcastOpt,
-    load_options,
-)
+from posdiag.cli.groups import Given, Opt, takes
+from posdiag.cli.options import GATE, LOAD, OUTPUT, RUN, DType, Settings, load_options
 
 CandidateArg = Annotated[str | None, typer.Argument(
     help="The port to check: hub id, directory, a .gguf file (llama.cpp), or module.path:factory returning a "
@@ -47,33 +25,28 @@ ReferenceArg = Annotated[str, typer.Argument(
     help="The trusted model: hub id, directory, module.path:factory, or (alone) a .gguf file.", show_default=False)]
 
 
-def compare(
-    reference: ReferenceArg,
-    candidate: CandidateArg = None,
-    seq_len: Annotated[int | None, typer.Option(
-        "--seq-len", min=4, help="Tokens to compare (default min(512, both declared contexts, the original context); "
-                                 "with --long: default twice the original context).")] = None,
-    long: Annotated[bool, typer.Option(
-        "--long", help="Run past the original context (rope_parameters.original_max_position_embeddings or "
-                       "max_position_embeddings) to expose scaling bugs.")] = False,
-    layer_map: Annotated[str | None, typer.Option(
-        "--layer-map",
-        help="Align hidden states as REF:CAND index pairs, e.g. '0:0,1:2,2:4' (0 = embeddings).")] = None,
-    plot: Annotated[str | None,
-                    typer.Option("--plot", help="Write a PNG of error vs position (needs matplotlib).")] = None,
-    candidate_dtype: Annotated[DType | None, typer.Option(
-        "--candidate-dtype", help="Load the candidate in this dtype and run it there, not upcast "
-                                  "(e.g. 'is my bf16 deployment the same model?').")] = None,
-    candidate_attn: Annotated[str | None, typer.Option(
-        "--candidate-attn-implementation",
-        help="Attention implementation for the candidate (default: as the reference).")] = None,
-    revision: RevisionOpt = None, trust_remote_code: TrustOpt = False, dtype: DtypeOpt = DType.auto,
-    device: DeviceOpt = Device.auto, device_map: DeviceMapOpt = None, max_memory: MaxMemoryOpt = None,
-    offload_folder: OffloadOpt = None, attn_implementation: AttnOpt = "eager",
-    upcast: UpcastOpt = True, allow_pickle: PickleOpt = False, seed: SeedOpt = 0, text: TextOpt = None,
-    max_batch: MaxBatchOpt = None, fail_on: FailOnOpt = None, require: RequireOpt = None, json: JsonOpt = None,
-    quiet: QuietOpt = False, debug: DebugOpt = False,
-) -> None:
+CompareSeqLenOpt = Annotated[int | None, typer.Option(
+    "--seq-len", min=4, help="Tokens to compare (default min(512, both declared contexts, the original context); "
+                             "with --long: default twice the original context).")]
+LongOpt = Annotated[bool, typer.Option(
+    "--long", help="Run past the original context (rope_parameters.original_max_position_embeddings or "
+                   "max_position_embeddings) to expose scaling bugs.")]
+LayerMapOpt = Annotated[str | None, typer.Option(
+    "--layer-map", help="Align hidden states as REF:CAND index pairs, e.g. '0:0,1:2,2:4' (0 = embeddings).")]
+ComparePlotOpt = Annotated[str | None,
+                           typer.Option("--plot", help="Write a PNG of error vs position (needs matplotlib).")]
+CandidateDtypeOpt = Annotated[DType | None, typer.Option(
+    "--candidate-dtype", help="Load the candidate in this dtype and run it there, not upcast "
+                              "(e.g. 'is my bf16 deployment the same model?').")]
+CandidateAttnOpt = Annotated[str | None, typer.Option(
+    "--candidate-attn-implementation", help="Attention implementation for the candidate (default: as the reference).")]
+
+
+@takes(load=LOAD, run=RUN.only("seq_len", "seed", "text").but(seq_len=Opt(CompareSeqLenOpt)),
+       gate=GATE.only("fail_on", "require"), output=OUTPUT.only("json", "quiet", "debug"))
+def compare(reference: ReferenceArg, candidate: CandidateArg = None, long: LongOpt = False,
+            layer_map: LayerMapOpt = None, plot: ComparePlotOpt = None, candidate_dtype: CandidateDtypeOpt = None,
+            candidate_attn: CandidateAttnOpt = None, *, load: Given, run: Given, gate: Given, output: Given) -> None:
     """Compare a port with its reference, layer by layer and position by position.
 
     Same token ids, same dtype (unless --candidate-dtype). A position bug shows as error that is
@@ -106,48 +79,50 @@ def compare(
     handling at float32 noise; the file against its twin is what quantisation alone adds. The same split
     judges a quantised candidate against any reference (K-quants too: nothing is re-quantised).
     """
-    settings = Settings(  # the reference's; the candidate's differ only where the candidate options say
-        model=reference, revision=revision, trust_remote_code=trust_remote_code, dtype=dtype.value, device=device.value,
-        device_map=device_map, max_memory=max_memory, offload_folder=offload_folder,
-        attn_implementation=attn_implementation, upcast=upcast, allow_pickle=allow_pickle, seq_len=seq_len, seed=seed,
-        text=text, max_batch=max_batch, json=json, quiet=quiet, debug=debug,
+    settings = Settings(model=reference, **load, **run, **output)  # the reference's
+    candidate = _candidate_spec(reference, candidate)
+    from posdiag.api import gate_policy
+
+    policy = guarded(lambda: gate_policy(gate.fail_on, gate.require, also=("compare",)), output.debug)
+    validate.outputs(json=output.json, plot=plot)
+    if plot:
+        _require_matplotlib()
+    mapping = guarded(lambda: _layer_map(layer_map), output.debug) if layer_map else None
+    candidate_settings = replace(  # the candidate's differ only where the candidate options say
+        settings, model=candidate, dtype=candidate_dtype.value if candidate_dtype else load.dtype,
+        attn_implementation=candidate_attn or load.attn_implementation, upcast=load.upcast and candidate_dtype is None,
     )
+    ref, cand = _load_both(settings, candidate_settings)
+    comparison = _compare(ref, cand, settings, long, mapping)
+    _emit(comparison, ref, policy, settings, plot, f"posdiag compare {Path(reference).name} vs {Path(candidate).name}")
+
+
+def _candidate_spec(reference: str, candidate: str | None) -> str:
+    """Both specs checked before anything loads; a .gguf REFERENCE alone is its own candidate."""
     validate.model_spec(reference)
     if candidate is None:
         if not reference.lower().endswith(".gguf"):
-            from posdiag.cli._io import fail
-
             fail("compare needs REFERENCE and CANDIDATE; only a .gguf file is compared alone (with itself, "
                  "dequantised)")
         candidate = reference
     validate.model_spec(candidate)
-    from posdiag.api import gate_policy
+    return candidate
 
-    policy = guarded(lambda: gate_policy(fail_on, require, also=("compare",)), debug)
-    validate.outputs(json=json, plot=plot)
-    if plot:
-        _require_matplotlib()
-    mapping = guarded(lambda: _layer_map(layer_map), debug) if layer_map else None
-    candidate_settings = replace(
-        settings, model=candidate, dtype=candidate_dtype.value if candidate_dtype else dtype.value,
-        attn_implementation=candidate_attn or attn_implementation, upcast=upcast and candidate_dtype is None,
-    )
-    ref, cand = _load_both(settings, candidate_settings)
 
+def _emit(comparison, ref, policy, settings: Settings, plot: str | None, title: str) -> NoReturn:
+    """The comparison as a report: the console view, the JSON file, the plot; its exit code is the command's."""
     from posdiag.api import versions
     from posdiag.report.compare_console import render_compare, write_png
-    from posdiag.report.json_report import format_json
+    from posdiag.report.formats import FORMATS
     from posdiag.results import Report
 
-    comparison = _compare(ref, cand, settings, long, mapping)
     report = Report(model=ref.info, checks=(comparison.result,), versions=versions(), policy=policy)
-    out = console_for(json)
-    render_compare(report, out, quiet=quiet)
-    if json:
-        write_output(json, format_json(report), debug)
+    out = console_for(settings.json)
+    render_compare(report, out, quiet=settings.quiet)
+    if settings.json:
+        write_output(settings.json, FORMATS["json"].format(report), settings.debug)
     if plot and comparison.profiles:
-        guarded(lambda: write_png(plot, comparison,
-                                  f"posdiag compare {Path(reference).name} vs {Path(candidate).name}"), debug)
+        guarded(lambda: write_png(plot, comparison, title), settings.debug)
         out.print(f"plot written to {plot}", style="dim")
     raise typer.Exit(report.exit_code)
 

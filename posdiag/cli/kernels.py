@@ -18,25 +18,10 @@ from typing import Annotated, NoReturn
 import typer
 
 from posdiag.cli import validate
-from posdiag.cli._flow import emit, load, run_options
+from posdiag.cli._flow import emit, load_model, run_options
 from posdiag.cli._io import console_for, fail, guarded, without_profiler_noise, write_output
-from posdiag.cli.options import (
-    DebugOpt,
-    Device,
-    DeviceMapOpt,
-    DeviceOpt,
-    DType,
-    JsonOpt,
-    MaxMemoryOpt,
-    OffloadOpt,
-    PickleOpt,
-    QuietOpt,
-    RevisionOpt,
-    SeedOpt,
-    SeqLenOpt,
-    Settings,
-    TrustOpt,
-)
+from posdiag.cli.groups import Given, Group, Opt, takes
+from posdiag.cli.options import LOAD, OUTPUT, RUN, DType, Settings
 
 SyntheticOpt = Annotated[bool, typer.Option("--synthetic", help="No model: random q/k/v of the shape below.")]
 ImplOpt = Annotated[str | None,
@@ -77,47 +62,37 @@ SDtypeOpt = Annotated[str,
                       typer.Option("--dtype",
                                    help="Model: load dtype (auto = the checkpoint's). Synthetic: float32, bfloat16, "
                                         "float16 or float64.")]
+KernelsModelArg = Annotated[str | None, typer.Argument(
+    help="Hub id, local checkpoint directory, or module.path:factory (omit with --synthetic).", show_default=False)]
+
+SHAPE = Group("shape", {  # kernels --synthetic only
+    "batch": Opt(BatchOpt, 2), "heads": Opt(HeadsOpt, 8), "kv_heads": Opt(KvHeadsOpt), "q_len": Opt(QLenOpt, 256),
+    "k_len": Opt(KLenOpt), "head_dim": Opt(HeadDimOpt, 64), "causal": Opt(CausalOpt, True),
+    "alignment": Opt(AlignOpt, "bottom_right"), "padding": Opt(PaddingOpt, 0), "window": Opt(WindowOpt),
+    "sweep": Opt(SweepOpt, False), "sweep_to": Opt(SweepToOpt), "repeats": Opt(RepeatsOpt, 3),
+    "memory": Opt(MemoryOpt, True),
+})
+# the kernels check compares implementations against eager, each at the precision it runs in
+KERNELS_LOAD = LOAD.without("attn_implementation", "max_batch").but(dtype=Opt(SDtypeOpt, "auto"),
+                                                                     upcast=Opt(KUpcastOpt, False))
 
 
-
-
-def kernels(
-    model: Annotated[str | None,
-                     typer.Argument(help="Hub id, local checkpoint directory, or module.path:factory (omit with "
-                                         "--synthetic).", show_default=False)] = None,
-    synthetic: SyntheticOpt = False, impl: ImplOpt = None,
-    batch: BatchOpt = 2, heads: HeadsOpt = 8, kv_heads: KvHeadsOpt = None, q_len: QLenOpt = 256, k_len: KLenOpt = None,
-    head_dim: HeadDimOpt = 64, causal: CausalOpt = True, alignment: AlignOpt = "bottom_right", padding: PaddingOpt = 0,
-    window: WindowOpt = None, sweep: SweepOpt = False, sweep_to: SweepToOpt = None, repeats: RepeatsOpt = 3,
-    memory: MemoryOpt = True,
-    revision: RevisionOpt = None, trust_remote_code: TrustOpt = False, dtype: SDtypeOpt = "auto",
-    device: DeviceOpt = Device.auto, device_map: DeviceMapOpt = None, max_memory: MaxMemoryOpt = None,
-    offload_folder: OffloadOpt = None, upcast: KUpcastOpt = False,
-    allow_pickle: PickleOpt = False, seq_len: SeqLenOpt = None, seed: SeedOpt = 0, json: JsonOpt = None,
-    quiet: QuietOpt = False, debug: DebugOpt = False,
-) -> None:
+@takes(shape=SHAPE, load=KERNELS_LOAD, run=RUN.only("seq_len", "seed"), output=OUTPUT.only("json", "quiet", "debug"))
+def kernels(model: KernelsModelArg = None, synthetic: SyntheticOpt = False, impl: ImplOpt = None, *, shape: Given,
+            load: Given, run: Given, output: Given) -> None:
     """Eager vs SDPA vs FlashAttention on MODEL, per layer; or --synthetic: kernels on random q/k/v."""
     if synthetic:
         if model:
             fail("--synthetic takes no MODEL")
-        _synthetic(SyntheticRun(
-            batch=batch, heads=heads, kv_heads=kv_heads, q_len=q_len, k_len=k_len, head_dim=head_dim, causal=causal,
-            alignment=alignment, padding=padding, window=window,
-            sweep=(sweep_to or 8 * q_len) if (sweep or sweep_to) else None, repeats=repeats, memory=memory,
-            dtype=dtype, device=device.value, seed=seed, json=json, quiet=quiet, debug=debug,
-        ))
+        _synthetic(SyntheticRun.of(shape, load, run, output))
     if not model:
         fail("no MODEL given (or pass --synthetic for random q/k/v)")
     validate.model_spec(model)
-    validate.outputs(json=json)
-    if dtype not in [d.value for d in DType]:
-        fail(f"--dtype {dtype}: use one of {', '.join(d.value for d in DType)}")
-    settings = Settings(  # the kernels check alone, eager as the baseline, one pass per input
-        model=model, revision=revision, trust_remote_code=trust_remote_code, dtype=dtype, device=device.value,
-        device_map=device_map, max_memory=max_memory, offload_folder=offload_folder, attn_implementation="eager",
-        upcast=upcast, allow_pickle=allow_pickle, seq_len=seq_len, seed=seed, permutations=1, json=json,
-        quiet=quiet, debug=debug,
-    )
+    validate.outputs(json=output.json)
+    if load.dtype not in [d.value for d in DType]:
+        fail(f"--dtype {load.dtype}: use one of {', '.join(d.value for d in DType)}")
+    # the kernels check alone, eager as the baseline, one pass per input
+    settings = Settings(model=model, **load, **run, **output, attn_implementation="eager", permutations=1)
     if impl:
         names = [n.strip() for n in impl.split(",") if n.strip()]
         settings = replace(settings, check_options={"kernels": {"implementations": names}})
@@ -132,7 +107,7 @@ def _model(settings: Settings) -> None:
     debug = settings.debug
     err = Console(stderr=True)
     with err.status(f"loading {settings.model}…"):
-        subject = guarded(lambda: load(settings), debug)
+        subject = guarded(lambda: load_model(settings), debug)
     options = guarded(lambda: run_options(settings, subject), debug)
     with err.status("comparing attention implementations…"):
         report = guarded(lambda: run_checks(subject, ["kernels"], options), debug)
@@ -162,6 +137,14 @@ class SyntheticRun:
     json: str | None
     quiet: bool
     debug: bool
+
+    @classmethod
+    def of(cls, shape: Given, load: Given, run: Given, output: Given) -> SyntheticRun:
+        """From the command's groups: --sweep-to implies --sweep (default 8 x --q-len)."""
+        sweep = (shape.sweep_to or 8 * shape.q_len) if (shape.sweep or shape.sweep_to) else None
+        given = {k: v for k, v in shape.items() if k not in ("sweep", "sweep_to")}
+        return cls(**given, sweep=sweep, dtype=load.dtype, device=load.device, seed=run.seed, json=output.json,
+                   quiet=output.quiet, debug=output.debug)
 
 
 def _synthetic(run: SyntheticRun) -> NoReturn:

@@ -11,6 +11,9 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from posdiag.cli.groups import Group, Opt
+from posdiag.report.formats import format_help, stream_names
+
 if TYPE_CHECKING:
     from posdiag.options import LoadOptions
 
@@ -78,8 +81,7 @@ JsonOpt = Annotated[str | None,
                     typer.Option("--json", metavar="PATH", help="Write the JSON report to PATH ('-' for stdout).")]
 JunitOpt = Annotated[str | None, typer.Option("--junit", metavar="PATH", help="Write a JUnit XML report to PATH.")]
 FormatOpt = Annotated[str | None,
-                      typer.Option("--format", metavar="console|github",
-                                   help="console or github (::error annotations; default in GitHub Actions).")]
+                      typer.Option("--format", metavar="|".join(stream_names()), help=format_help())]
 ConfigOpt = Annotated[Path | None,
                       typer.Option("--config", metavar="PATH",
                                    help="Config file (default: posdiag.toml or [tool.posdiag] in pyproject.toml).")]
@@ -88,8 +90,39 @@ FailOnOpt = Annotated[str | None, typer.Option(
     "--fail-on", help="Also fail the gate (exit 1) on these statuses: warn, skip or warn,skip (a FAIL always fails).")]
 RequireOpt = Annotated[str | None, typer.Option(
     "--require", help="Comma-separated checks that must PASS: one that warns, skips or does not run fails the gate.")]
+SaveBaselineOpt = Annotated[str | None,
+                            typer.Option("--save-baseline", metavar="PATH",
+                                         help="Also write the JSON report to PATH as a baseline.")]
+BaselineOpt = Annotated[str | None, typer.Option(
+    "--baseline", metavar="PATH", help="Fail when a metric regresses against this stored report; a file that does not "
+                                       "exist yet is written by a passing run (the first run of a CI gate).")]
+BaselineRequiredOpt = Annotated[bool, typer.Option(
+    "--baseline-required", help="A --baseline file that does not exist is a usage error (exit 2) instead of written.")]
+MarginOpt = Annotated[float,
+                      typer.Option("--baseline-margin", min=1.0, help="Regression factor allowed against --baseline.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="One line per check.")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")]
+
+# The option groups every command takes (a part of, through cli.groups.takes); defaults are Settings' own.
+LOAD = Group("load", {
+    "revision": Opt(RevisionOpt), "trust_remote_code": Opt(TrustOpt, False), "dtype": Opt(DtypeOpt, DType.auto),
+    "device": Opt(DeviceOpt, Device.auto), "device_map": Opt(DeviceMapOpt), "max_memory": Opt(MaxMemoryOpt),
+    "offload_folder": Opt(OffloadOpt), "attn_implementation": Opt(AttnOpt, "eager"), "upcast": Opt(UpcastOpt, True),
+    "allow_pickle": Opt(PickleOpt, False), "max_batch": Opt(MaxBatchOpt),
+})
+RUN = Group("run", {
+    "seq_len": Opt(SeqLenOpt), "seed": Opt(SeedOpt, 0), "permutations": Opt(PermsOpt, 3), "text": Opt(TextOpt),
+})
+OUTPUT = Group("output", {
+    "json": Opt(JsonOpt), "junit": Opt(JunitOpt), "format": Opt(FormatOpt), "quiet": Opt(QuietOpt, False),
+    "debug": Opt(DebugOpt, False),
+})
+GATE = Group("gate", {
+    "fail_on": Opt(FailOnOpt), "require": Opt(RequireOpt), "save_baseline": Opt(SaveBaselineOpt),
+    "baseline": Opt(BaselineOpt), "baseline_required": Opt(BaselineRequiredOpt, False),
+    "baseline_margin": Opt(MarginOpt, 10.0),
+})
+CONFIG = Group("config", {"config": Opt(ConfigOpt), "show_config": Opt(ShowConfigOpt, False)})
 
 
 @dataclass(frozen=True)
@@ -124,7 +157,7 @@ class Settings:
     # output
     json: str | None = None  # JSON report path, '-' for stdout
     junit: str | None = None
-    format: str | None = None  # console | github; None = github inside GitHub Actions
+    format: str | None = None  # a stream format of report.formats; None = github inside GitHub Actions
     save_baseline: str | None = None
     baseline: str | None = None  # a missing file is written by a passing run, unless baseline_required
     baseline_required: bool = False

@@ -11,28 +11,10 @@ from typing import Annotated, Any
 import typer
 
 from posdiag.cli import validate
-from posdiag.cli._flow import load, quiet_transformers
+from posdiag.cli._flow import load_model, quiet_transformers
 from posdiag.cli._io import console_for, fail, guarded, write_output
-from posdiag.cli.options import (
-    AttnOpt,
-    DebugOpt,
-    Device,
-    DeviceMapOpt,
-    DeviceOpt,
-    DType,
-    DtypeOpt,
-    JsonOpt,
-    MaxMemoryOpt,
-    ModelArg,
-    OffloadOpt,
-    PickleOpt,
-    QuietOpt,
-    RevisionOpt,
-    SeedOpt,
-    Settings,
-    TrustOpt,
-    UpcastOpt,
-)
+from posdiag.cli.groups import Given, takes
+from posdiag.cli.options import LOAD, OUTPUT, RUN, ModelArg, Settings
 
 TargetOpt = Annotated[int | None,
                       typer.Option("--target-length", min=1,
@@ -48,22 +30,12 @@ ProbeOpt = Annotated[str | None,
 PROBES = ("copy",)
 
 
-def rope(
-    model: ModelArg,
-    target_length: TargetOpt = None, config_only: ConfigOnlyOpt = False, plot: PlotOpt = None, probe: ProbeOpt = None,
-    revision: RevisionOpt = None, trust_remote_code: TrustOpt = False, dtype: DtypeOpt = DType.auto,
-    device: DeviceOpt = Device.auto, device_map: DeviceMapOpt = None, max_memory: MaxMemoryOpt = None,
-    offload_folder: OffloadOpt = None, attn_implementation: AttnOpt = "eager",
-    upcast: UpcastOpt = True, allow_pickle: PickleOpt = False, seed: SeedOpt = 0, json: JsonOpt = None,
-    quiet: QuietOpt = False, debug: DebugOpt = False,
-) -> None:
+@takes(load=LOAD.without("max_batch"), run=RUN.only("seed"), output=OUTPUT.only("json", "quiet", "debug"))
+def rope(model: ModelArg, target_length: TargetOpt = None, config_only: ConfigOnlyOpt = False, plot: PlotOpt = None,
+         probe: ProbeOpt = None, *, load: Given, run: Given, output: Given) -> None:
     """RoPE analysis: frequencies vs training/target length from the config, then the module probe."""
-    settings = Settings(
-        model=model, revision=revision, trust_remote_code=trust_remote_code, dtype=dtype.value, device=device.value,
-        device_map=device_map, max_memory=max_memory, offload_folder=offload_folder,
-        attn_implementation=attn_implementation, upcast=upcast, allow_pickle=allow_pickle, seed=seed, json=json,
-        quiet=quiet, debug=debug,
-    )
+    settings = Settings(model=model, **load, **run, **output)
+    json, quiet, debug = output.json, output.quiet, output.debug
     validate.model_spec(model)
     validate.outputs(json=json, plot=plot)
     gguf = model.lower().endswith(".gguf") and Path(model).is_file()  # a MODEL, dequantised by transformers
@@ -82,8 +54,8 @@ def rope(
     if factory and config_only:
         fail("--config-only needs a config.json, a checkpoint directory or a hub id, not a module:factory")
     loaded = factory or (gguf and not config_only)
-    subject = guarded(lambda: load(settings), debug) if loaded else None
-    config = subject.config if loaded else guarded(lambda: _read_config(model, revision, trust_remote_code), debug)
+    subject = guarded(lambda: load_model(settings), debug) if loaded else None
+    config = subject.config if loaded else guarded(lambda: _read_config(settings), debug)
     specs = rope_math.rope_specs(config) if getattr(config, "model_type", "custom") != "custom" else []
     if not specs and static_only:
         fail(f"'{model}' describes no rotary position embedding (model type {getattr(config, 'model_type', '?')})")
@@ -115,11 +87,12 @@ def _check_extras(probe: str | None, plot: str | None, static_only: bool):
 
 
 # --------------------------------------------------------------------------- inputs
-def _read_config(model: str, revision: str | None, trust: bool):
+def _read_config(settings: Settings):
     from transformers import AutoConfig
 
     from posdiag.errors import PosdiagError
 
+    model = settings.model
     path = Path(model)
     if path.exists():
         if path.is_dir() and not (path / "config.json").is_file():
@@ -129,7 +102,8 @@ def _read_config(model: str, revision: str | None, trust: bool):
     try:
         if path.is_file() and model.lower().endswith(".gguf"):
             return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-        return AutoConfig.from_pretrained(model, revision=revision, trust_remote_code=trust)
+        return AutoConfig.from_pretrained(model, revision=settings.revision,
+                                          trust_remote_code=settings.trust_remote_code)
     except Exception as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         if "trust_remote_code" in first or "custom code" in first:
@@ -186,7 +160,7 @@ def _run_probe(settings: Settings, subject: Any, target_length: int | None, copy
     err = Console(stderr=True)
     if subject is None:
         with err.status(f"loading {settings.model}…"):
-            subject = guarded(lambda: load(settings), debug)
+            subject = guarded(lambda: load_model(settings), debug)
     options = RunOptions(seed=settings.seed,
                          check_options={"rope": {"target_length": target_length}} if target_length else {})
     with err.status("probing the rotation…"):

@@ -10,8 +10,7 @@ from pathlib import Path
 
 from posdiag.cli._io import fail
 from posdiag.cli.options import Settings
-
-FORMATS = ("console", "github")
+from posdiag.report.formats import stream_names
 
 
 def model_spec(spec: str) -> None:
@@ -49,8 +48,10 @@ def _did_you_mean(spec: str) -> str:
 
 
 def output_format(settings: Settings) -> None:
-    if settings.format is not None and settings.format not in FORMATS:
-        fail(f"--format {settings.format}: use {' or '.join(FORMATS)}")
+    """--format names one of the registry's stream formats."""
+    names = stream_names()
+    if settings.format is not None and settings.format not in names:
+        fail(f"--format {settings.format}: use {' or '.join(names)}")
 
 
 def outputs(**paths: str | None) -> None:

@@ -30,21 +30,39 @@ Z_SIGNIFICANT = 3.0
 
 
 def run(subject: Subject, lengths: list[int], seed: int = 0) -> CheckResult:
+    """Plan the lengths, measure the copy at each, judge within the declared context against beyond it."""
     if subject.kind != "causal":
         return CheckResult("copy", Status.SKIP, f"the copy probe needs a causal language model ({subject.kind} given)")
     bos = getattr(subject.config, "bos_token_id", None)
     prefix = [bos] if isinstance(bos, int) and 0 <= bos < subject.vocab_size else []
-    ordinary = subject.vocab_size - len(subject.special_ids() | set(range(min(4, subject.vocab_size))))
-    plan = []  # (length asked, copy distance n)
+    plan = _plan(lengths, prefix)
+    if isinstance(plan, CheckResult):
+        return plan
+    measured = _measure(subject, prefix, plan, seed)
+    if isinstance(measured, CheckResult):
+        return measured
+    per_length, by_position = measured
+    return _judge(subject, prefix, per_length, by_position)
+
+
+def _plan(lengths: list[int], prefix: list[int]) -> list[tuple[int, int]] | CheckResult:
+    """(length asked, copy distance n) per length; SKIP when one is too short to copy."""
+    plan = []
     for length in sorted({int(x) for x in lengths}):
         n = (length - len(prefix)) // 2
         if n < 2:
             return CheckResult("copy", Status.SKIP,
                                f"length {length} is too short to copy (needs at least {len(prefix) + 4})")
         plan.append((length, n))
-    chance = 1.0 / max(1, ordinary)
+    return plan
+
+
+def _measure(subject: Subject, prefix: list[int], plan: list[tuple[int, int]],
+             seed: int) -> tuple[list[dict], dict[int, list[int]]] | CheckResult:
+    """The hits per length, and pooled by target position ([correct, total]); SKIP without logits, FAIL on
+    non-finite ones."""
     per_length = []
-    by_position: dict[int, list[int]] = {}  # target position -> [correct, total]
+    by_position: dict[int, list[int]] = {}
     for i, (length, n) in enumerate(plan):
         hit = _copy_hits(subject, prefix, n, seed + 101 * i)
         if hit is None:
@@ -58,32 +76,48 @@ def run(subject: Subject, lengths: list[int], seed: int = 0) -> CheckResult:
             cell[1] += hit.shape[0]
         per_length.append({"length": len(prefix) + 2 * n, "asked": length, "distance": n,
                            "correct": int(hit.sum()), "total": hit.numel(), "accuracy": float(hit.float().mean())})
+    return per_length, by_position
 
+
+def _judge(subject: Subject, prefix: list[int], per_length: list[dict],
+           by_position: dict[int, list[int]]) -> CheckResult:
+    """Accuracy within the declared context against chance (does it copy at all?), then beyond it against
+    within (does the copy survive?)."""
+    ordinary = subject.vocab_size - len(subject.special_ids() | set(range(min(4, subject.vocab_size))))
+    chance = 1.0 / max(1, ordinary)
     declared = subject.max_positions
     reference = declared if declared is not None else max(p["length"] for p in per_length)
     inside = [p for p in per_length if p["length"] <= reference]
     outside = [p for p in per_length if p["length"] > reference]
     acc_in, n_in = _pool(inside)
-    acc_out, n_out = _pool(outside)
-    metrics = {"reference_length": reference, "accuracy_within": acc_in, "accuracy_beyond": acc_out, "chance": chance,
-               "rows_per_length": ROWS_PER_LENGTH}
+    metrics = {"reference_length": reference, "accuracy_within": acc_in, "accuracy_beyond": _pool(outside)[0],
+               "chance": chance, "rows_per_length": ROWS_PER_LENGTH}
     details = {"lengths": per_length, "reference": "declared context (max_position_embeddings)" if declared else
                "no declared context: the longest length probed", "bos_prefix": bool(prefix),
                "accuracy_by_position": {str(k): v[0] / v[1] for k, v in sorted(by_position.items())}}
     tables = (_length_table(per_length, reference), _position_table(by_position, reference))
 
+    def verdict(status: Status, summary: str) -> CheckResult:
+        return CheckResult("copy", status, summary, metrics, details, tables)
+
     if not inside:
-        return CheckResult("copy", Status.SKIP, f"no probed length fits the declared context ({reference} tokens): "
-                           f"nothing to compare against", metrics, details, tables)
+        return verdict(Status.SKIP, f"no probed length fits the declared context ({reference} tokens): "
+                       f"nothing to compare against")
     z_copy = _z(acc_in, n_in, chance)
     metrics["z_above_chance"] = z_copy
     if z_copy < Z_SIGNIFICANT:
-        return CheckResult("copy", Status.SKIP, f"the model does not copy within {reference} tokens (accuracy "
-                           f"{acc_in:.3f}, chance {chance:.3f}): the probe cannot speak to longer lengths",
-                           metrics, details, tables)
+        return verdict(Status.SKIP, f"the model does not copy within {reference} tokens (accuracy {acc_in:.3f}, "
+                       f"chance {chance:.3f}): the probe cannot speak to longer lengths")
     if not outside:
-        return CheckResult("copy", Status.PASS, f"copy accuracy {acc_in:.3f} up to {reference} tokens; no length "
-                           f"beyond the declared context was probed", metrics, details, tables)
+        return verdict(Status.PASS, f"copy accuracy {acc_in:.3f} up to {reference} tokens; no length beyond the "
+                       f"declared context was probed")
+    return _judge_beyond(verdict, metrics, inside, outside, reference)
+
+
+def _judge_beyond(verdict, metrics: dict, inside: list[dict], outside: list[dict], reference: int) -> CheckResult:
+    """WARN when accuracy past the declared context is significantly lower than within it (z > 3)."""
+    acc_in, n_in = _pool(inside)
+    acc_out, n_out = _pool(outside)
     z_drop = _two_proportion_z(acc_in, n_in, acc_out, n_out)
     metrics["z_drop"] = z_drop
     first_bad = next((p for p in outside if _two_proportion_z(acc_in, n_in, p["accuracy"], p["total"]) > Z_SIGNIFICANT),
@@ -91,14 +125,13 @@ def run(subject: Subject, lengths: list[int], seed: int = 0) -> CheckResult:
     if z_drop > Z_SIGNIFICANT and first_bad is not None:
         worst = min(outside, key=lambda p: p["accuracy"])
         metrics["degrades_from_length"] = first_bad["length"]
-        return CheckResult(
-            "copy", Status.WARN,
+        return verdict(
+            Status.WARN,
             f"copy accuracy falls past the declared context of {reference} tokens: {acc_in:.3f} within, "
             f"{first_bad['accuracy']:.3f} at length {first_bad['length']} (copy distance {first_bad['distance']}), "
-            f"{worst['accuracy']:.3f} at length {worst['length']} (z = {z_drop:.1f})",
-            metrics, details, tables)
-    return CheckResult("copy", Status.PASS, f"copy accuracy holds past the declared context of {reference} tokens: "
-                       f"{acc_in:.3f} within, {acc_out:.3f} beyond (z = {z_drop:.1f})", metrics, details, tables)
+            f"{worst['accuracy']:.3f} at length {worst['length']} (z = {z_drop:.1f})")
+    return verdict(Status.PASS, f"copy accuracy holds past the declared context of {reference} tokens: "
+                   f"{acc_in:.3f} within, {acc_out:.3f} beyond (z = {z_drop:.1f})")
 
 
 def _copy_hits(subject: Subject, prefix: list[int], n: int, seed: int) -> torch.Tensor | str | None:

@@ -27,6 +27,7 @@ Shape of the error, which names the cause:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,6 +47,26 @@ from posdiag.tools.port_shapes import classify
 from posdiag.verdict import FAIL_RATIO, noise_floor
 
 
+@dataclass
+class _Run:
+    """One engine comparison as its phases fill it in: the ids, the reference's logits, the floor per
+    position (raised by a quantised engine's own error) and the profiles judged against it."""
+
+    ids: torch.Tensor
+    length: int
+    covered: int  # positions the engine runs (its context may be shorter)
+    info: dict[str, Any]
+    boundaries: dict[str, int]
+    ref: torch.Tensor  # the reference's logits [T, V], float64
+    dtype: str
+    floor: float
+    floor_source: str
+    floors: torch.Tensor  # [length] float64
+    split: Any = None  # quant_twin's split of a quantised file's error, when it was measured
+    inconclusive: str | None = None
+    profiles: list[LayerProfile] = field(default_factory=list)
+
+
 def compare_engine(reference: Subject, engine: Engine, options: RunOptions | None = None, *,
                    long: bool = False) -> Comparison:
     """Compare a logits-only ENGINE with REFERENCE on the same ids. Never prints; raises
@@ -53,13 +74,31 @@ def compare_engine(reference: Subject, engine: Engine, options: RunOptions | Non
     options = options or RunOptions()
     if reference.kind != "causal":
         raise PosdiagError(f"an engine is compared with a causal (decoder-only) reference, not a {reference.kind} one")
+    before = reference.forward_count
+    run = _reference_run(reference, engine, options, long)
+    run_ids = run.ids[:run.covered].tolist()
+    notes: list[str] = []
+    cand = _vocab(engine.run(run_ids), run.ref, notes)
+    if engine.quantization:
+        _quantisation_floors(run, reference, engine, run_ids, cand)
+    tolerances = FAIL_RATIO * run.floors
+    tolerance = float(tolerances[:run.covered].median())
+    _logit_profiles(run, engine, run_ids, cand, tolerances)
+    details = _details(run, reference, engine, cand, notes)
+    result = _verdict(run.profiles, engine, run.length, details, reference.forward_count - before, run.inconclusive,
+                      tolerance)
+    return Comparison(result, tuple(reversed(run.profiles)), run.length)
+
+
+def _reference_run(reference: Subject, engine: Engine, options: RunOptions, long: bool) -> _Run:
+    """The ids, the reference's logits on them, and its rounding floor (float32 against float64, raised by
+    the approximations the engine declares)."""
     boundaries = declared_boundaries(reference, engine)
     length, info = probe_length(reference, options, long, boundaries)
     if options.token_ids is not None:
         ids = torch.tensor(options.token_ids, dtype=torch.long)
     else:
         ids = reference.sample_ids(1, length, options.seed)[0].cpu()
-    before = reference.forward_count
     stack = reference.stacks[-1]
     ref = run_stack(reference, ids, stack, "reference").logits
     if ref is None:
@@ -71,61 +110,70 @@ def compare_engine(reference: Subject, engine: Engine, options: RunOptions | Non
     approx = approximation_floor(reference, ids, stack, engine, ref)
     if approx is not None and approx[0] > floor:
         floor, floor_source = approx[0], f"{floor_source}; raised to {approx[0]:.2g} by {approx[1]}"
-
     covered = min(length, engine.context_length) if engine.context_length else length
-    run_ids = ids[:covered].tolist()
-    notes: list[str] = []
-    cand = _vocab(engine.run(run_ids), ref, notes)
-    floors = own_rounding(ref, fine, floor, length)
-    inconclusive, split, profiles = None, None, []
-    if engine.quantization:
-        with quant_floor.workdir() as tmp:
-            split = quant_twin.measure(reference, engine, run_ids, ref, cand, tmp)
-            measured = quant_floor.measure(reference, engine, run_ids, ref, tmp) if isinstance(split, str) else None
-        if measured is not None:
-            split = None
-            inconclusive = measured if isinstance(measured, str) else None
-        if split is not None:  # the F32 twin's line: position handling at float32 noise (+ the weights' rounding)
-            twin_floors = floors.clone()
-            twin_floors[:covered] = torch.maximum(split.weights, floors[:covered])
-            floors[:covered] = torch.maximum(split.weights + split.quantisation, floors[:covered])
-            floor_source = f"{floor_source}; {split.weights_source}"
-            profiles.append(_profile("logits, F32 twin", ref, split.twin, covered, length, floor,
-                                     FAIL_RATIO * twin_floors, boundaries))
-            inconclusive = _too_coarse(twin_floors[:covered], "the weights' own rounding")
-        elif not isinstance(measured, str):
-            floors[:covered] = torch.maximum(measured.per_position, floors[:covered])
-            floor, floor_source = measured.error, measured.describe()
-            inconclusive = _too_coarse(floors[:covered], f"{measured.kind} weights whose own error, measured on "
-                                       f"posdiag's {measured.kind} conversion of the reference")
-    tolerances = FAIL_RATIO * floors
-    tolerance = float(tolerances[:covered].median())
-    profiles.append(_profile("logits", ref, cand, covered, length, floor, tolerances, boundaries))
-    if engine.can_continue and covered >= 4:
-        split_at = covered // 2
-        continued = _vocab(engine.run_continued(run_ids, split_at), ref, [])
-        profiles.append(_profile(f"logits, continued from position {split_at}", ref, continued, covered, length,
-                                 floor, tolerances, {**boundaries, "continuation": split_at}))
-    crossed = {k: v for k, v in boundaries.items() if v < length}
+    return _Run(ids, length, covered, info, boundaries, ref, dtype, floor, floor_source,
+                own_rounding(ref, fine, floor, length))
+
+
+def _quantisation_floors(run: _Run, reference: Subject, engine: Engine, run_ids: list[int],
+                         cand: torch.Tensor) -> None:
+    """A quantised engine's floor per position: the F32 twin's split (the weights' rounding plus the
+    quantisation), else the quantisation's error measured on posdiag's own conversion of the reference."""
+    covered, floor = run.covered, run.floor
+    with quant_floor.workdir() as tmp:
+        split = quant_twin.measure(reference, engine, run_ids, run.ref, cand, tmp)
+        measured = quant_floor.measure(reference, engine, run_ids, run.ref, tmp) if isinstance(split, str) else None
+    if measured is not None:
+        split = None
+        run.inconclusive = measured if isinstance(measured, str) else None
+    run.split = split
+    if split is not None:  # the F32 twin's line: position handling at float32 noise (+ the weights' rounding)
+        twin_floors = run.floors.clone()
+        twin_floors[:covered] = torch.maximum(split.weights, run.floors[:covered])
+        run.floors[:covered] = torch.maximum(split.weights + split.quantisation, run.floors[:covered])
+        run.floor_source = f"{run.floor_source}; {split.weights_source}"
+        run.profiles.append(_profile("logits, F32 twin", run.ref, split.twin, covered, run.length, floor,
+                                     FAIL_RATIO * twin_floors, run.boundaries))
+        run.inconclusive = _too_coarse(twin_floors[:covered], "the weights' own rounding")
+    elif not isinstance(measured, str):
+        run.floors[:covered] = torch.maximum(measured.per_position, run.floors[:covered])
+        run.floor, run.floor_source = measured.error, measured.describe()
+        run.inconclusive = _too_coarse(run.floors[:covered], f"{measured.kind} weights whose own error, measured "
+                                       f"on posdiag's {measured.kind} conversion of the reference")
+
+
+def _logit_profiles(run: _Run, engine: Engine, run_ids: list[int], cand: torch.Tensor,
+                    tolerances: torch.Tensor) -> None:
+    """The engine's logits by position, and, where it can continue a cache, its continuation from the middle."""
+    run.profiles.append(_profile("logits", run.ref, cand, run.covered, run.length, run.floor, tolerances,
+                                 run.boundaries))
+    if engine.can_continue and run.covered >= 4:
+        split_at = run.covered // 2
+        continued = _vocab(engine.run_continued(run_ids, split_at), run.ref, [])
+        run.profiles.append(_profile(f"logits, continued from position {split_at}", run.ref, continued, run.covered,
+                                     run.length, run.floor, tolerances, {**run.boundaries, "continuation": split_at}))
+
+
+def _details(run: _Run, reference: Subject, engine: Engine, cand: torch.Tensor, notes: list[str]) -> dict[str, Any]:
+    covered, length = run.covered, run.length
     details: dict[str, Any] = {
-        **info, "seq_len": length, "compared_dtype": dtype, "floor_source": floor_source,
-        "reference": reference.info.to_dict(), "candidate": engine_info(engine, dtype),
-        "engine": {"name": engine.name, **engine.settings}, "boundaries": boundaries,
-        "boundaries_crossed": crossed, "covered_positions": covered, "notes": notes,
-        "profile": bucketed(profiles, length),
+        **run.info, "seq_len": length, "compared_dtype": run.dtype, "floor_source": run.floor_source,
+        "reference": reference.info.to_dict(), "candidate": engine_info(engine, run.dtype),
+        "engine": {"name": engine.name, **engine.settings}, "boundaries": run.boundaries,
+        "boundaries_crossed": {k: v for k, v in run.boundaries.items() if v < length}, "covered_positions": covered,
+        "notes": notes, "profile": bucketed(run.profiles, length),
         "layers": [{"name": p.name, "error": p.error, "noise_floor": p.floor, "ratio": p.ratio, **p.pattern}
-                   for p in profiles],
+                   for p in run.profiles],
     }
     if engine.can_continue and covered >= 4:
         details["continued_from"] = covered // 2
-    if split is not None:
-        details["quantisation_split"] = quant_twin.describe(split, ref, cand, covered)
-    if engine.quantization and inconclusive is None:
-        details["quantisation_floor"] = {"kind": engine.quantization, "per_position": floors[:covered].tolist(),
-                                         "max": float(floors[:covered].max()),
-                                         "median": float(floors[:covered].median())}
-    result = _verdict(profiles, engine, length, details, reference.forward_count - before, inconclusive, tolerance)
-    return Comparison(result, tuple(reversed(profiles)), length)
+    if run.split is not None:
+        details["quantisation_split"] = quant_twin.describe(run.split, run.ref, cand, covered)
+    if engine.quantization and run.inconclusive is None:
+        floors = run.floors[:covered]
+        details["quantisation_floor"] = {"kind": engine.quantization, "per_position": floors.tolist(),
+                                         "max": float(floors.max()), "median": float(floors.median())}
+    return details
 
 
 def own_rounding(ref: torch.Tensor, fine: Any, floor: float, length: int) -> torch.Tensor:

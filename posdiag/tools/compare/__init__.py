@@ -30,6 +30,7 @@ token: it is already there at position 0, at the level of the rest.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -133,6 +134,38 @@ def compare_subjects(reference: Subject, candidate: Subject, options: RunOptions
     if reference.kind != candidate.kind:
         raise PosdiagError(f"cannot compare a {reference.kind} reference with a {candidate.kind} candidate")
     length, info = choose_length(reference, candidate, options, long)
+    ids = _probe_ids(reference, candidate, options, length)
+    passes_before = _passes(reference, candidate)
+    cmp_dtype = coarser(reference.dtype, candidate.dtype)
+    floor_subject = candidate if epsilon(candidate.dtype) > epsilon(reference.dtype) else reference
+    walk = _Walk(reference, candidate, ids, name_of(cmp_dtype), floor_subject, layer_map)
+    for stack in reference.stacks:
+        broken = _compare_stack(walk, stack)
+        if broken is not None:
+            return early_result(*broken, length, info, reference, candidate, passes_before)
+    passes = _passes(reference, candidate) - passes_before
+    return finish(walk.profiles, walk.logits_stats, length, info, walk.dtype_name, walk.floor_sources, walk.notes,
+                  reference, candidate, passes)
+
+
+@dataclass
+class _Walk:
+    """One comparison going through the stacks: what both models run on, and what it has found so far."""
+
+    reference: Subject
+    candidate: Subject
+    ids: torch.Tensor
+    dtype_name: str  # the coarser of the two dtypes: the one compared in
+    floor_subject: Subject  # the model in that dtype, run again finer for the floor
+    layer_map: dict[int, int] | None
+    profiles: list[LayerProfile] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    logits_stats: dict[str, Any] = field(default_factory=dict)
+    floor_sources: set[str] = field(default_factory=set)
+
+
+def _probe_ids(reference: Subject, candidate: Subject, options: RunOptions, length: int) -> torch.Tensor:
+    """The --text ids, or random ids from the reference's vocabulary; both vocabularies must hold them."""
     if options.token_ids is not None:
         ids = torch.tensor(options.token_ids, dtype=torch.long)
     else:
@@ -140,52 +173,55 @@ def compare_subjects(reference: Subject, candidate: Subject, options: RunOptions
     if int(ids.max()) >= candidate.vocab_size:
         raise PosdiagError(f"probe ids reach {int(ids.max())}; the candidate's vocabulary has only "
                            f"{candidate.vocab_size} ids")
+    return ids
 
-    passes_before = reference.forward_count + (candidate.forward_count if candidate is not reference else 0)
-    cmp_dtype = coarser(reference.dtype, candidate.dtype)
-    dtype_name = name_of(cmp_dtype)
-    floor_subject = candidate if epsilon(candidate.dtype) > epsilon(reference.dtype) else reference
 
-    profiles: list[LayerProfile] = []
-    notes: list[str] = []
-    logits_stats: dict[str, Any] = {}
-    floor_sources: set[str] = set()
-    for stack in reference.stacks:
-        out_r = run_stack(reference, ids, stack, "reference")
-        out_c = run_stack(candidate, ids, stack, "candidate")
-        base = out_c if floor_subject is candidate else out_r
-        out_f, source = finer_run(floor_subject, ids, stack)
-        floor_sources.add(source)
-        for bad_name, out in (("reference", out_r), ("candidate", out_c)):
-            bad = first_non_finite(out)
-            if bad is not None:
-                status = Status.ERROR if bad_name == "reference" else Status.FAIL
-                return early_result(status,
-                                    f"non-finite {bad_name} output at "
-                                    f"{layer_name(bad, len(out.hidden), stack, reference.kind)}",
-                              length, info, reference, candidate, passes_before)
-        pairs, note = layer_pairs(len(out_r.hidden), len(out_c.hidden), layer_map)
-        if note:
-            notes.append(note)
-        for ri, ci in pairs:
-            a, b = out_r.hidden[ri][0], out_c.hidden[ci][0]
-            name = layer_name(ri, len(out_r.hidden), stack, reference.kind)
-            if a.shape != b.shape:
-                notes.append(f"{name}: shapes differ ({tuple(a.shape)} vs {tuple(b.shape)}), not compared")
-                continue
-            fi = ci if floor_subject is candidate else ri
-            floor_pos = per_position_error(base.hidden[fi][0], out_f.hidden[fi][0]) if out_f is not None else None
-            floor = (rel_error(base.hidden[fi][0], out_f.hidden[fi][0]) if out_f is not None
-                     else estimated_floor(ri, dtype_name))
-            profiles.append(layer_profile(name, ri, ci, a, b, floor, floor_pos, dtype_name, reference.kind, stack))
-        if out_r.logits is not None and out_c.logits is not None and stack == reference.stacks[-1]:
-            if out_r.logits.shape != out_c.logits.shape:
-                notes.append(f"logits: shapes differ ({tuple(out_r.logits.shape)} vs {tuple(out_c.logits.shape)}), not "
-                             "compared")
-            else:
-                flog = None if out_f is None else (base.logits[0], out_f.logits[0])
-                prof, logits_stats = logits_profile(out_r.logits[0], out_c.logits[0], flog, dtype_name,
-                                                    reference.kind, stack)
-                profiles.append(prof)
-    passes = reference.forward_count + (candidate.forward_count if candidate is not reference else 0) - passes_before
-    return finish(profiles, logits_stats, length, info, dtype_name, floor_sources, notes, reference, candidate, passes)
+def _passes(reference: Subject, candidate: Subject) -> int:
+    return reference.forward_count + (candidate.forward_count if candidate is not reference else 0)
+
+
+def _compare_stack(walk: _Walk, stack: str) -> tuple[Status, str] | None:
+    """Both models and the finer floor run on one stack, every aligned layer (and the logits) profiled;
+    -> (status, summary) when an output is not finite (the comparison ends there)."""
+    reference, candidate = walk.reference, walk.candidate
+    out_r = run_stack(reference, walk.ids, stack, "reference")
+    out_c = run_stack(candidate, walk.ids, stack, "candidate")
+    base = out_c if walk.floor_subject is candidate else out_r
+    out_f, source = finer_run(walk.floor_subject, walk.ids, stack)
+    walk.floor_sources.add(source)
+    for bad_name, out in (("reference", out_r), ("candidate", out_c)):
+        bad = first_non_finite(out)
+        if bad is not None:
+            status = Status.ERROR if bad_name == "reference" else Status.FAIL
+            return status, f"non-finite {bad_name} output at {layer_name(bad, len(out.hidden), stack, reference.kind)}"
+    _hidden_profiles(walk, stack, out_r, out_c, base, out_f)
+    if out_r.logits is not None and out_c.logits is not None and stack == reference.stacks[-1]:
+        if out_r.logits.shape != out_c.logits.shape:
+            walk.notes.append(f"logits: shapes differ ({tuple(out_r.logits.shape)} vs {tuple(out_c.logits.shape)}), "
+                              "not compared")
+        else:
+            flog = None if out_f is None else (base.logits[0], out_f.logits[0])
+            prof, walk.logits_stats = logits_profile(out_r.logits[0], out_c.logits[0], flog, walk.dtype_name,
+                                                     reference.kind, stack)
+            walk.profiles.append(prof)
+    return None
+
+
+def _hidden_profiles(walk: _Walk, stack: str, out_r, out_c, base, out_f) -> None:
+    """A profile per aligned pair of hidden states, against the floor model's own rounding at that layer."""
+    pairs, note = layer_pairs(len(out_r.hidden), len(out_c.hidden), walk.layer_map)
+    if note:
+        walk.notes.append(note)
+    from_candidate = walk.floor_subject is walk.candidate
+    for ri, ci in pairs:
+        a, b = out_r.hidden[ri][0], out_c.hidden[ci][0]
+        name = layer_name(ri, len(out_r.hidden), stack, walk.reference.kind)
+        if a.shape != b.shape:
+            walk.notes.append(f"{name}: shapes differ ({tuple(a.shape)} vs {tuple(b.shape)}), not compared")
+            continue
+        fi = ci if from_candidate else ri
+        floor_pos = per_position_error(base.hidden[fi][0], out_f.hidden[fi][0]) if out_f is not None else None
+        floor = (rel_error(base.hidden[fi][0], out_f.hidden[fi][0]) if out_f is not None
+                 else estimated_floor(ri, walk.dtype_name))
+        walk.profiles.append(layer_profile(name, ri, ci, a, b, floor, floor_pos, walk.dtype_name, walk.reference.kind,
+                                           stack))
