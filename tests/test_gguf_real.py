@@ -153,3 +153,20 @@ def test_compare_a_file_alone_from_the_command_line(smollm2_gguf, tmp_path):
     assert check["details"]["quantisation_split"]["weights_source"] == \
         "the reference runs the file's own dequantised weights"
     assert not list(Path(smollm2_gguf).parent.glob("*twin*"))  # nothing written next to the file
+
+
+def test_a_kquant_file_is_judged_at_float32_noise_on_its_twin(reference, smollm2_kquant, tmp_path):
+    """A Q4_K_M file (Q4_K, Q5_0, Q6_K, Q8_0 tensors) against the original checkpoint: its weights are not the
+    reference's (they were quantised again), so the F32 twin is judged against PyTorch running the file's own
+    dequantised weights, at float32 noise; the file's base rewritten FAILs on that line from position 1."""
+    healthy = judge(reference, smollm2_kquant)
+    assert healthy.status is Status.PASS, healthy.summary
+    twin = healthy.details["layers"][0]
+    assert twin["name"] == "logits, F32 twin" and twin["ratio"] <= 10, healthy.summary  # measured 1.7x
+    split = healthy.details["quantisation_split"]
+    assert "Q4_K" in split["kind"] and split["weights_source"].startswith("the reference run with the file's")
+    assert split["weights_part_median"] > 1e3 * twin["noise_floor"]  # the weights moved; the twin's line did not
+    lost = rewrite(str(smollm2_kquant), tmp_path / "kq-base.gguf", keys={"llama.rope.freq_base": 10000.0})
+    broken = judge(reference, lost)
+    assert broken.status is Status.FAIL and broken.details["first_layer"] == "logits, F32 twin", broken.summary
+    assert broken.details["pattern"] == "grows with position" and broken.details["onset_position"] == 1

