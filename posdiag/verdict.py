@@ -76,6 +76,36 @@ def judge_position_signal(residual: float, measured_floor: float, dtype: str) ->
     )
 
 
+# The bands as questions a check asks, so no check compares against FAIL_RATIO or PASS_RATIO itself. `bound` is a
+# floor already taken (noise_floor) or a floor plus a predicted rounding term (shift's angle rounding); a NaN is
+# never within a band and never clears one (each check judges non-finite values where it finds them).
+
+
+def band_tolerance(bound: float):
+    """The largest error the agreement band passes over `bound` (works on numpy arrays too)."""
+    return FAIL_RATIO * bound
+
+
+def within_tolerance(error: float, bound: float) -> bool:
+    """Two computations agree: `error` is at most FAIL_RATIO times `bound`."""
+    return error <= band_tolerance(bound)
+
+
+def within_band(ratio: float) -> bool:
+    """A ratio to its bound that the agreement band passes (at most FAIL_RATIO)."""
+    return ratio <= FAIL_RATIO
+
+
+def above_rounding(ratio: float) -> bool:
+    """A ratio to the noise floor that reordering the sums cannot explain (at least FAIL_RATIO)."""
+    return ratio >= FAIL_RATIO
+
+
+def clear_signal(ratio: float) -> bool:
+    """A ratio to the noise floor far enough above it to PASS a position signal (at least PASS_RATIO)."""
+    return ratio >= PASS_RATIO
+
+
 def agreement_tolerance(measured_floor: float, dtype: str) -> float:
     """The largest disagreement judge_agreement passes for this measured floor."""
     return FAIL_RATIO * noise_floor(measured_floor, dtype)
@@ -98,6 +128,11 @@ def judge_agreement(error: float, measured_floor: float, dtype: str, factor: flo
 # float64 floor rule, or that falls back within the run dtype's tolerance, was rounding; one that does none of
 # these is a bug. 1e4 sits in the middle of the two (log scale).
 SHRINK_RATIO = 1e4
+
+
+def shrinks_with_precision(error: float, finer_error: float) -> bool:
+    """The same comparison re-run in a finer dtype fell by SHRINK_RATIO or more: it was rounding."""
+    return error >= SHRINK_RATIO * finer_error
 
 
 def degenerate_floor(measured_floor: float, dtype: str) -> bool:

@@ -140,3 +140,18 @@ def test_progress_line_counts_checks_and_time():
         progress("cache")
         time.sleep(0.3)
     assert re.search(r"check 2/3 cache · \d+\.\d s", out.getvalue()), out.getvalue()
+
+
+def test_a_spec_builds_its_checks_results():
+    """SPEC.result names the result after the spec and keeps what the check hands it."""
+    from posdiag.checks import CheckSpec
+    from posdiag.results import Status, Table
+
+    spec = CheckSpec(name="shift", title="t", proves="p")
+    table = Table("t", ("a",), ((1,),))
+    metrics, details = {"ratio": 2.0}, {"stack": "decoder"}
+    result = spec.result(Status.WARN, "why", metrics, details, [table])
+    assert (result.name, result.status, result.summary) == ("shift", Status.WARN, "why")
+    assert result.metrics is metrics and result.details is details and result.tables == (table,)
+    bare = spec.result(Status.NA, "n/a")
+    assert bare.metrics == {} and bare.details == {} and bare.tables == ()

@@ -28,3 +28,31 @@ def test_half_precision_never_fails_on_a_small_ratio():
 
 def test_nan_fails():
     assert judge_position_signal(float("nan"), 1e-7, "float32").status is Status.FAIL
+
+
+def test_band_helpers_ask_the_same_questions_as_the_judges():
+    """The helpers checks use instead of FAIL_RATIO / PASS_RATIO agree with judge_agreement and
+    judge_position_signal on both sides of each band, and a NaN is never within a band nor clears one."""
+    from posdiag.verdict import (
+        above_rounding,
+        band_tolerance,
+        clear_signal,
+        judge_agreement,
+        shrinks_with_precision,
+        within_band,
+        within_tolerance,
+    )
+
+    floor = 1e-6
+    for ratio in (0.5, FAIL_RATIO, FAIL_RATIO * 1.01, PASS_RATIO, PASS_RATIO * 1.01):
+        error = ratio * floor
+        agrees = judge_agreement(error, floor, "float32").status is Status.PASS
+        assert within_tolerance(error, floor) is agrees
+        assert (error <= band_tolerance(floor)) is agrees
+        assert within_band(ratio) is (ratio <= FAIL_RATIO)
+        assert clear_signal(ratio) is (judge_position_signal(error, floor, "float32").status is Status.PASS)
+        assert above_rounding(ratio) is (judge_position_signal(error, floor, "float32").status is not Status.FAIL)
+    nan = float("nan")
+    assert not within_tolerance(nan, floor) and not within_band(nan)
+    assert not above_rounding(nan) and not clear_signal(nan)
+    assert shrinks_with_precision(4.4e-7, 0.0) and not shrinks_with_precision(4.9e-2, 4.9e-2)

@@ -17,13 +17,14 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from types import ModuleType
 from typing import Any
 
 from posdiag.errors import PosdiagError
 from posdiag.options import Option
+from posdiag.results import CheckResult, Status, Table
 
 __all__ = ["KINDS", "ORDER", "REGISTRY", "CheckContractError", "CheckSpec", "Option", "available", "import_check",
            "registered", "spec", "validate_tables"]
@@ -74,6 +75,12 @@ class CheckSpec:
     def setting(self, options: Any, key: str) -> Any:
         """The `[checks.NAME]` value of a declared option (RunOptions.for_check), else its declared default."""
         return options.for_check(self.name).get(key, self.options[key].default)
+
+    def result(self, status: Status, summary: str, metrics: dict[str, Any] | None = None,
+               details: dict[str, Any] | None = None, tables: Iterable[Table] = ()) -> CheckResult:
+        """This check's result: the name comes from the spec, so a module never spells it again."""
+        return CheckResult(self.name, status, summary, {} if metrics is None else metrics,
+                           {} if details is None else details, tuple(tables))
 
 
 def available() -> list[str]:

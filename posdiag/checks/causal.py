@@ -65,17 +65,24 @@ def _chunk_size(subject: Subject, length: int) -> int:
 
 def run(subject: Subject, options: RunOptions) -> CheckResult:
     if subject.kind == "encoder":
-        return CheckResult("causal", Status.NA,
-                           "bidirectional encoder: every token sees every other by design, there is no future to leak")
+        return SPEC.result(Status.NA, "bidirectional encoder: every token sees every other by design, there is no "
+                                      "future to leak")
     if subject.family.not_causal:
-        return CheckResult("causal", Status.NA, f"not causal by design: {subject.family.not_causal}")
-    dtype = subject.dtype_name
+        return SPEC.result(Status.NA, f"not causal by design: {subject.family.not_causal}")
     ids = probe_ids(subject, options)[0]
     if options.seq_len is None and options.token_ids is None:
         ids = ids[: min(SWEEP_LENGTH, probe_length(subject, options))]
-    length = ids.shape[0]
     alt = _replacements(subject, ids, options.seed)
+    results, explicit_not_run = _paths_judged(subject, ids, alt, options.seed)
+    image = _image_mask.probe(subject, options.seed)  # token_type_ids masks: image tokens see each other
+    if isinstance(image, dict):
+        results.append(image)
+    return _report(subject, ids.shape[0], results, image, explicit_not_run)
 
+
+def _paths_judged(subject: Subject, ids: torch.Tensor, alt: torch.Tensor, seed: int) -> tuple[list[dict], str | None]:
+    """The sweep on each mask path, judged (a leak above tolerance decided in float64).
+    -> (one result per path, why the explicit path did not run: None when it did)."""
     paths = [("default mask", False)]
     ok, why = subject.explicit_mask_supported
     if ok and attention_free(subject.language_model):
@@ -85,7 +92,7 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     results = []
     for name, explicit in paths:
         def sweep_path(explicit: bool = explicit) -> _Sweep:
-            return _sweep(subject, ids, alt, explicit, options.seed)
+            return _sweep(subject, ids, alt, explicit, seed)
 
         sweep = sweep_path()
         if explicit and subject.mask_refusals.get("decoder"):
@@ -93,14 +100,16 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
             # default path again, not a test of the explicit one.
             ok, why = False, subject.mask_refusals["decoder"]
             continue
-        result = _judge(name, sweep, length, dtype)
+        result = _judge(name, sweep, ids.shape[0], subject.dtype_name)
         if result["status"] is Status.FAIL and not sweep.non_finite:
-            result = _arbitrated(subject, name, sweep, sweep_path, result, dtype)
+            result = _arbitrated(subject, name, sweep, sweep_path, result, subject.dtype_name)
         results.append(result)
-    image = _image_mask.probe(subject, options.seed)  # token_type_ids masks: image tokens see each other
-    if isinstance(image, dict):
-        results.append(image)
+    return results, None if ok else why
 
+
+def _report(subject: Subject, length: int, results: list[dict], image: dict | str | None,
+            explicit_not_run: str | None) -> CheckResult:
+    """The worst path decides; every path's numbers are kept, prefixed by the path."""
     status = Status.worst([r["status"] for r in results])
     metrics: dict = {}
     for r in results:
@@ -112,12 +121,17 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
                      "paths": {r["path"]: r["details"] for r in results}}
     if isinstance(image, str):
         details["image_mask"] = image
-    if not ok:
-        details["explicit_mask"] = f"not run: {why}"
+    if explicit_not_run is not None:
+        details["explicit_mask"] = f"not run: {explicit_not_run}"
     recurrent = recurrent_mixers(subject.language_model)
     if recurrent:
         details["recurrent_mixers"] = recurrent
         details["explicit_mask_reaches"] = "attention layers only (the recurrent mixers are causal by construction)"
+    summary = _summary(status, length, results, worst, image)
+    return SPEC.result(status, summary, metrics, details, (_table(results),))
+
+
+def _summary(status: Status, length: int, results: list[dict], worst: dict, image: dict | str | None) -> str:
     if status is Status.PASS:
         summary = (f"no output before j moves when token j changes, for every j (max change "
                    f"{worst['metrics']['leak']:.2g} <= {worst['metrics']['tolerance']:.2g}; "
@@ -133,13 +147,16 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
             summary = "; ".join(r["summary"] for r in failing)
     if isinstance(image, str):
         summary += f"; image-token mask {image}"
-    table_rows = tuple(
+    return summary
+
+
+def _table(results: list[dict]) -> Table:
+    rows = tuple(
         (r["path"], r["status"].value, f"{r['metrics']['leak']:.3e}", f"{r['metrics']['noise_floor']:.2e}",
          str(r["details"].get("first_leak") or "-"), str(r["details"].get("leak_distances") or "-"))
         for r in results)
-    table = Table("future leaks by mask path", ("path", "status", "max leak", "noise floor", "first (query, key)",
-                                                "distances j-i"), table_rows)
-    return CheckResult("causal", status, summary, metrics, details, (table,))
+    return Table("future leaks by mask path", ("path", "status", "max leak", "noise floor", "first (query, key)",
+                                                "distances j-i"), rows)
 
 
 def _sweep(subject: Subject, ids: torch.Tensor, alt: torch.Tensor, explicit: bool, seed: int) -> _Sweep:

@@ -39,6 +39,9 @@ The jitter noise floor it uses lives in checks/_shared.py (batch, causal, shift 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 from posdiag.checks import CheckSpec
@@ -59,11 +62,12 @@ from posdiag.model.probe import (
     moving_permutations,
     run_rows,
 )
-from posdiag.model.subject import Subject
+from posdiag.model.subject import Outputs, Subject
 from posdiag.model.tensors import relative_l2
 from posdiag.options import RunOptions, probe_ids
 from posdiag.results import CheckResult, Status, Table
 from posdiag.verdict import (
+    FloorVerdict,
     agreement_tolerance,
     judge_agreement,
     judge_position_signal,
@@ -77,7 +81,271 @@ SPEC = CheckSpec(
 )
 
 
-# ------------------------------------------------------------------ the check
+def run(subject: Subject, options: RunOptions) -> CheckResult:
+    refused = _not_judged(subject)
+    if refused is not None:
+        return refused
+    probe = _plan(subject, options)
+    out, has_jitter = probe.measure()
+    if bad := _non_finite(out):
+        return bad
+    layers = _per_layer(probe, out, has_jitter)
+    details = _details(subject, probe, layers)
+    metrics: dict[str, Any] = {}
+    unfaithful = _mask_unfaithful(subject, probe, out, layers.floor, metrics)
+    if unfaithful:
+        return SPEC.result(Status.SKIP, f"mask not faithful, no verdict: {unfaithful}", metrics, details)
+    judged = _judge(subject, probe, layers, details, metrics)
+    status, summary = _verdict(subject, probe, judged, details)
+    return SPEC.result(status, summary, metrics, details, (_table(subject, probe, layers),))
+
+
+def _not_judged(subject: Subject) -> CheckResult | None:
+    """n/a where there are no position ids to honour; SKIP where posdiag cannot hand them over faithfully."""
+    fam = subject.family
+    recurrent = recurrent_mixers(subject.language_model)
+    if recurrent and subject.position_kind not in ("rope", "learned", "sinusoidal", "alibi", "relative_bias"):
+        return SPEC.result(
+            Status.NA,
+            f"{recurrent_reason(subject)}; and no position mechanism was found ({subject.position_kind}), so there "
+            f"are no position ids to honour", details={"recurrent_mixers": recurrent})
+    if not fam.takes_position_ids:
+        inside = ("no position mechanism was found" if subject.position_kind == "none found"
+                  else f"{subject.position_kind} positions are derived inside the model")
+        return SPEC.result(
+            Status.NA,
+            f"{fam.name} takes no position_ids (dropped or not in its forward; {inside}), so there are none to honour",
+            details={"position_ids": fam.position_ids, "position_kind": subject.position_kind})
+    if subject.kind == "seq2seq":
+        return SPEC.result(Status.SKIP, "position_ids are not passed to encoder-decoder stacks by posdiag "
+                                        "(positions derived inside)")
+    if subject.stacks[0] == "decoder":
+        ok, why = subject.explicit_mask_supported
+        if not ok:
+            return SPEC.result(Status.SKIP, f"cannot permute the causal mask: {why}")
+    return None
+
+
+@dataclass(frozen=True)
+class _Probe:
+    """The rows of one forward: [baseline (+ fidelity rows) | jittered baseline | consistent perms | non-contiguous]."""
+
+    subject: Subject
+    seed: int
+    ids: torch.Tensor
+    stack: str
+    rows: list[Row]
+    where: tuple[int, int, int] | None  # the fidelity rows' edits (causal stacks only)
+    jitter_row: int
+    first_perm: int
+    perms: list[torch.Tensor]  # consistent permutations (none through a recurrence or a non-attention mixer)
+    first_variant: int
+    variants: list[tuple[str, torch.Tensor]]  # (name, non-contiguous positions)
+    recurrent: list[str]
+    mixing: str
+
+    @property
+    def causal(self) -> bool:
+        return self.stack == "decoder"
+
+    def measure(self) -> tuple[Outputs, bool]:
+        """The forward (the jittered row's hook on), and whether a token embedding was found to jitter."""
+        with jittered(self.subject, self.stack, self.jitter_row, len(self.rows), self.seed) as jitter_found:
+            return run_rows(self.subject, self.rows, stack=self.stack), jitter_found
+
+    def consistent_figures(self, measured: tuple[Outputs, bool]) -> tuple[float, dict[str, float]]:
+        """(floor, {"consistent": error}) at the last layer, for the float64 arbitration."""
+        hidden = measured[0].final
+        error = max(relative_l2(hidden[self.first_perm + i], hidden[0][p]) for i, p in enumerate(self.perms))
+        return (relative_l2(hidden[self.jitter_row], hidden[0]) if measured[1] else 0.0), {"consistent": error}
+
+
+def _plan(subject: Subject, options: RunOptions) -> _Probe:
+    ids = probe_ids(subject, options)[0]
+    length = ids.shape[0]
+    stack = subject.stacks[0]
+    recurrent = recurrent_mixers(subject.language_model)
+    mixing = subject.family.token_mixing
+    perms = [p.to(subject.device) for p in moving_permutations(length, options.permutations, options.seed + 6151)]
+    if recurrent or mixing:
+        perms = []  # no consistent permutation through a recurrence, nor through a mixer that is not attention
+    gaps = gapped_positions(length, position_limit(subject), options.seed)
+    variants: list[tuple[str, torch.Tensor]] = [("restart", restart_positions(length))]
+    if gaps is not None:
+        variants.insert(0, ("gaps", gaps))
+    variants = [(n, p.to(subject.device)) for n, p in variants]
+    where = None
+    if stack == "decoder":
+        rows, where = fidelity_rows(ids)
+        rows = list(rows)
+    else:
+        rows = [Row(ids)]
+    jitter_row = len(rows)
+    rows.append(Row(ids))
+    first_perm = len(rows)
+    rows += [Row(ids[p], order=p, positions=p) for p in perms]
+    first_variant = len(rows)
+    rows += [Row(ids, positions=pos) for _, pos in variants]
+    return _Probe(subject=subject, seed=options.seed, ids=ids, stack=stack, rows=rows, where=where,
+                  jitter_row=jitter_row, first_perm=first_perm, perms=perms, first_variant=first_variant,
+                  variants=variants, recurrent=recurrent, mixing=mixing)
+
+
+def _non_finite(out: Outputs) -> CheckResult | None:
+    for i, h in enumerate(out.hidden):
+        if not torch.isfinite(h).all():
+            bad_row = int((~torch.isfinite(h)).flatten(1).any(1).nonzero()[0])
+            return SPEC.result(Status.FAIL, f"non-finite hidden states at layer {i}, probe row {bad_row}",
+                               details={"layer": i, "row": bad_row})
+    return None
+
+
+@dataclass(frozen=True)
+class _Layers:
+    """Each layer's figures: jitter floor, consistent-permutation errors, non-contiguous residuals."""
+
+    floors: list[float]
+    consistent: list[list[float]]  # [layer][permutation]
+    moved: list[list[float]]  # [layer][variant]
+    has_jitter: bool
+
+    @property
+    def floor(self) -> float:
+        """The measured floor at the output (0.0 where no token embedding could be jittered)."""
+        return self.floors[-1] if self.has_jitter else 0.0
+
+    def floor_at(self, layer: int) -> float:
+        return self.floors[layer] if self.has_jitter else 0.0
+
+
+def _per_layer(probe: _Probe, out: Outputs, has_jitter: bool) -> _Layers:
+    layers = len(out.hidden)
+    base = [h[0] for h in out.hidden]
+    return _Layers(
+        floors=[relative_l2(out.hidden[l][probe.jitter_row], base[l]) for l in range(layers)],
+        consistent=[[relative_l2(out.hidden[l][probe.first_perm + i], base[l][p]) for i, p in enumerate(probe.perms)]
+                    for l in range(layers)],
+        moved=[[relative_l2(out.hidden[l][probe.first_variant + i], base[l]) for i in range(len(probe.variants))]
+               for l in range(layers)],
+        has_jitter=has_jitter)
+
+
+def _details(subject: Subject, probe: _Probe, layers: _Layers) -> dict[str, Any]:
+    recurrent, mixing = probe.recurrent, probe.mixing
+    return {
+        "seq_len": probe.ids.shape[0], "permutations": len(probe.perms),
+        **({"recurrent_mixers": recurrent, "consistent_permutation": f"not run: {recurrent_reason(subject)}"}
+           if recurrent else {}),
+        **({"token_mixing": mixing, "consistent_permutation": f"not run: {mixing_reason(subject)}"}
+           if mixing and not recurrent else {}),
+        "floor_source": FLOOR_SOURCE if layers.has_jitter else f"{subject.dtype_name} machine epsilon (no token "
+                                                               "embedding found to jitter)",
+        "consistent_error_per_permutation": layers.consistent[-1],
+        "variants": {n: [int(v) for v in p.tolist()] for n, p in probe.variants},
+        "residual_per_variant": dict(zip([n for n, _ in probe.variants], layers.moved[-1], strict=True)),
+    }
+
+
+def _mask_unfaithful(subject: Subject, probe: _Probe, out: Outputs, floor: float, metrics: dict[str, Any]) -> str:
+    """Why the explicit causal mask cannot be trusted ('' when it can, or on a bidirectional stack)."""
+    if not probe.causal:
+        return ""
+    default = run_rows(subject, [Row(probe.ids)], stack=probe.stack, explicit_mask=False).final[0]
+    fid = judge_fidelity(default, out.final[0], out.final[1], out.final[2], probe.where, floor, subject.dtype_name)
+    metrics.update(fid.metrics())
+    return "" if fid.ok else fid.reason
+
+
+@dataclass(frozen=True)
+class _Judged:
+    agree: FloorVerdict  # the consistent permutation (its error is 0.0, unjudged, where none was run)
+    signal: FloorVerdict  # the strongest non-contiguous numbering
+    tolerance: float
+    first_bad: int | None  # first layer where the consistent permutation breaks
+    strongest: int  # the variant that moved the outputs most
+    clause: str  # the float64 arbitration's clause for the consistent permutation
+
+
+def _judge(subject: Subject, probe: _Probe, layers: _Layers, details: dict[str, Any],
+           metrics: dict[str, Any]) -> _Judged:
+    """Agreement for the consistent permutation (decided in float64 when above tolerance), position signal for the
+    non-contiguous ids."""
+    dtype, floor, perms = subject.dtype_name, layers.floor, probe.perms
+    # Recurrent mixers: no consistent permutation was run; its error is reported as 0 nowhere (not judged).
+    agree = judge_agreement(max(layers.consistent[-1]) if perms else 0.0, floor, dtype)
+    arbitration = arbitrate(subject, probe.measure, floor, {"consistent": agree}, dtype, probe.consistent_figures)
+    agree = arbitration.verdicts.get("consistent", agree)
+    details.update(arbitration.details)
+    # Judged on the strongest variant: any non-affine change that moves the outputs proves the ids
+    # are read (an ignoring model gives exactly 0 for every variant); ModernBERT at default init
+    # moves only 1.8e-5 under the restart (126x floor at 64 tokens), 3.6e-5 under the gaps.
+    signal = judge_position_signal(max(layers.moved[-1]), floor, dtype)
+    tol = agreement_tolerance(floor, dtype)
+    first_bad = next((l for l in range(len(layers.floors))
+                      if perms and max(layers.consistent[l]) > agreement_tolerance(layers.floor_at(l), dtype)), None)
+    strongest = max(range(len(probe.variants)), key=lambda i: layers.moved[-1][i])
+    metrics.update({"residual": signal.residual, "noise_floor": agree.noise_floor, "ratio": signal.ratio,
+                    "tolerance": tol, **arbitration.metrics})
+    if perms:
+        metrics.update({"consistent_error": agree.residual, "consistent_ratio": agree.ratio})
+    details["consistent_breaks_at"] = None if first_bad is None else layer_name(first_bad, len(layers.floors))
+    details["strongest_variant"] = probe.variants[strongest][0]
+    return _Judged(agree=agree, signal=signal, tolerance=tol, first_bad=first_bad, strongest=strongest,
+                   clause=arbitration.clause("consistent"))
+
+
+def _verdict(subject: Subject, probe: _Probe, judged: _Judged, details: dict[str, Any]) -> tuple[Status, str]:
+    agree, signal, perms = judged.agree, judged.signal, probe.perms
+    status = Status.worst([agree.status, signal.status]) if perms else signal.status
+    parts = [_consistent_part(subject, probe, judged, details), _variants_part(probe, judged)]
+    if status is Status.FAIL and perms and agree.status is Status.FAIL and signal.status is Status.FAIL:
+        parts.insert(0, "position_ids ignored")
+    summary = "; ".join(parts) + f" [noise floor {agree.noise_floor:.2g}, {probe.ids.shape[0]} tokens]"
+    inert = (inert_reason(subject, probe.stack, probe.ids)
+             if signal.status is Status.FAIL and agree.status is Status.PASS else "")
+    if inert:  # outputs that cannot carry positions at all (zero-initialised branches): not ignored ids
+        details["inert"] = inert
+        status, summary = Status.SKIP, f"no verdict: {inert} ({summary})"
+    return status, summary
+
+
+def _consistent_part(subject: Subject, probe: _Probe, judged: _Judged, details: dict[str, Any]) -> str:
+    agree = judged.agree
+    if not probe.perms and probe.recurrent:
+        return (f"consistent permutation not run ({subject.family.name} has recurrent sequence mixers: "
+                f"{', '.join(probe.recurrent)}; order enters through the recurrence)")
+    if not probe.perms:
+        return f"consistent permutation not run ({mixing_reason(subject)})"
+    if agree.status is Status.PASS:
+        return (f"consistent permutation reproduces P f(x) (error {agree.residual:.2g} <= {judged.tolerance:.2g}"
+                f"{judged.clause})")
+    at = f", from {details['consistent_breaks_at']}" if judged.first_bad is not None else ""
+    return (f"consistent permutation breaks P f(x): error {agree.residual:.3g} = {agree.ratio:.3g}x "
+            f"floor{at}{judged.clause} (positions not read from each row's position_ids)")
+
+
+def _variants_part(probe: _Probe, judged: _Judged) -> str:
+    signal = judged.signal
+    name = (probe.variants[judged.strongest][0] if signal.status is not Status.FAIL
+            else " and ".join(n for n, _ in probe.variants))
+    if signal.status is Status.PASS:
+        return f"non-contiguous ids move outputs ({name}: {signal.residual:.3g} = {signal.ratio:.3g}x floor)"
+    if signal.status is Status.FAIL:
+        return (f"non-contiguous ids ({name}) change nothing: residual {signal.residual:.3g} = "
+                f"{signal.ratio:.3g}x floor (position_ids ignored)")
+    return f"non-contiguous ids ({name}): {signal.reason}"
+
+
+def _table(subject: Subject, probe: _Probe, layers: _Layers) -> Table:
+    n = len(layers.floors)
+    rows = tuple(
+        (layer_name(l, n), f"{max(layers.consistent[l]):.3e}" if probe.perms else "not run",
+         *[f"{m:.3e}" for m in layers.moved[l]], f"{noise_floor(layers.floor_at(l), subject.dtype_name):.2e}")
+        for l in range(n))
+    return Table("position ids by layer", ("layer", "consistent error", *[f"{name} residual" for name, _ in
+                                                                           probe.variants], "noise floor"), rows)
+
+
 def gapped_positions(length: int, limit: int | None, seed: int) -> torch.Tensor | None:
     """0, then strides of 1..4 drawn at random (at least one stride > 1); None when no room."""
     room = None if limit is None else limit - (length - 1)
@@ -91,163 +359,3 @@ def gapped_positions(length: int, limit: int | None, seed: int) -> torch.Tensor 
     if bool((strides == 1).all()):
         strides[length // 2 - 1] = 2
     return torch.cat([torch.zeros(1, dtype=torch.long), strides.cumsum(0)])
-
-
-def run(subject: Subject, options: RunOptions) -> CheckResult:
-    fam = subject.family
-    recurrent = recurrent_mixers(subject.language_model)
-    if recurrent and subject.position_kind not in ("rope", "learned", "sinusoidal", "alibi", "relative_bias"):
-        return CheckResult(
-            "positions", Status.NA,
-            f"{recurrent_reason(subject)}; and no position mechanism was found ({subject.position_kind}), so there "
-            f"are no position ids to honour", details={"recurrent_mixers": recurrent})
-    if not fam.takes_position_ids:
-        inside = ("no position mechanism was found" if subject.position_kind == "none found"
-                  else f"{subject.position_kind} positions are derived inside the model")
-        return CheckResult(
-            "positions", Status.NA,
-            f"{fam.name} takes no position_ids (dropped or not in its forward; {inside}), so there are none to honour",
-            details={"position_ids": fam.position_ids, "position_kind": subject.position_kind})
-    if subject.kind == "seq2seq":
-        return CheckResult("positions", Status.SKIP,
-                           "position_ids are not passed to encoder-decoder stacks by posdiag "
-                           "(positions derived inside)")
-    stack = subject.stacks[0]
-    causal = stack == "decoder"
-    dtype = subject.dtype_name
-    if causal:
-        ok, why = subject.explicit_mask_supported
-        if not ok:
-            return CheckResult("positions", Status.SKIP, f"cannot permute the causal mask: {why}")
-
-    ids = probe_ids(subject, options)[0]
-    length = ids.shape[0]
-    perms = [p.to(subject.device) for p in moving_permutations(length, options.permutations, options.seed + 6151)]
-    gaps = gapped_positions(length, position_limit(subject), options.seed)
-    variants: list[tuple[str, torch.Tensor]] = [("restart", restart_positions(length))]
-    if gaps is not None:
-        variants.insert(0, ("gaps", gaps))
-    variants = [(n, p.to(subject.device)) for n, p in variants]
-
-    # One forward: [baseline (+ fidelity rows) | jittered baseline | consistent perms | non-contiguous]
-    rows: list[Row] = []
-    where = None
-    if causal:
-        fid, where = fidelity_rows(ids)
-        rows += fid
-    else:
-        rows.append(Row(ids))
-    jitter_row = len(rows)
-    rows.append(Row(ids))
-    first_perm = len(rows)
-    mixing = subject.family.token_mixing
-    if recurrent or mixing:
-        perms = []  # no consistent permutation through a recurrence, nor through a mixer that is not attention
-    rows += [Row(ids[p], order=p, positions=p) for p in perms]
-    first_variant = len(rows)
-    rows += [Row(ids, positions=pos) for _, pos in variants]
-    def measure():
-        with jittered(subject, stack, jitter_row, len(rows), options.seed) as jitter_found:
-            return run_rows(subject, rows, stack=stack), jitter_found
-
-    def consistent_figures(measured) -> tuple[float, dict[str, float]]:
-        """(floor, {"consistent": error}) at the last layer, for the float64 arbitration."""
-        hidden = measured[0].final
-        error = max(relative_l2(hidden[first_perm + i], hidden[0][p]) for i, p in enumerate(perms))
-        return (relative_l2(hidden[jitter_row], hidden[0]) if measured[1] else 0.0), {"consistent": error}
-
-    out, has_jitter = measure()
-
-    for i, h in enumerate(out.hidden):
-        if not torch.isfinite(h).all():
-            bad_row = int((~torch.isfinite(h)).flatten(1).any(1).nonzero()[0])
-            return CheckResult("positions", Status.FAIL, f"non-finite hidden states at layer {i}, probe row {bad_row}",
-                               details={"layer": i, "row": bad_row})
-
-    layers = len(out.hidden)
-    base = [h[0] for h in out.hidden]
-    floors = [relative_l2(out.hidden[l][jitter_row], base[l]) for l in range(layers)]
-    consistent = [[relative_l2(out.hidden[l][first_perm + i], base[l][p]) for i, p in enumerate(perms)]
-                  for l in range(layers)]
-    moved = [[relative_l2(out.hidden[l][first_variant + i], base[l]) for i in range(len(variants))]
-             for l in range(layers)]
-    floor = floors[-1] if has_jitter else 0.0
-    details: dict = {
-        "seq_len": length, "permutations": len(perms),
-        **({"recurrent_mixers": recurrent, "consistent_permutation": f"not run: {recurrent_reason(subject)}"}
-           if recurrent else {}),
-        **({"token_mixing": mixing, "consistent_permutation": f"not run: {mixing_reason(subject)}"}
-           if mixing and not recurrent else {}),
-        "floor_source": FLOOR_SOURCE if has_jitter else f"{dtype} machine epsilon (no token embedding found to jitter)",
-        "consistent_error_per_permutation": consistent[-1],
-        "variants": {n: [int(v) for v in p.tolist()] for n, p in variants},
-        "residual_per_variant": dict(zip([n for n, _ in variants], moved[-1], strict=True)),
-    }
-    metrics: dict = {}
-
-    if causal:
-        default = run_rows(subject, [Row(ids)], stack=stack, explicit_mask=False).final[0]
-        fid_result = judge_fidelity(default, out.final[0], out.final[1], out.final[2], where, floor, dtype)
-        metrics.update(fid_result.metrics())
-        if not fid_result.ok:
-            return CheckResult("positions", Status.SKIP, f"mask not faithful, no verdict: {fid_result.reason}",
-                               metrics, details)
-
-    # Recurrent mixers: no consistent permutation was run; its error is reported as 0 nowhere (not judged).
-    agree = judge_agreement(max(consistent[-1]) if perms else 0.0, floor, dtype)
-    arbitration = arbitrate(subject, measure, floor, {"consistent": agree}, dtype, consistent_figures)
-    agree = arbitration.verdicts.get("consistent", agree)
-    details.update(arbitration.details)
-    # Judged on the strongest variant: any non-affine change that moves the outputs proves the ids
-    # are read (an ignoring model gives exactly 0 for every variant); ModernBERT at default init
-    # moves only 1.8e-5 under the restart (126x floor at 64 tokens), 3.6e-5 under the gaps.
-    signal = judge_position_signal(max(moved[-1]), floor, dtype)
-    tol = agreement_tolerance(floor, dtype)
-    first_bad = next((l for l in range(layers)
-                      if perms and max(consistent[l]) > agreement_tolerance(floors[l] if has_jitter else 0.0, dtype)),
-                     None)
-    strongest = max(range(len(variants)), key=lambda i: moved[-1][i])
-    metrics.update({"residual": signal.residual, "noise_floor": agree.noise_floor, "ratio": signal.ratio,
-                    "tolerance": tol, **arbitration.metrics})
-    if perms:
-        metrics.update({"consistent_error": agree.residual, "consistent_ratio": agree.ratio})
-    details["consistent_breaks_at"] = None if first_bad is None else layer_name(first_bad, layers)
-    details["strongest_variant"] = variants[strongest][0]
-
-    status = Status.worst([agree.status, signal.status]) if perms else signal.status
-    parts = []
-    if not perms and recurrent:
-        parts.append(f"consistent permutation not run ({subject.family.name} has recurrent sequence mixers: "
-                     f"{', '.join(recurrent)}; order enters through the recurrence)")
-    elif not perms:
-        parts.append(f"consistent permutation not run ({mixing_reason(subject)})")
-    elif agree.status is Status.PASS:
-        parts.append(f"consistent permutation reproduces P f(x) (error {agree.residual:.2g} <= {tol:.2g}"
-                     f"{arbitration.clause('consistent')})")
-    else:
-        at = f", from {details['consistent_breaks_at']}" if first_bad is not None else ""
-        parts.append(f"consistent permutation breaks P f(x): error {agree.residual:.3g} = {agree.ratio:.3g}x "
-                     f"floor{at}{arbitration.clause('consistent')} (positions not read from each row's position_ids)")
-    name = variants[strongest][0] if signal.status is not Status.FAIL else " and ".join(n for n, _ in variants)
-    if signal.status is Status.PASS:
-        parts.append(f"non-contiguous ids move outputs ({name}: {signal.residual:.3g} = {signal.ratio:.3g}x floor)")
-    elif signal.status is Status.FAIL:
-        parts.append(f"non-contiguous ids ({name}) change nothing: residual {signal.residual:.3g} = "
-                     f"{signal.ratio:.3g}x floor (position_ids ignored)")
-    else:
-        parts.append(f"non-contiguous ids ({name}): {signal.reason}")
-    if status is Status.FAIL and perms and agree.status is Status.FAIL and signal.status is Status.FAIL:
-        parts.insert(0, "position_ids ignored")
-    summary = "; ".join(parts) + f" [noise floor {agree.noise_floor:.2g}, {length} tokens]"
-    inert = inert_reason(subject, stack, ids) if signal.status is Status.FAIL and agree.status is Status.PASS else ""
-    if inert:  # outputs that cannot carry positions at all (zero-initialised branches): not ignored ids
-        details["inert"] = inert
-        status, summary = Status.SKIP, f"no verdict: {inert} ({summary})"
-
-    table_rows = tuple(
-        (layer_name(l, layers), f"{max(consistent[l]):.3e}" if perms else "not run", *[f"{m:.3e}" for m in moved[l]],
-         f"{noise_floor(floors[l] if has_jitter else 0.0, dtype):.2e}")
-        for l in range(layers))
-    table = Table("position ids by layer", ("layer", "consistent error", *[f"{n} residual" for n, _ in variants],
-                                            "noise floor"), table_rows)
-    return CheckResult("positions", status, summary, metrics, details, (table,))

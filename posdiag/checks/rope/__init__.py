@@ -65,14 +65,14 @@ SPEC = CheckSpec(
 def run(subject: Subject, options: RunOptions) -> CheckResult:
     specs, skip = _specs_or_skip(subject)
     if skip:  # a model without RoPE: the check does not apply; the other reasons are what posdiag cannot probe
-        return CheckResult("rope", Status.NA if subject.position_kind != "rope" else Status.SKIP, skip)
-    plan = make_plan(subject, options.for_check("rope"), specs)
+        return SPEC.result(Status.NA if subject.position_kind != "rope" else Status.SKIP, skip)
+    plan = make_plan(subject, options.for_check(SPEC.name), specs)
     token = int(subject.sample_ids(1, 1, options.seed)[0, 0])
     seen = _observe(subject, specs, plan, token, options.seed)
     factor = factor_summary(seen.factors, [r.attention_scaling for r in plan.static], subject.dtype_name)
     metrics, details = _evidence(plan, seen, factor)
     status, summary = _verdict(specs, plan, seen, factor, metrics["max_position"])
-    return CheckResult("rope", status, summary, metrics, details, _tables(plan, seen))
+    return SPEC.result(status, summary, metrics, details, _tables(plan, seen))
 
 
 def _specs_or_skip(subject: Subject) -> tuple[list[rope_math.RopeSpec], str]:
@@ -120,15 +120,14 @@ def _observe(subject: Subject, specs: list[rope_math.RopeSpec], plan: Plan, toke
             seen.findings += [f.labelled(label) for f in t_find]
             seen.table_done |= t_done
             seen.skipped(t_skipped)
-            a_find, a_rows, a_done, why, a_factors, no_factor, nope = probe_applied(subject, plan.layer_spec, refs,
-                                                                                    positions, token)
-            seen.skipped([f"layer {layer} (no RoPE by design: {reason})" for layer, reason in nope.items()])
-            seen.no_factor += [n for n in no_factor if n not in seen.no_factor]
-            seen.findings += [f.labelled(label) for f in a_find]
-            seen.factors += a_factors
-            seen.probe_rows += [(label, *r) for r in a_rows]
-            seen.applied_done |= a_done
-            seen.why_not_applied = seen.why_not_applied or why
+            applied = probe_applied(subject, plan.layer_spec, refs, positions, token)
+            seen.skipped([f"layer {layer} (no RoPE by design: {reason})" for layer, reason in applied.nope.items()])
+            seen.no_factor += [n for n in applied.no_factor if n not in seen.no_factor]
+            seen.findings += [f.labelled(label) for f in applied.findings]
+            seen.factors += applied.factors
+            seen.probe_rows += [(label, *r) for r in applied.rows]
+            seen.applied_done |= applied.observed
+            seen.why_not_applied = seen.why_not_applied or applied.why_not
         if seen.applied_done:  # multimodal RoPE: the streams apart (probe 4), at the last plan's positions
             label, positions = plan.probes[-1]
             refs = {id(s): rope_math.inv_freq(subject.config, s, seq_len=int(positions.max()) + 1) for s in specs}

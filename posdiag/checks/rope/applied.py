@@ -4,6 +4,8 @@ is relative when q and k share it; q and k that do not share pairing and directi
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 
@@ -15,7 +17,7 @@ from posdiag.model.introspect import recurrent_reason
 from posdiag.model.probe import Row, run_rows
 from posdiag.model.subject import Subject
 from posdiag.tools import rope_math
-from posdiag.verdict import FAIL_RATIO, MACHINE_EPSILON
+from posdiag.verdict import MACHINE_EPSILON, within_band
 
 # Pairing of the rotary dims (rotate-half or interleaved), where they sit in the head when only some rotate (the
 # leading slice as Llama and Phi's partial rotary, or the trailing one, "-trailing": DeepSeek-V4 lays a head out as
@@ -26,9 +28,30 @@ _PLACED = ("half", "interleaved", "half-trailing", "interleaved-trailing")
 LAYOUTS = _PLACED + tuple(f"{lay}, reversed" for lay in _PLACED)
 
 
-def probe_applied(subject: Subject, layer_spec, refs, positions: np.ndarray, token: int):
-    """-> (findings, [(position, worst ratio)], observed, why not, attention-factor rows, factor not measured at,
-    {layer: why it runs without RoPE})."""
+@dataclass
+class Applied:
+    """What probe 2 observed at one plan's positions."""
+
+    findings: list[Finding] = field(default_factory=list)  # every finding, the attention-factor ones included
+    rows: list[tuple[int, float]] = field(default_factory=list)  # (position, worst ratio over the judged layers)
+    observed: bool = False  # the applied rotation was judged
+    why_not: str = ""  # why it was not
+    factors: list[Finding] = field(default_factory=list)  # the attention factor per layer and tensor
+    no_factor: list[str] = field(default_factory=list)  # "layer L q": no un-rotated q/k lined up with that q/k
+    nope: dict[int, str] = field(default_factory=dict)  # layer -> why it runs without RoPE (by design)
+
+
+@dataclass(frozen=True)
+class _Context:
+    """What every layer's judgement shares."""
+
+    positions: np.ndarray
+    eps: float
+    recurrent: str  # why the same-token premise fails ('' when it holds): judged pairwise then
+
+
+def probe_applied(subject: Subject, layer_spec, refs, positions: np.ndarray, token: int) -> Applied:
+    """Capture q/k in one forward of the same token at `positions` and judge every layer's rotation."""
     # The same token at every position gives the same pre-rotation q/k only when nothing before the
     # attention layer reads order; a recurrent mixer does (healthy Qwen3-Next, LFM2, Bamba FAILed here
     # at 1e2-7e5x). There the rotation is judged against the un-rotated q/k of the same call (paired.py);
@@ -36,66 +59,78 @@ def probe_applied(subject: Subject, layer_spec, refs, positions: np.ndarray, tok
     recurrent = recurrent_reason(subject)
     records, out, why, nope = _capture_qk(subject, layer_spec, positions, token, bool(recurrent))
     if why:
-        return [], [], False, why, [], [], {}
-    eps = MACHINE_EPSILON.get(subject.dtype_name, 1.2e-7)
-    findings: list[Finding] = []
-    factors: list[Finding] = []
-    no_factor: list[str] = []  # "layer L q": no un-rotated capture lines up with that q/k
-    unpaired: list[str] = []  # the same, where the rotation itself must be judged against it (recurrent models)
+        return Applied(why_not=why)
+    ctx = _Context(positions=positions, eps=MACHINE_EPSILON.get(subject.dtype_name, 1.2e-7), recurrent=recurrent)
+    seen = Applied()
+    unpaired: list[str] = []  # no un-rotated capture lines up, where the rotation must be judged against it
     judged = 0
     by_pos = np.zeros(len(positions))
     for layer, _module, q, k, plain in records:
         if layer in nope:
             if nope[layer][1]:  # the config gives the layer no rotation, yet one was applied before its attention
-                findings.append(Finding("layout", float("inf"), layer=layer, message=(
+                seen.findings.append(Finding("layout", float("inf"), layer=layer, message=(
                     f"layer {layer} rotates q/k although {nope[layer][0]}")))
             continue
-        q, k, judged_at = judged_qk(q, k, plain)
         spec = layer_spec[min(layer, len(layer_spec) - 1)]
-        freqs, scaling = refs[id(spec)]
         spread = 0.0 if recurrent else input_spread(out, layer)  # judged pairwise: no premise, no spread
-        arrays = {name: heads(t, len(positions)) for name, t in (("q", q), ("k", k))}
-        for name, t in (("q", q), ("k", k)):
-            if arrays[name] is None:
-                return ([], [], False,
-                        f"captured {name} has shape {tuple(t.shape)}, not [batch, heads, positions, dim]", [], [], {})
-        fits = {}
-        for name, arr in arrays.items():
-            if not np.isfinite(arr).all():
-                findings.append(non_finite(arr, positions, layer, name))
-                fits[name] = None
-                continue
-            factor = factor_finding(arr, plain, name, freqs, scaling, eps, positions, layer)
-            if factor is not None:
-                factors.append(factor)
-            else:
-                no_factor.append(f"layer {layer} {name}")
-            if not recurrent:
-                fits[name] = {lay: judge_applied(arr, freqs, spec, positions, lay, eps, max(spread, eps), layer, name)
-                              for lay in layouts_for(freqs, arr.shape[-1])}
-                continue
-            pair = lined_up(arr, plain, name, min(2 * freqs.shape[0], arr.shape[-1]), positions, eps)
-            if pair is None:
-                unpaired.append(f"layer {layer} {name}")
-                fits[name] = None
-                continue
-            after, before, judged_at = pair
-            scale = scaling if factor is None else factor.extra["measured_factor"]  # the factor is judged apart
-            fits[name] = {lay: judge_applied(after, freqs, spec, positions, lay, eps, eps, layer, name, base=before,
-                                             scale=scale) for lay in layouts_for(freqs, after.shape[-1])}
-        if fits["q"] is None or fits["k"] is None:
+        fits = _layer_fits(ctx, seen, unpaired, layer, spec, refs[id(spec)], spread, q, k, plain)
+        if isinstance(fits, str):
+            return Applied(why_not=fits)
+        if fits is None:
             continue
-        layer_findings, layer_by_pos = best_fits(fits, layer, spread, judged_at)
+        layer_findings, layer_by_pos = best_fits(fits[0], layer, spread, fits[1])
         judged += 1
-        findings += layer_findings
+        seen.findings += layer_findings
         by_pos = np.maximum(by_pos, layer_by_pos)
-    findings += mixed_directions(findings)
+    seen.findings += mixed_directions(seen.findings)
     if recurrent and (unpaired or not judged):  # a layer judged pairwise still FAILs on its own findings
         where = f"; no un-rotated q/k lined up with the rotated one at {', '.join(unpaired)}" if unpaired else ""
-        return (findings + factors, [], False,
-                f"{recurrent} (the same token gives a different q/k at each position){where}", factors, no_factor, {})
-    rows = [(int(p), float(r)) for p, r in zip(positions, by_pos, strict=True)]
-    return findings + factors, rows, True, "", factors, no_factor, {i: why for i, (why, _) in nope.items()}
+        return Applied(findings=seen.findings + seen.factors, factors=seen.factors, no_factor=seen.no_factor,
+                       why_not=f"{recurrent} (the same token gives a different q/k at each position){where}")
+    return Applied(findings=seen.findings + seen.factors, rows=[(int(p), float(r)) for p, r in zip(positions, by_pos,
+                                                                                                   strict=True)],
+                   observed=True, factors=seen.factors, no_factor=seen.no_factor,
+                   nope={i: why for i, (why, _) in nope.items()})
+
+
+def _layer_fits(ctx: _Context, seen: Applied, unpaired: list[str], layer: int, spec, ref, spread: float,
+                q: torch.Tensor, k: torch.Tensor, plain: list[tuple]) -> tuple[dict, str] | str | None:
+    """Every layout's fit for this layer's q and k, and where they were judged; a reason string when the capture
+    has the wrong shape; None when q or k cannot be judged (non-finite, or nothing to pair it with). Findings,
+    attention factors and unpaired tensors go into `seen` and `unpaired`."""
+    q, k, judged_at = judged_qk(q, k, plain)
+    freqs, scaling = ref
+    arrays = {name: heads(t, len(ctx.positions)) for name, t in (("q", q), ("k", k))}
+    for name, t in (("q", q), ("k", k)):
+        if arrays[name] is None:
+            return f"captured {name} has shape {tuple(t.shape)}, not [batch, heads, positions, dim]"
+    fits = {}
+    for name, arr in arrays.items():
+        if not np.isfinite(arr).all():
+            seen.findings.append(non_finite(arr, ctx.positions, layer, name))
+            fits[name] = None
+            continue
+        factor = factor_finding(arr, plain, name, freqs, scaling, ctx.eps, ctx.positions, layer)
+        if factor is not None:
+            seen.factors.append(factor)
+        else:
+            seen.no_factor.append(f"layer {layer} {name}")
+        if not ctx.recurrent:
+            fits[name] = {lay: judge_applied(arr, freqs, spec, ctx.positions, lay, ctx.eps, max(spread, ctx.eps),
+                                             layer, name) for lay in layouts_for(freqs, arr.shape[-1])}
+            continue
+        pair = lined_up(arr, plain, name, min(2 * freqs.shape[0], arr.shape[-1]), ctx.positions, ctx.eps)
+        if pair is None:
+            unpaired.append(f"layer {layer} {name}")
+            fits[name] = None
+            continue
+        after, before, judged_at = pair
+        scale = scaling if factor is None else factor.extra["measured_factor"]  # the factor is judged apart
+        fits[name] = {lay: judge_applied(after, freqs, spec, ctx.positions, lay, ctx.eps, ctx.eps, layer, name,
+                                         base=before, scale=scale) for lay in layouts_for(freqs, after.shape[-1])}
+    if fits["q"] is None or fits["k"] is None:
+        return None
+    return fits, judged_at
 
 
 def _capture_qk(subject: Subject, layer_spec, positions: np.ndarray, token: int,
@@ -166,7 +201,7 @@ def best_fits(fits: dict, layer: int, spread: float, judged_at: str) -> tuple[li
             f"(<R_m q, R_n k> is no longer a function of n - m)")))
     elif best["q"][0].failed and not best["k"][0].failed:
         alt = fits["q"][lay_k][0]
-        if alt.ratio > FAIL_RATIO:
+        if not within_band(alt.ratio):
             alt.message = ""
     for f in (best["q"][0], best["k"][0]):
         chosen = lay_q if f.tensor == "q" else lay_k

@@ -11,7 +11,7 @@ import torch
 
 from posdiag.checks.rope.capture import heads
 from posdiag.checks.rope.findings import Finding, factor_sentence, severity
-from posdiag.verdict import FAIL_RATIO, LOW_PRECISION
+from posdiag.verdict import FAIL_RATIO, LOW_PRECISION, within_tolerance
 
 
 def factor_finding(arr: np.ndarray, plain: list[tuple], name: str, freqs: np.ndarray, scaling: float, eps: float,
@@ -52,7 +52,7 @@ def same_vectors(after: np.ndarray, before: np.ndarray, rot: int, eps: float) ->
     a, b = after[:, 0, :rot], before[:, 0, :rot]
     c = (a * b).sum(-1, keepdims=True) / np.maximum((b * b).sum(-1, keepdims=True), 1e-300)
     off = np.linalg.norm(a - c * b, axis=-1) / np.maximum(np.linalg.norm(a, axis=-1), 1e-300)
-    return bool((off <= FAIL_RATIO * _rounding_bound(eps)).all())
+    return bool(within_tolerance(off, _rounding_bound(eps)).all())
 
 
 def _judge_factor(after: np.ndarray, before: np.ndarray, rot: int, expected: float, eps: float, positions: np.ndarray,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from posdiag.verdict import FAIL_RATIO
+from posdiag.verdict import within_band
 
 
 @dataclass
@@ -27,7 +27,7 @@ class Finding:
 
     @property
     def failed(self) -> bool:
-        return not (self.ratio <= FAIL_RATIO)  # NaN fails
+        return not within_band(self.ratio)  # NaN fails
 
     def labelled(self, label: str) -> Finding:
         self.probe = label

@@ -65,14 +65,14 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
         why = {"rope": "RoPE rotates q/k by position: no table (see `rope`)",
                "alibi": "ALiBi adds a distance bias computed on the fly: no table",
                "relative_bias": "relative position buckets, not an absolute table (see `shuffle`)"}
-        return CheckResult("table", Status.NA, why.get(kind, f"no absolute position table ({kind})"),
+        return SPEC.result(Status.NA, why.get(kind, f"no absolute position table ({kind})"),
                            details={"position_kind": kind})
     tables = find_tables(subject)
     if not tables:
-        return CheckResult("table", Status.SKIP, f"position kind {kind} but no 2D table named like "
+        return SPEC.result(Status.SKIP, f"position kind {kind} but no 2D table named like "
                            f"{'/'.join(TABLE_NAMES)} was found: nothing to inspect", details={"position_kind": kind})
 
-    settings = options.for_check("table")
+    settings = options.for_check(SPEC.name)
     parts: list[Part] = []
     tables_out: list[Table] = []
     declared = declared_logical(subject)
@@ -110,7 +110,7 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
         summary += f" (+{len(bad) - 1} more {status.value})"
     tables_out.append(Table("table findings", ("part", "status", "finding"),
                             tuple((p.name, p.status.value, p.message) for p in parts)))
-    return CheckResult("table", status, summary, metrics, details, tuple(tables_out))
+    return SPEC.result(status, summary, metrics, details, tables_out)
 
 
 def _pass_summary(parts: list[Part]) -> str:

@@ -13,7 +13,7 @@ from posdiag.checks.table.helpers import Part
 from posdiag.model.checkpoint import in_checkpoint
 from posdiag.model.subject import Subject
 from posdiag.results import Status
-from posdiag.verdict import FAIL_RATIO, MACHINE_EPSILON
+from posdiag.verdict import MACHINE_EPSILON, within_tolerance
 
 
 def health_parts(subject: Subject, t: PositionTable, declared: int | None, offset: int | None) -> list[Part]:
@@ -53,7 +53,7 @@ def _duplicate_rows(rows: torch.Tensor, eps: float) -> list[tuple[int, int]]:
     scale = float(rows.norm(dim=-1).median()) or 1.0
     proj = rows @ torch.randn(rows.shape[1], generator=torch.Generator().manual_seed(0), dtype=rows.dtype)
     order = torch.argsort(proj, stable=True)
-    close = (rows[order[1:]] - rows[order[:-1]]).norm(dim=-1) / scale <= FAIL_RATIO * eps
+    close = within_tolerance((rows[order[1:]] - rows[order[:-1]]).norm(dim=-1) / scale, eps)
     pairs = {}
     for i in torch.nonzero(close).flatten().tolist():
         a, b = int(order[i]), int(order[i + 1])

@@ -16,7 +16,7 @@ from posdiag.model.probe import Row, run_rows
 from posdiag.model.subject import Subject
 from posdiag.options import RunOptions
 from posdiag.results import Status
-from posdiag.verdict import FAIL_RATIO, MACHINE_EPSILON, judge_agreement, judge_position_signal
+from posdiag.verdict import MACHINE_EPSILON, band_tolerance, judge_agreement, judge_position_signal
 
 OFFSET_LEN = 16          # tokens of the offset / marker probes
 DISCOVER_ROWS = 1024     # rows searched for the first one read, for a family with no measured offset
@@ -144,7 +144,7 @@ def _moved(subject: Subject, stack: str, t: PositionTable, rows: list[int], ids,
             with torch.no_grad():
                 table[index] = saved
     change = (moved - default).double().norm(dim=-1) / max(float(default.double().norm(dim=-1).median()), 1e-30)
-    line = FAIL_RATIO * MACHINE_EPSILON.get(subject.dtype_name, 1.2e-7)
+    line = band_tolerance(MACHINE_EPSILON.get(subject.dtype_name, 1.2e-7))
     return [int(i) for i in torch.nonzero(change > line).flatten()]
 
 

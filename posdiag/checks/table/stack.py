@@ -3,6 +3,8 @@ over the declared context, then one position past it."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from posdiag.checks.table.beyond import beyond
 from posdiag.checks.table.capacity import capacity, long_row_limit
 from posdiag.checks.table.discovery import PositionTable
@@ -18,21 +20,56 @@ def stack_parts(subject: Subject, options: RunOptions, settings: dict, stack: st
                 own_offsets: dict[str, int], not_positions: dict[str, str]) -> list[Part]:
     where = f"{stack}_" if len(subject.stacks) > 1 else ""
     label = f"{stack}: " if len(subject.stacks) > 1 else ""
-    parts: list[Part] = []
     token = int(subject.sample_ids(1, 1, options.seed)[0, 0])
     sizes = {f"table_rows_{t.name}": t.rows for t in tables}
 
     # 3. offsets first: they also tell whether position ids are really honoured and, for a family
     # posdiag has no row for, which row each probe reads.
-    found_parts, honoured, found = offset_parts(subject, options, stack, tables, label, where)
-    parts += found_parts
+    parts, honoured, found = offset_parts(subject, options, stack, tables, label, where)
+    parts = list(parts)
     own_offsets.update(found["own"])
     not_positions.update(found["not_positions"])
     tables = [t for t in tables if t.name not in found["not_positions"]]  # indexed by another input
     offset = found["probe"]  # the row the capacity/beyond probes read for logical position 0
+    span = _span(subject, settings, tables, declared, found["discovered"], offset, honoured, label, where, parts)
+    if span is None:
+        return parts
 
+    # 1. capacity
+    cap, outputs = capacity(subject, settings, stack, span.n, token, honoured, label, where)
+    cap.metrics.update({"declared_positions": span.declared, "position_offset": offset, **sizes})
+    parts.append(cap)
+    if cap.details.get("table"):
+        out_tables.append(cap.details.pop("table"))
+
+    # 2. past the declared context
+    if span.declared is not None and not span.static_short:
+        declared = span.declared
+        if span.limit is not None and declared + 1 > span.limit:
+            parts.append(Part("beyond", Status.SKIP, f"{label}position {declared}: a row of {declared + 1} tokens "
+                              f"is longer than max_long_row = {span.limit}", {"beyond_probed": False},
+                              {"where": where}))
+        else:
+            parts.append(beyond(subject, stack, declared, token, honoured, tables, outputs, label, where, offset))
+    return parts
+
+
+@dataclass(frozen=True)
+class _Span:
+    """The positions the capacity and beyond probes cover."""
+
+    declared: int | None  # the declared context (less RoBERTa-style offset rows)
+    n: int  # positions the capacity probe reads
+    static_short: bool  # the table has fewer rows than the declared context
+    limit: int | None  # the longest row a model that derives positions itself is given
+
+
+def _span(subject: Subject, settings: dict, tables: list[PositionTable], declared: int | None, discovered: bool,
+          offset: int, honoured: bool, label: str, where: str, parts: list[Part]) -> _Span | None:
+    """How many positions to probe, from the declared context and the table rows; the findings on the way (offset
+    rows counted in the context, a table too short, rows too long to run) go into `parts`. None: nothing to size."""
     rows_cap = min((t.rows - offset for t in tables), default=None)
-    if (found["discovered"] and rows_cap is not None and declared is not None and rows_cap < declared
+    if (discovered and rows_cap is not None and declared is not None and rows_cap < declared
             and min(t.rows for t in tables) >= declared):
         # RoBERTa's convention: max_position_embeddings counts the offset rows. Whatever the offset,
         # the table holds every row the model's own numbering can read; only rows_cap positions exist.
@@ -42,8 +79,9 @@ def stack_parts(subject: Subject, options: RunOptions, settings: dict, stack: st
         declared = rows_cap
     n = declared if declared is not None else rows_cap
     if n is None:
-        return parts + [Part("capacity", Status.SKIP, f"{label}no declared context and no table rows to size the probe",
-                             details={"where": where})]
+        parts.append(Part("capacity", Status.SKIP, f"{label}no declared context and no table rows to size the probe",
+                          details={"where": where}))
+        return None
     static_short = rows_cap is not None and declared is not None and rows_cap < declared
     if static_short:
         t = min(tables, key=lambda x: x.rows)
@@ -53,7 +91,6 @@ def stack_parts(subject: Subject, options: RunOptions, settings: dict, stack: st
                           {"table_rows": t.rows, "declared_positions": declared},
                           {"where": where, "first_bad_position": rows_cap}))
         n = rows_cap
-
     # Without position ids, position p needs one row of p+1 tokens: the probe stops at the row length whose
     # attention (and explicit mask) still fits, and says which positions it left out.
     limit = None if honoured else long_row_limit(settings)
@@ -63,19 +100,4 @@ def stack_parts(subject: Subject, options: RunOptions, settings: dict, stack: st
                           f"and mask grow with its square (table setting max_long_row = {limit})",
                           {"long_row_limit": limit}, {"where": where}))
         n = limit
-
-    # 1. capacity
-    cap, outputs = capacity(subject, settings, stack, n, token, honoured, label, where)
-    cap.metrics.update({"declared_positions": declared, "position_offset": offset, **sizes})
-    parts.append(cap)
-    if cap.details.get("table"):
-        out_tables.append(cap.details.pop("table"))
-
-    # 2. past the declared context
-    if declared is not None and not static_short:
-        if limit is not None and declared + 1 > limit:
-            parts.append(Part("beyond", Status.SKIP, f"{label}position {declared}: a row of {declared + 1} tokens "
-                              f"is longer than max_long_row = {limit}", {"beyond_probed": False}, {"where": where}))
-        else:
-            parts.append(beyond(subject, stack, declared, token, honoured, tables, outputs, label, where, offset))
-    return parts
+    return _Span(declared=declared, n=n, static_short=static_short, limit=limit)
