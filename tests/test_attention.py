@@ -104,11 +104,13 @@ def test_synthetic_report_judges_every_implementation():
 
 
 def test_memory_grows_quadratically_for_naive_only():
-    """Peak extra memory at T and 4T: naive's score matrix grows ~16x, tiled's tiles ~4x (linear)."""
+    """Peak extra memory at T and 4T: naive's score matrix grows ~16x, tiled's tiles ~4x (linear). 128 and 512
+    tokens show both (measured 16.0x and 1.3x) in about a second; the profiler that counts CPU allocations spends
+    minutes on the tiles of 1024 tokens."""
     from posdiag.tools.synthetic import peak_memory
 
     peaks = {}
-    for t in (256, 1024):
+    for t in (128, 512):
         shape = Shape(batch=1, heads=2, kv_heads=2, q_len=t, k_len=t, head_dim=16, causal=True)
         q, k, v = random_qkv(shape)
         spec = shape.spec()
@@ -116,7 +118,7 @@ def test_memory_grows_quadratically_for_naive_only():
                                 torch.device("cpu")),
                     peak_memory(lambda q=q, k=k, v=v, spec=spec: tiled_attention(q, k, v, spec, block_q=64, block_k=64),
                                 torch.device("cpu")))
-    naive_growth = peaks[1024][0] / peaks[256][0]
-    tiled_growth = peaks[1024][1] / peaks[256][1]
+    naive_growth = peaks[512][0] / peaks[128][0]
+    tiled_growth = peaks[512][1] / peaks[128][1]
     assert naive_growth > 10, peaks
     assert tiled_growth < 6, peaks
