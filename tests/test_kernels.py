@@ -244,19 +244,19 @@ def test_toolchain_failure_is_a_skip_and_other_exceptions_fail(monkeypatch):
         pass
 
     subject = from_module(zoo.tiny_model("llama"))
-    original = running.forward
+    original = running.forward_all
 
     def failing(error):
-        def forward(subject, sc):
+        def forward_all(subject, scenarios):
             if subject.model.config._attn_implementation == "sdpa":
                 raise error
-            return original(subject, sc)
-        return forward
+            return original(subject, scenarios)
+        return forward_all
 
-    monkeypatch.setattr(running, "forward", failing(InductorError("CppCompileError: C++ compile error")))
+    monkeypatch.setattr(running, "forward_all", failing(InductorError("CppCompileError: C++ compile error")))
     skipped = run_checks(subject, ["kernels"], RunOptions(seq_len=16)).check("kernels")
     assert skipped.status is Status.SKIP and "could not be compiled" in skipped.summary
-    monkeypatch.setattr(running, "forward", failing(IndexError("index 17 is out of bounds")))
+    monkeypatch.setattr(running, "forward_all", failing(IndexError("index 17 is out of bounds")))
     failed = run_checks(subject, ["kernels"], RunOptions(seq_len=16)).check("kernels")
     assert failed.status is Status.FAIL and "IndexError" in failed.summary
 
