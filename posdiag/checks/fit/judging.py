@@ -95,7 +95,7 @@ def learned_nothing(configured: Scored, twin: Scored) -> str:
     gain = float(twin.losses.mean() - mine.mean())
     spread = math.sqrt(float(mine.var(ddof=1)) / mine.size + float(twin.losses.var(ddof=1)) / twin.losses.size)
     z = gain / spread if spread > 0 else (math.inf if gain > 0 else 0.0)
-    if np.isfinite(gain) and gain >= CONTEXT_GAIN and z >= Z_BOUND:
+    if not np.isfinite(gain) or (gain >= CONTEXT_GAIN and z >= Z_BOUND):  # non-finite losses: for the alternatives
         return ""
     return (f"the model predicts like an untrained one (loss {mine.mean():.2f} nats on its material, "
             f"{twin.losses.mean():.2f} with the context destroyed: gain {gain:+.3f}, z = {z:.1f}): "

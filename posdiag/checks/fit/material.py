@@ -100,7 +100,7 @@ def repeated_sequences(subject: Subject, seed: int, longest: int, reason: str = 
     top = (longest - len(prefix)) // 2
     if top < 3:
         return None
-    distances = sorted({top, max(3, top // 2)})
+    distances = sorted({top, max(3, top // 2)}, reverse=True)  # the rows with most targets first (the screen's)
     rows, targets, dists = [], [], []
     for k, n in enumerate(distances):
         count = max(2, math.ceil(SEQUENCE_TARGETS / len(distances) / max(1, n - 1)))
@@ -118,8 +118,8 @@ def repeated_sequences(subject: Subject, seed: int, longest: int, reason: str = 
     want = torch.stack([torch.cat([t, t.new_full((width - len(t),), -1)]) for t in targets])
     scored = want[want >= 0].tolist()
     why = f"; no text: {reason}" if reason and reason != "--text" else ""
-    return Material(ids, want, f"repeated random sequences (copy distances {', '.join(map(str, distances))}{why})",
-                    _entropy(scored), tuple(dists))
+    source = f"repeated random sequences (copy distances {', '.join(map(str, sorted(distances)))}{why})"
+    return Material(ids, want, source, _entropy(scored), tuple(dists))
 
 
 def copy_rows(subject: Subject, seed: int, distances: tuple[int, ...] = COPY_DISTANCES) -> list[Material]:
