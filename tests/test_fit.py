@@ -174,6 +174,26 @@ def test_trained_models_with_broken_positions_are_not_called_untrained(tmp_path)
     assert twin.loss - configured.loss > 1.0
 
 
+def test_destroyed_twins_keep_the_targets_and_take_their_context_away():
+    """Repeated sequences: the same targets, the first copy replaced; text: the same tokens, first kept, shuffled."""
+    from posdiag.checks.fit.material import Material, destroyed, repeated_sequences
+
+    subject = from_module(zoo.tiny_model("llama"))
+    copies = repeated_sequences(subject, 0, 64)
+    twin = destroyed(subject, copies, 0)
+    assert torch.equal(twin.targets, copies.targets) and twin.distances == copies.distances
+    for r, n in enumerate(copies.distances):
+        start = int((copies.targets[r] >= 0).nonzero()[0, 0])
+        assert not torch.equal(twin.ids[r, start - n:start], copies.ids[r, start - n:start])
+        assert torch.equal(twin.ids[r, start:], copies.ids[r, start:])
+    row = torch.arange(1, 301)[None]
+    text = Material(row, torch.cat([row[:, 1:], torch.full((1, 1), -1)], dim=1), "text", 5.0)
+    shuffled = destroyed(subject, text, 0)
+    assert shuffled.ids.shape == (1, 257) and int(shuffled.ids[0, 0]) == 1
+    assert sorted(shuffled.ids[0].tolist()) == list(range(1, 258)) and shuffled.count == 256
+    assert not torch.equal(shuffled.ids, row[:, :257])
+
+
 def test_no_candidate_below_the_unigram_entropy_skips():
     """The second guard, after the alternatives: a model that uses no context beyond token frequencies."""
     import numpy as np
