@@ -44,7 +44,9 @@ def test_healthy_copy_model_passes_with_the_nearest_margin(healthy):
 def test_forwards_are_one_per_candidate_plus_the_copy_evidence(healthy):
     _, result, forwards = healthy
     candidates = 1 + len(result.details["candidates"])
-    assert forwards == candidates  # repeated sequences: the copy evidence is read from the same forwards
+    # the configuration's first rows and their destroyed twins, its other rows, then one per alternative: the copy
+    # evidence of repeated sequences is read from the same forwards
+    assert forwards == candidates + 1
 
 
 def test_the_model_is_restored_bitwise(healthy, tmp_path):
@@ -77,9 +79,13 @@ def test_planted_copies_fail_naming_the_alternative(tmp_path, plant, names):
     assert (FIXTURE / "model.safetensors").stat().st_size < 1_000_000  # the fixture itself untouched
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2", "gemma3", "phi", "gpt_neox", "opt", "bloom"])
-def test_default_init_models_skip_after_one_forward(family):
-    subject = from_module(zoo.tiny_model(family))
+@pytest.mark.parametrize("family, init", [(f, "default") for f in ("llama", "gpt2", "qwen2", "gemma3", "phi",
+                                                                    "gpt_neox", "opt", "bloom")]
+                         + [("gpt2", "strong"), ("llama", "strong")])
+def test_untrained_models_skip_after_one_forward(family, init):
+    """At chance (default init) or confidently wrong (large random weights, gemma3's scaled embeddings): either
+    way no better on the material than on its destroyed twin, decided by the first forward."""
+    subject = from_module(zoo.tiny_model(family, init=init))
     start = subject.forward_count
     result = fit(subject)
     assert result.status is Status.SKIP, result.summary
@@ -153,15 +159,50 @@ def test_score_targets_runs_rows_in_chunks(healthy):
     assert not math.isnan(float(chunked.logprob[0, 0]))
 
 
-@pytest.mark.parametrize("family, forwards", [("gpt2", 5), ("llama", 6)])
-def test_confident_random_models_skip_at_the_unigram_baseline(family, forwards):
-    """Large random weights are far from chance (confidently wrong), so the alternatives run (learned tables: the
-    four offsets), and no candidate beats the targets' own frequencies: nothing to judge."""
-    subject = from_module(zoo.tiny_model(family, init="strong"))
-    start = subject.forward_count
-    result = fit(subject)
-    assert result.status is Status.SKIP and "own frequencies" in result.summary, result.summary
-    assert subject.forward_count - start == forwards
+def test_trained_models_with_broken_positions_are_not_called_untrained(tmp_path):
+    """The screen's premise: a trained model predicts its material far better than the destroyed twin even with
+    its positions broken (the q/k rows interleaved: loss above chance), so the alternatives run."""
+    from posdiag.checks.fit.judging import learned_nothing, score
+    from posdiag.checks.fit.material import destroyed, plan_material
+    from posdiag.options import RunOptions
+
+    broken = load_subject(str(interleaved_qk(FIXTURE, tmp_path / "broken")))
+    material = plan_material(broken, RunOptions(), {})
+    configured, twin = score(broken, material, "configured"), score(broken, destroyed(broken, material, 0), "twin")
+    assert configured.loss > math.log(broken.vocab_size)  # confidently wrong: a chance criterion would not tell
+    assert learned_nothing(configured, twin) == ""
+    assert twin.loss - configured.loss > 1.0
+
+
+def test_destroyed_twins_keep_the_targets_and_take_their_context_away():
+    """Repeated sequences: the same targets, the first copy replaced; text: the same tokens, first kept, shuffled."""
+    from posdiag.checks.fit.material import Material, destroyed, repeated_sequences
+
+    subject = from_module(zoo.tiny_model("llama"))
+    copies = repeated_sequences(subject, 0, 64)
+    twin = destroyed(subject, copies, 0)
+    assert torch.equal(twin.targets, copies.targets) and twin.distances == copies.distances
+    for r, n in enumerate(copies.distances):
+        start = int((copies.targets[r] >= 0).nonzero()[0, 0])
+        assert not torch.equal(twin.ids[r, start - n:start], copies.ids[r, start - n:start])
+        assert torch.equal(twin.ids[r, start:], copies.ids[r, start:])
+    row = torch.arange(1, 301)[None]
+    text = Material(row, torch.cat([row[:, 1:], torch.full((1, 1), -1)], dim=1), "text", 5.0)
+    shuffled = destroyed(subject, text, 0)
+    assert shuffled.ids.shape == (1, 257) and int(shuffled.ids[0, 0]) == 1
+    assert sorted(shuffled.ids[0].tolist()) == list(range(1, 258)) and shuffled.count == 256
+    assert not torch.equal(shuffled.ids, row[:, :257])
+
+
+def test_no_candidate_below_the_unigram_entropy_skips():
+    """The second guard, after the alternatives: a model that uses no context beyond token frequencies."""
+    import numpy as np
+
+    from posdiag.checks.fit.judging import Scored, below_unigram
+
+    flat = Scored("best", np.full(100, 4.0), np.zeros(100, dtype=bool))
+    assert "own frequencies" in below_unigram(flat, unigram=4.05)
+    assert below_unigram(flat, unigram=4.2) == ""
 
 
 def test_text_option_replaces_the_shipped_prose(tmp_path):

@@ -202,6 +202,26 @@ def saved_llama(tmp_path_factory):
     return path
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_prefills_stand_for_the_unpadded_and_left_padded_inputs(family):
+    """The decode inputs' prefills are the unpadded and left-padded inputs: fed once, they give the runs a forward of
+    each alone gives (4 forwards per implementation, not 6)."""
+    from posdiag.checks.kernels.running import forward, forward_all
+    from posdiag.checks.kernels.scenarios import build_scenarios
+
+    subject = from_module(zoo.tiny_model(family))
+    scenarios = build_scenarios(subject, RunOptions(seq_len=16))
+    assert [sc.prefill_as for sc in scenarios] == ["", "", "unpadded", "left-padded"]
+    start = subject.forward_count
+    shared = forward_all(subject, scenarios)
+    assert subject.forward_count - start == 4
+    for sc, got in zip(scenarios, shared, strict=True):
+        alone = forward(subject, sc)
+        assert got.layer_names == alone.layer_names
+        for x, y in zip(got.hidden, alone.hidden, strict=True):
+            torch.testing.assert_close(x, y, rtol=0, atol=1e-6)
+
+
 def test_isolated_run_matches_the_same_implementation_in_process(saved_llama):
     """The child reloads the checkpoint with the same options: same weights, same numbers."""
     from posdiag.checks.kernels.isolated import run_isolated
@@ -244,19 +264,19 @@ def test_toolchain_failure_is_a_skip_and_other_exceptions_fail(monkeypatch):
         pass
 
     subject = from_module(zoo.tiny_model("llama"))
-    original = running.forward
+    original = running.forward_all
 
     def failing(error):
-        def forward(subject, sc):
+        def forward_all(subject, scenarios):
             if subject.model.config._attn_implementation == "sdpa":
                 raise error
-            return original(subject, sc)
-        return forward
+            return original(subject, scenarios)
+        return forward_all
 
-    monkeypatch.setattr(running, "forward", failing(InductorError("CppCompileError: C++ compile error")))
+    monkeypatch.setattr(running, "forward_all", failing(InductorError("CppCompileError: C++ compile error")))
     skipped = run_checks(subject, ["kernels"], RunOptions(seq_len=16)).check("kernels")
     assert skipped.status is Status.SKIP and "could not be compiled" in skipped.summary
-    monkeypatch.setattr(running, "forward", failing(IndexError("index 17 is out of bounds")))
+    monkeypatch.setattr(running, "forward_all", failing(IndexError("index 17 is out of bounds")))
     failed = run_checks(subject, ["kernels"], RunOptions(seq_len=16)).check("kernels")
     assert failed.status is Status.FAIL and "IndexError" in failed.summary
 

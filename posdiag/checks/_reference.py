@@ -20,12 +20,14 @@ Item = tuple[str, int, int, torch.Tensor]  # (run name, index in the run, prompt
 
 
 def reference(subject: Subject, prompts: list[torch.Tensor], items: list[Item], pad: int, seq2seq: bool,
-              start_id: int | None) -> tuple[dict[tuple[str, int], torch.Tensor], list[torch.Tensor], float]:
+              start_id: int | None) -> tuple[dict[tuple[str, int], torch.Tensor], list[torch.Tensor | None], float]:
     """Teacher-forced logits at the generated positions ([N, V]) of each generated row alone, each prompt's logits at
-    its last position ([V]), and the measured noise floor (max per position over equivalent cache-free paths).
+    its last position ([V]; None for a prompt no run generated from, decoder-only), and the measured noise floor
+    (max per position over equivalent cache-free paths).
 
     Decoder-only: every sequence right-padded into one forward without a mask (a causal model never sees the keys
-    after a query, so the padding is invisible), prompts likewise; logits only at the positions compared.
+    after a query, so the padding is invisible), the short prompt prefixes likewise; logits only at the positions
+    compared.
     Encoder-decoders: one forward per prompt (its unpadded encoder input), all its decoder
     sequences stacked; the prompt-only pass is the padded-encoder batch with its mask.
     """
@@ -54,7 +56,7 @@ def reference(subject: Subject, prompts: list[torch.Tensor], items: list[Item], 
 
 
 def _decoder_reference(subject: Subject, prompts: list[torch.Tensor], items: list[Item],
-                       pad: int) -> tuple[dict[tuple[str, int], torch.Tensor], list[torch.Tensor], float]:
+                       pad: int) -> tuple[dict[tuple[str, int], torch.Tensor], list[torch.Tensor | None], float]:
     """`reference` for decoder-only models. The floor compares short prompt prefixes with the teacher-forced forward
     at up to FLOOR_POSITIONS positions spread over the prefix. Short prefixes: decode steps run at a small width, and
     so does this pass (measured on CPU: widths >= 16 reproduce a longer forward bit for bit, widths 1-8 do not)."""
@@ -73,12 +75,13 @@ def _decoder_reference(subject: Subject, prompts: list[torch.Tensor], items: lis
     keep = torch.tensor([spots + list(range(len(prompts[r]) - 1, len(prompts[r]) - 1 + steps)) for r in owner])
     out = logits_at(subject, right_padded(seqs, pad, subject.device)[0], keep)  # [S, F + N, V]
     refs = {(name, i): out[index[(row, tuple(toks.tolist()))], len(spots):] for name, i, row, toks in items}
+    # a prompt's last logits are its reference's first compared position (causal: the generated tokens after it
+    # are not seen there), so no forward of the prompts alone is needed; a prompt without a generated row gets none
+    first = {j: out[s, len(spots)] for s, j in reversed(list(enumerate(owner)))}
     pstack, _ = right_padded(prompts, pad, subject.device)
-    last = torch.tensor([[len(p) - 1] for p in prompts])
-    pout = logits_at(subject, pstack, last)[:, 0]
     sout = logits_at(subject, pstack[:, :short], torch.tensor([spots] * len(prompts)))
     floor = max(relative_l2(sout[j, f], out[s, f]) for s, j in enumerate(owner) for f in range(len(spots)))
-    return refs, [pout[j] for j in range(len(prompts))], floor
+    return refs, [first.get(j) for j in range(len(prompts))], floor
 
 
 def jitter_floor(subject: Subject, prompt: torch.Tensor, tokens: torch.Tensor, seed: int) -> float | None:

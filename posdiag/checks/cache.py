@@ -238,6 +238,25 @@ def _prefill_layers(cache: Any) -> list[Any]:
     return [layer for layer in getattr(cache, "layers", ()) if callable(getattr(layer, "set_prefill_length", None))]
 
 
+def _notes(subject: Subject, m: Measurement, refused: str, refusals: list, details: dict[str, Any]) -> str:
+    """The summary's tail (paths not run or not judged, the reference used, the cache note), each also in details."""
+    tail = ""
+    if refused:
+        details["static_not_run"] = refused
+        tail += f"; static cache paths not run: {refused}"
+    if refusals:
+        tail += f"; not judged, the model refuses them: {', '.join(p.name for p in refusals)} ({refusals[0].refused})"
+    if m.prefill_declared:
+        details["reference"] = "the full forward with each path's first forward declared the prefill"
+        tail += ("; reference sliding-window cache layers keep the first forward apart: each path is compared with "
+                 "the full forward with that prefill declared")
+    note = cache_layer_note(subject)
+    if note:
+        details["cache_note"] = note
+        tail += f"; note: {note}"
+    return tail
+
+
 def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict], arbitration: Any,
             length: int, dtype: str, refused: str = "") -> CheckResult:
     floor = noise_floor(m.floor, dtype)
@@ -264,20 +283,7 @@ def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict],
                                     "status": verdicts[p.name].status, "reason": verdicts[p.name].reason}
     table = Table("cached decoding vs full forward", ("path", "forwards", "max step error", "noise floor", "ratio",
                                                       "first diverging step"), tuple(rows))
-    tail = ""
-    if refused:
-        details["static_not_run"] = refused
-        tail += f"; static cache paths not run: {refused}"
-    if refusals:
-        tail += f"; not judged, the model refuses them: {', '.join(p.name for p in refusals)} ({refusals[0].refused})"
-    if m.prefill_declared:
-        details["reference"] = "the full forward with each path's first forward declared the prefill"
-        tail += ("; reference sliding-window cache layers keep the first forward apart: each path is compared with "
-                 "the full forward with that prefill declared")
-    note = cache_layer_note(subject)
-    if note:
-        details["cache_note"] = note
-        tail += f"; note: {note}"
+    tail = _notes(subject, m, refused, refusals, details)
     if worst.crashed:
         metrics = {"paths_judged": len(judged)}
         summary = f"{worst.name} crashed: {worst.crashed} (a cache transformers accepts for this model){tail}"

@@ -194,19 +194,8 @@ def _measure(subject: Subject, prompts: list[torch.Tensor], new_tokens: int, onl
             decoder_start.append(int(out.sequences[0, 0]))
         return logits, out.sequences[:, -logits.shape[1]:]
 
-    runs: list[Run] = []
     refused = static_cache_refusal(subject)  # a static cache users cannot build: no static run
-    for kind in ("dynamic",) if refused else ("dynamic", "static"):  # else run on any model using Cache objects
-        for variant, ids, attn, rows in (("single", prompts[0][None], torch.ones_like(prompts[0])[None], [0]),
-                                         ("batch", batch, mask, list(range(len(prompts))))):
-            run_ = Run(kind, variant, rows)
-            if only is not None and run_.name not in only:
-                continue
-            runs.append(run_)
-            result, run_.crashed, run_.refused = generate_guarded(model, generate, ids, attn,
-                                                                  None if kind == "dynamic" else "static")
-            if result is not None:
-                run_.logits, run_.tokens = result
+    runs = _generated(model, generate, prompts, batch, mask, refused, only)
     done = [r for r in runs if not r.crashed and not r.refused]
     if not done:
         return Measurement(runs, 0.0, 0.0, pad_note, cache_note, refused)
@@ -228,6 +217,25 @@ def _measure(subject: Subject, prompts: list[torch.Tensor], new_tokens: int, onl
             run_.errors[row] = _compare_row(run_, i, row, refs[(run_.name, i)], tolerance)
         run_.logits = run_.tokens = None  # judged: only the figures are kept
     return Measurement(runs, floor_measured, first_step_error, pad_note, cache_note, refused, source)
+
+
+def _generated(model: Any, generate: Any, prompts: list[torch.Tensor], batch: torch.Tensor, mask: torch.Tensor,
+               refused: str, only: set[str] | None) -> list[Run]:
+    """Every generate() run (single prompt and padded batch, per cache kind; those in `only` where given), each with
+    its logits and tokens, or the crash or refusal it met."""
+    runs: list[Run] = []
+    for kind in ("dynamic",) if refused else ("dynamic", "static"):  # else run on any model using Cache objects
+        for variant, ids, attn, rows in (("single", prompts[0][None], torch.ones_like(prompts[0])[None], [0]),
+                                         ("batch", batch, mask, list(range(len(prompts))))):
+            run_ = Run(kind, variant, rows)
+            if only is not None and run_.name not in only:
+                continue
+            runs.append(run_)
+            result, run_.crashed, run_.refused = generate_guarded(model, generate, ids, attn,
+                                                                  None if kind == "dynamic" else "static")
+            if result is not None:
+                run_.logits, run_.tokens = result
+    return runs
 
 
 def _compare_row(run_: Run, i: int, row: int, ref: torch.Tensor, tolerance: float) -> list[float]:

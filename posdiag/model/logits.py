@@ -67,22 +67,37 @@ def score_targets(subject, ids: torch.Tensor, targets: torch.Tensor, *, position
                   budget: int = LOGIT_BUDGET) -> TargetScores:
     """Run `subject` on ids [B, T] (equal-length rows, no padding: the model's own causal pattern) in chunks of
     rows sized by `budget`, reducing each chunk's logits to the target scores before the next one runs.
-    position_ids [B, T]: passed as given (None: the model's defaults). Raises when the model returns no logits."""
-    step = rows_per_chunk(ids.shape[1], subject.vocab_size, budget)
+    position_ids [B, T]: passed as given (None: the model's defaults). Raises when the model returns no logits.
+    Positions before the first target are left out of the LM head where the model takes logits_to_keep (the
+    second copy of a repeated sequence needs half the head a whole row would)."""
+    rows, length = targets.shape
+    first = _first_target(subject, targets)
+    step = rows_per_chunk(length - first, subject.vocab_size, budget)
     if subject.options.max_batch:
         step = min(step, subject.options.max_batch)
-    parts = []
-    for start in range(0, ids.shape[0], step):
+    logprob = torch.full((rows, length), float("nan"), dtype=torch.float64)
+    hit = torch.zeros((rows, length), dtype=torch.bool)
+    for start in range(0, rows, step):
         sl = slice(start, start + step)
-        logits = _logits(subject, ids[sl], None if position_ids is None else position_ids[sl])
-        parts.append(reduce_logits(logits, targets[sl]))
+        logits = _logits(subject, ids[sl], None if position_ids is None else position_ids[sl], length - first)
+        kept = length - logits.shape[1]
+        logprob[sl, kept:], hit[sl, kept:] = reduce_logits(logits, targets[sl, kept:])
         del logits
-    return TargetScores(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))
+    return TargetScores(logprob, hit)
 
 
-def _logits(subject, ids: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+def _first_target(subject, targets: torch.Tensor) -> int:
+    """The first position whose logits any row needs; 0 where the model takes no logits_to_keep."""
+    if not subject.is_hf or not subject.takes_logits_to_keep:
+        return 0
+    wanted = (targets >= 0).any(dim=0).nonzero()
+    return int(wanted[0, 0]) if wanted.numel() else 0
+
+
+def _logits(subject, ids: torch.Tensor, position_ids: torch.Tensor | None, keep: int) -> torch.Tensor:
     """The model's logits for one chunk: a plain call (no hidden states kept, no cache) on a transformers model,
-    the factory protocol otherwise."""
+    for the last `keep` positions where that is fewer than all (the full logits where the model answers that in
+    another shape), the factory protocol otherwise."""
     ids = ids.to(subject.device)
     if not subject.is_hf:
         out = subject.forward(ids, position_ids=position_ids, want_logits=True)
@@ -90,6 +105,14 @@ def _logits(subject, ids: torch.Tensor, position_ids: torch.Tensor | None) -> to
             raise ValueError("the model returns no logits")
         return out.logits
     kwargs = {} if position_ids is None else {"position_ids": position_ids.to(subject.device)}
+    if keep < ids.shape[1]:
+        logits = _called(subject, ids, logits_to_keep=keep, **kwargs)
+        if logits.ndim == 3 and tuple(logits.shape[:2]) == (ids.shape[0], keep):
+            return logits
+    return _called(subject, ids, **kwargs)
+
+
+def _called(subject, ids: torch.Tensor, **kwargs) -> torch.Tensor:
     subject.forward_count += 1
     with torch.inference_mode():
         out = subject.model(input_ids=ids, use_cache=False, return_dict=True, **kwargs)

@@ -18,8 +18,10 @@ config.json is beaten by x10 (+0.159 nats, z = 9.2); q/k rows interleaved by the
 few distances is shown for the configuration and the decisive alternative (evidence, not the decision: the
 θ-lost copy copies better than the healthy model at distances 64 and 256, worse only at 512).
 
-SKIP, cheaply, when the configured model predicts like an untrained one (loss within 0.5 nats of chance; one
-forward decides, before any alternative runs: default-init models), or when no candidate beats the targets'
+SKIP, cheaply, when the configured model predicts like an untrained one: no better on its material than on a
+destroyed twin of it (the copy's source replaced by fresh tokens, the prose shuffled), whatever its loss. One forward
+of the first rows and their twins decides, before the rest of the material or any alternative runs (default-init
+models, Gemma's scaled embeddings included, and large random weights). Also SKIP when no candidate beats the targets'
 unigram entropy. Masked LMs and encoder-decoders are not scored (a pseudo-likelihood costs a forward per masked
 set). Alternatives are made in memory and undone exactly (edits.py); the checkpoint on disk is never touched.
 Logits are reduced chunk by chunk (posdiag.model.logits): a forward never holds full-vocabulary logits for more
@@ -33,7 +35,15 @@ from typing import Any
 from posdiag.checks import CheckSpec, Option
 from posdiag.checks.fit.alternatives import Alternative, NotApplicable, plan_alternatives
 from posdiag.checks.fit.judging import Comparison, Scored, below_unigram, compare, copy_accuracy, learned_nothing, score
-from posdiag.checks.fit.material import COPY_DISTANCES, TEXT_TOKENS, Material, copy_rows, plan_material
+from posdiag.checks.fit.material import (
+    COPY_DISTANCES,
+    SCREEN_TARGETS,
+    TEXT_TOKENS,
+    Material,
+    copy_rows,
+    destroyed,
+    plan_material,
+)
 from posdiag.checks.fit.report import fail_summary, pass_summary, tables
 from posdiag.model.subject import Subject
 from posdiag.options import RunOptions
@@ -64,13 +74,12 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
         return CheckResult("fit", Status.SKIP, f"the declared context ({subject.max_positions} tokens) is too short "
                            "for a repeated sequence")
     try:
-        configured = score(subject, material, "configured")
+        configured, why = _configured(subject, material, options.seed)
     except (ValueError, RuntimeError, TypeError) as exc:  # the model refuses a plain scoring forward: nothing to score
         return CheckResult("fit", Status.SKIP, f"cannot score the model's predictions ({type(exc).__name__}: "
                            f"{str(exc)[:160]})")
-    why = learned_nothing(configured, subject.vocab_size)
     if why:
-        return CheckResult("fit", Status.SKIP, why, {"loss": configured.loss, "targets": material.count})
+        return CheckResult("fit", Status.SKIP, why, {"loss": configured.loss, "targets": configured.losses.size})
     alternatives, notes = plan_alternatives(subject)
     if not alternatives:
         return CheckResult("fit", Status.SKIP, f"no alternative configuration to score against ({subject.position_kind}"
@@ -86,6 +95,24 @@ def _not_scored(subject: Subject) -> str:
     if not subject.is_hf:
         return "factory model without a transformers config: no configuration to vary"
     return ""
+
+
+def _configured(subject: Subject, material: Material, seed: int) -> tuple[Scored, str]:
+    """The configuration as loaded scored on the material, or on its first rows only with the reason it is not
+    trained: those rows and their destroyed twins run first (one forward where their widths match, as repeated
+    sequences' do), and the rest only when the model shows it learned something."""
+    head = material.rows(0, material.head_rows(SCREEN_TARGETS))
+    twin = destroyed(subject, head, seed)
+    if twin.ids.shape[1] == head.ids.shape[1]:
+        both = score(subject, head.stacked(twin), "configured")
+        scored, twin_scored = both.split(head.count)
+    else:
+        scored, twin_scored = score(subject, head, "configured"), score(subject, twin, "destroyed")
+    why = learned_nothing(scored, twin_scored)
+    rest = material.rows(head.ids.shape[0])
+    if why or not rest.ids.shape[0]:
+        return scored, why
+    return scored.joined(score(subject, rest, "configured")), ""
 
 
 def _measure(subject: Subject, material: Material, configured: Scored,

@@ -25,6 +25,7 @@ SEQUENCE_TOKENS = 256  # longest repeated-sequence row (no tokenizer)
 SEQUENCE_TARGETS = 512  # targets of repeated sequences, at least
 COPY_DISTANCES = (64, 256, 512)  # evidence on text models: copy accuracy at these distances (within the context)
 COPY_ROWS = 1  # rows per copy distance (evidence only: 63, 255 and 511 targets)
+SCREEN_TARGETS = 256  # targets the untrained screen compares with their destroyed twins (the first rows' / tokens')
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,40 @@ class Material:
     @property
     def count(self) -> int:
         return int((self.targets >= 0).sum())
+
+    def rows(self, start: int, stop: int | None = None) -> Material:
+        """Rows start:stop of this material (the same source and baseline)."""
+        sl = slice(start, stop)
+        return Material(self.ids[sl], self.targets[sl], self.source, self.unigram, self.distances[sl])
+
+    def stacked(self, other: Material) -> Material:
+        """These rows and `other`'s (of the same width) as one material, in that order."""
+        return Material(torch.cat([self.ids, other.ids]), torch.cat([self.targets, other.targets]), self.source,
+                        self.unigram, self.distances + other.distances)
+
+    def head_rows(self, targets: int) -> int:
+        """How many leading rows hold at least `targets` targets (all of them when fewer)."""
+        per_row = (self.targets >= 0).sum(dim=1).cumsum(0)
+        return min(int((per_row < targets).sum()) + 1, self.ids.shape[0])
+
+
+def destroyed(subject: Subject, material: Material, seed: int) -> Material:
+    """The material with the context that makes its targets predictable taken away, for the untrained screen:
+    repeated sequences get a fresh random first copy (the same targets, nothing to copy them from); text is the
+    first SCREEN_TARGETS + 1 tokens, the first one kept and the rest shuffled (the same tokens, no word order).
+    A trained model predicts the material far better than its twin, even with its positions broken (a token's
+    own path, bigrams, what the context holds do not need them); an untrained one does not."""
+    if material.distances:
+        ids = material.ids.clone()
+        for r, n in enumerate(material.distances):
+            start = int((material.targets[r] >= 0).nonzero()[0, 0])  # the second x_1
+            ids[r, start - n:start] = subject.sample_ids(1, n, seed + 97 * r + 1).cpu()[0]
+        return Material(ids, material.targets, material.source, material.unigram, material.distances)
+    row = material.ids[0, :SCREEN_TARGETS + 1]
+    order = torch.randperm(row.numel() - 1, generator=torch.Generator().manual_seed(seed)) + 1
+    ids = torch.cat([row[:1], row[order]])[None]
+    targets = torch.cat([ids[:, 1:], torch.full((1, 1), -1)], dim=1)
+    return Material(ids, targets, "shuffled " + material.source, material.unigram)
 
 
 def plan_material(subject: Subject, options: RunOptions, settings: dict) -> Material | None:
@@ -65,7 +100,7 @@ def repeated_sequences(subject: Subject, seed: int, longest: int, reason: str = 
     top = (longest - len(prefix)) // 2
     if top < 3:
         return None
-    distances = sorted({top, max(3, top // 2)})
+    distances = sorted({top, max(3, top // 2)}, reverse=True)  # the rows with most targets first (the screen's)
     rows, targets, dists = [], [], []
     for k, n in enumerate(distances):
         count = max(2, math.ceil(SEQUENCE_TARGETS / len(distances) / max(1, n - 1)))
@@ -83,8 +118,8 @@ def repeated_sequences(subject: Subject, seed: int, longest: int, reason: str = 
     want = torch.stack([torch.cat([t, t.new_full((width - len(t),), -1)]) for t in targets])
     scored = want[want >= 0].tolist()
     why = f"; no text: {reason}" if reason and reason != "--text" else ""
-    return Material(ids, want, f"repeated random sequences (copy distances {', '.join(map(str, distances))}{why})",
-                    _entropy(scored), tuple(dists))
+    source = f"repeated random sequences (copy distances {', '.join(map(str, sorted(distances)))}{why})"
+    return Material(ids, want, source, _entropy(scored), tuple(dists))
 
 
 def copy_rows(subject: Subject, seed: int, distances: tuple[int, ...] = COPY_DISTANCES) -> list[Material]:

@@ -25,7 +25,7 @@ from typing import Any
 from posdiag.checks import CheckSpec, Option
 from posdiag.checks.kernels.isolated import ISOLATED, run_isolated
 from posdiag.checks.kernels.judging import Evidence, judge, needs_arbitration
-from posdiag.checks.kernels.running import finer_runs, forward, reference_runs, run_here
+from posdiag.checks.kernels.running import finer_runs, forward, forward_all, reference_runs, run_here
 from posdiag.checks.kernels.scenarios import Run, Scenario, build_scenarios, default_implementations
 from posdiag.errors import describe_error
 from posdiag.model.introspect import attention_free, recurrent_reason
@@ -82,7 +82,12 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
 
 
 def _eager_baseline(subject: Subject, scenarios: list[Scenario]) -> tuple[list[Run], list[Scenario], list[str]]:
-    """(eager runs, the scenarios they ran on, 'input: exception' for each the model cannot run)."""
+    """(eager runs, the scenarios they ran on, 'input: exception' for each the model cannot run): every input at
+    once (prefills shared), else each alone to tell which one the model cannot run."""
+    try:
+        return forward_all(subject, scenarios), scenarios, []
+    except Exception:  # which input raised is found below, one at a time
+        pass
     eager, kept, unrunnable = [], [], []
     for sc in scenarios:
         try:

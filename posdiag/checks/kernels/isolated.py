@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 
-from posdiag.checks.kernels.running import Outcome, Refused, describe_exception, forward, implementation
+from posdiag.checks.kernels.running import Outcome, Refused, describe_exception, forward_all, implementation
 from posdiag.checks.kernels.scenarios import Run, Scenario
 from posdiag.model.subject import Subject
 
@@ -93,7 +93,7 @@ def _child(request_path: str, result_path: str) -> None:
                  for sc in request["scenarios"]]
     try:
         with implementation(subject, name) as note:
-            runs = [forward(subject, sc) for sc in scenarios]
+            runs = forward_all(subject, scenarios)
     except Refused as exc:
         torch.save({"kind": "refused", "reason": str(exc)}, result_path)
         return

@@ -50,7 +50,7 @@ def run_here(subject: Subject, name: str, scenarios: list[Scenario]) -> Outcome:
     """Every scenario under implementation `name`, in this process."""
     try:
         with implementation(subject, name) as note:
-            return Outcome(runs=[forward(subject, sc) for sc in scenarios], note=note)
+            return Outcome(runs=forward_all(subject, scenarios), note=note)
     except Refused as exc:
         return Outcome(kind="refused", reason=str(exc))
     except Exception as exc:
@@ -71,7 +71,7 @@ def reference_runs(subject: Subject, scenarios: list[Scenario]) -> FinerRun[list
         return FinerRun(None, dtype, reason=f"no reference more precise than {subject.dtype_name} fits ({where}: "
                                             f"{streamed_bytes(subject, torch.float64) / 2**20:.0f} MiB for one "
                                             "block in float64)")
-    return run_finer(subject, lambda: [forward(subject, sc) for sc in scenarios], dtype,
+    return run_finer(subject, lambda: forward_all(subject, scenarios), dtype,
                      reached=lambda runs, dtype: all(r.hidden[-1].dtype == dtype for r in runs), what="reference")
 
 
@@ -80,19 +80,38 @@ def finer_runs(subject: Subject, name: str, scenarios: list[Scenario], dtype: to
     None where it cannot run there (no kernel in that dtype, a refusal): its rounding cannot be measured."""
     try:
         with implementation(subject, name):
-            got = run_finer(subject, lambda: [forward(subject, sc) for sc in scenarios], dtype,
+            got = run_finer(subject, lambda: forward_all(subject, scenarios), dtype,
                             reached=lambda runs, d: all(r.hidden[-1].dtype == d for r in runs))
     except Exception:  # refused or crashed in the finer dtype: undecided, the judgement says so
         return None
     return got.value if got.ran and got.dtype == dtype else None
 
 
+def forward_all(subject: Subject, scenarios: list[Scenario]) -> list[Run]:
+    """One Run per scenario, in order; a decode scenario's prefill forward gives the run of the scenario it stands
+    for (`prefill_as`), which is then not fed again."""
+    runs: dict[str, Run] = {}
+    names = {sc.name for sc in scenarios}
+    for sc in sorted(scenarios, key=lambda s: not s.prefill):  # decodes first: their prefills serve the others
+        if sc.name in runs:
+            continue
+        first, runs[sc.name] = _forward(subject, sc)
+        if sc.prefill_as in names and first is not None:
+            runs[sc.prefill_as] = first
+    return [runs[sc.name] for sc in scenarios]
+
+
 def forward(subject: Subject, sc: Scenario) -> Run:
     """Hidden states of every layer (and the last position's logits) on one scenario."""
+    return _forward(subject, sc)[1]
+
+
+def _forward(subject: Subject, sc: Scenario) -> tuple[Run | None, Run]:
+    """(the prefill's run where the scenario decodes, else None; the scenario's run)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         if subject.kind == "seq2seq":
-            return _forward_seq2seq(subject, sc)
+            return None, _forward_seq2seq(subject, sc)
         return _forward_once(subject, sc)
 
 
@@ -107,7 +126,7 @@ def _forward_seq2seq(subject: Subject, sc: Scenario) -> Run:
         return Run(enc + dec, out.logits[:, -1].double(), names)
 
 
-def _forward_once(subject: Subject, sc: Scenario) -> Run:
+def _forward_once(subject: Subject, sc: Scenario) -> tuple[Run | None, Run]:
     model = subject.model
     with torch.inference_mode():
         kwargs: dict[str, Any] = {"output_hidden_states": True, "return_dict": True}
@@ -115,14 +134,16 @@ def _forward_once(subject: Subject, sc: Scenario) -> Run:
             kwargs["logits_to_keep"] = 1  # only the last position's logits are compared
         if subject.kind == "causal":
             kwargs["use_cache"] = sc.prefill > 0
+        first = None
         if sc.prefill:
             p = sc.prefill
             subject.forward_count += 1
-            first = model(input_ids=sc.ids[:, :p], attention_mask=None if sc.mask is None else sc.mask[:, :p],
-                          **({"position_ids": sc.position_ids[:, :p]} if sc.position_ids is not None else {}), **kwargs)
+            out = model(input_ids=sc.ids[:, :p], attention_mask=None if sc.mask is None else sc.mask[:, :p],
+                        **({"position_ids": sc.position_ids[:, :p]} if sc.position_ids is not None else {}), **kwargs)
+            first = _run_of(out, sc.ids[:, :p].shape)
             # `cache`, transformers 5.x's name: a class without the old name's shim (Dory) takes `past_key_values`
             # into **kwargs and silently runs the chunk without the cache.
-            kwargs["cache"] = first.cache if getattr(first, "cache", None) is not None else first.past_key_values
+            kwargs["cache"] = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
             ids, mask = sc.ids[:, p:], sc.mask  # the chunk sees the whole mask (cache + chunk)
             pos = None if sc.position_ids is None else sc.position_ids[:, p:]
         else:
@@ -130,12 +151,14 @@ def _forward_once(subject: Subject, sc: Scenario) -> Run:
         if pos is not None:
             kwargs["position_ids"] = pos
         subject.forward_count += 1
-        out = model(input_ids=ids, attention_mask=mask, **kwargs)
-        hidden = token_states(out.hidden_states if out.hidden_states is not None else (out.last_hidden_state,),
-                              ids.shape)
-        logits = getattr(out, "logits", None)
-        names = ["embeddings"] + [f"block {i}" for i in range(1, len(hidden))]
-        return Run(hidden, None if logits is None else logits[:, -1].double(), names)
+        return first, _run_of(model(input_ids=ids, attention_mask=mask, **kwargs), ids.shape)
+
+
+def _run_of(out: Any, shape: torch.Size) -> Run:
+    hidden = token_states(out.hidden_states if out.hidden_states is not None else (out.last_hidden_state,), shape)
+    logits = getattr(out, "logits", None)
+    names = ["embeddings"] + [f"block {i}" for i in range(1, len(hidden))]
+    return Run(hidden, None if logits is None else logits[:, -1].double(), names)
 
 
 @contextlib.contextmanager

@@ -3,7 +3,8 @@
 Inputs (Scenario): an unpadded batch (the model builds no mask: the is_causal path), a left-padded
 batch (the mask handed to the kernel, fully masked padding queries), and, for a causal model that
 can generate and keeps a KV cache, a chunk of several new tokens decoded against a KV cache, unpadded and left-padded
-(causal alignment when q_len != k_len). A Run holds one implementation's outputs on one input.
+(causal alignment when q_len != k_len); there the unpadded and left-padded inputs are the decode inputs' prefills.
+A Run holds one implementation's outputs on one input.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class Scenario:
     position_ids: torch.Tensor | None
     valid: torch.Tensor  # bool [B, T] of the tokens whose outputs are compared
     prefill: int = 0  # > 0: decode; the first `prefill` tokens go in first, the rest as one chunk
+    prefill_as: str = ""  # decode: the scenario whose input its prefill is (that forward's states are its run)
 
 
 @dataclass
@@ -52,7 +54,9 @@ class Run:
 
 
 def build_scenarios(subject: Subject, options: RunOptions) -> list[Scenario]:
-    """The inputs every implementation runs on (see the module docstring)."""
+    """The inputs every implementation runs on (see the module docstring). Where the model decodes, the unpadded and
+    left-padded inputs are the decode inputs' prefills (their own forwards: the same tokens, mask and positions), so
+    each is fed once per implementation."""
     ids = probe_ids(subject, options, batch=3)
     b, t = ids.shape
     mask = torch.ones(b, t, dtype=torch.long, device=subject.device)
@@ -63,10 +67,11 @@ def build_scenarios(subject: Subject, options: RunOptions) -> list[Scenario]:
     if causal and subject.family.takes_position_ids:  # as generate() builds them for left padding
         pos = subject.position_ids_for((mask.cumsum(-1) - 1).masked_fill(mask == 0, 1))
     ones = torch.ones(b, t, dtype=torch.bool, device=subject.device)
-    out = [Scenario("unpadded", ids, None, None, ones),
-           Scenario("left-padded", ids, mask, pos, mask.bool())]
-    if causal and getattr(subject.model, "can_generate", lambda: False)() and t >= 8 and keeps_kv_cache(subject):
-        prefill = t - max(2, t // 4)
-        out.append(Scenario("decode", ids, None, None, ones[:, prefill:], prefill))
-        out.append(Scenario("decode left-padded", ids, mask, pos, mask[:, prefill:].bool(), prefill))
-    return out
+    if not (causal and getattr(subject.model, "can_generate", lambda: False)() and t >= 8 and keeps_kv_cache(subject)):
+        return [Scenario("unpadded", ids, None, None, ones), Scenario("left-padded", ids, mask, pos, mask.bool())]
+    p = t - max(2, t // 4)
+    head = None if pos is None else pos[:, :p]
+    return [Scenario("unpadded", ids[:, :p], None, None, ones[:, :p]),
+            Scenario("left-padded", ids[:, :p], mask[:, :p], head, mask[:, :p].bool()),
+            Scenario("decode", ids, None, None, ones[:, p:], p, "unpadded"),
+            Scenario("decode left-padded", ids, mask, pos, mask[:, p:].bool(), p, "left-padded")]
