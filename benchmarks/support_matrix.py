@@ -2,7 +2,7 @@
 
     python benchmarks/support_matrix.py            # print the table
     python benchmarks/support_matrix.py --write    # also replace it in docs/support.md
-    python benchmarks/support_matrix.py --all --write [--timeout 300] [--only TYPE,...]
+    python benchmarks/support_matrix.py --all --write [--timeout 300] [--jobs 2] [--only TYPE,...]
         # every model type of transformers' causal-LM, seq2seq, masked-LM and image-text-to-text mappings:
         # a tiny model from a small config (posdiag.testing.multimodal.small_config), every check, one
         # subprocess per type with a time limit; results accumulate in benchmarks/sweep.jsonl (resumable:
@@ -31,6 +31,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per model type (--all)")
     parser.add_argument("--only", default="", help="comma-separated model types (--all)")
     parser.add_argument("--rerun", action="store_true", help="sweep the --only types again, replacing their rows")
+    parser.add_argument("--jobs", type=int, default=1, help="model types swept at once (--all; one core each)")
     parser.add_argument("--one", default="", help=argparse.SUPPRESS)  # internal: run one type, print JSON
     args = parser.parse_args()
     if args.one or args.all:
@@ -39,7 +40,7 @@ def main() -> None:
         if args.one:
             sweep.run_one(args.one)
         else:
-            sweep.run_all(args.timeout, [t for t in args.only.split(",") if t], args.write, args.rerun)
+            sweep.run_all(args.timeout, [t for t in args.only.split(",") if t], args.write, args.rerun, args.jobs)
         return
 
     import torch

@@ -8,6 +8,7 @@ interrupted sweep resumes where it stopped. The table in docs/support.md is rebu
 from __future__ import annotations
 
 import json
+import os
 import re
 import resource
 import subprocess
@@ -220,29 +221,45 @@ def done() -> dict[str, dict]:
     return rows
 
 
-def run_all(timeout: float, only: list[str], write: bool, rerun: bool = False) -> None:
-    """Sweep the types not swept yet (or, with `rerun`, the `only` types again: their new rows replace the old)."""
+def run_all(timeout: float, only: list[str], write: bool, rerun: bool = False, jobs: int = 1) -> None:
+    """Sweep the types not swept yet (or, with `rerun`, the `only` types again: their new rows replace the old),
+    JOBS subprocesses at a time (each single-threaded: two jobs fill two cores)."""
+    from concurrent.futures import ThreadPoolExecutor
+    from threading import Lock
+
     types = model_types()
     todo = [t for t in (only or sorted(types)) if rerun or t not in done()]
-    script = HERE / "support_matrix.py"
-    for i, model_type in enumerate(todo):
+    lock, finished = Lock(), [0]
+
+    def sweep(model_type: str) -> None:
         start = time.time()
-        try:
-            proc = subprocess.run([sys.executable, str(script), "--one", model_type], capture_output=True,
-                                  text=True, timeout=timeout, preexec_fn=_limit_memory)
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-            last = (proc.stderr.strip().splitlines() or [""])[-1][:200]
-            row = json.loads(lines[-1]) if lines else {
-                "type": model_type, "kind": types.get(model_type, "?"),
-                "unbuildable": f"process exited {proc.returncode}: {last}"}
-        except subprocess.TimeoutExpired:
-            row = {"type": model_type, "kind": types.get(model_type, "?"), "timeout": timeout}
-        with RESULTS.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-        print(f"[{i + 1}/{len(todo)}] {model_type} {time.time() - start:.0f}s", flush=True)
+        row = _run_type(model_type, types.get(model_type, "?"), timeout)
+        with lock:
+            with RESULTS.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            finished[0] += 1
+            print(f"[{finished[0]}/{len(todo)}] {model_type} {time.time() - start:.0f}s", flush=True)
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        list(pool.map(sweep, todo))
     compact()
     if write:
         write_page()
+
+
+def _run_type(model_type: str, kind: str, timeout: float) -> dict:
+    """One type's row, from its own subprocess: a crash or a hang costs that row only."""
+    script = HERE / "support_matrix.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    try:
+        proc = subprocess.run([sys.executable, str(script), "--one", model_type], capture_output=True, text=True,
+                              timeout=timeout, preexec_fn=_limit_memory, env=env)
+    except subprocess.TimeoutExpired:
+        return {"type": model_type, "kind": kind, "timeout": timeout}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    last = (proc.stderr.strip().splitlines() or [""])[-1][:200]
+    return json.loads(lines[-1]) if lines else {
+        "type": model_type, "kind": kind, "unbuildable": f"process exited {proc.returncode}: {last}"}
 
 
 def compact() -> None:
