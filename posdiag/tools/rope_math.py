@@ -153,7 +153,7 @@ def rope_specs(config: Any) -> list[RopeSpec]:
         return []
     # one dict per layer type; None for a type that runs without RoPE (Beam's full-attention layers)
     if all(isinstance(v, dict) or v is None for v in params.values()) and any(params.values()):
-        blocks = [(k, v) for k, v in params.items() if v]
+        blocks = sorted(((k, v) for k, v in params.items() if v), key=lambda kv: _first_use(config, kv[0]))
     else:
         blocks = [(None, params)]
     specs = []
@@ -172,6 +172,14 @@ def rope_specs(config: Any) -> list[RopeSpec]:
             original_max=int(original) if original else None, declared=declared, params=dict(block),
         ))
     return specs
+
+
+def _first_use(config: Any, layer_type: str) -> tuple[int, str]:
+    """Where a layer type first appears in `config.layer_types` (then its name): reports list the rotary setups
+    in a stable order. Some configs build `rope_parameters` from a set of layer types, whose order changes with
+    every process's string hashing."""
+    types = list(getattr(config, "layer_types", None) or [])
+    return (types.index(layer_type) if layer_type in types else len(types), str(layer_type))
 
 
 def nope_layers(config: Any) -> set[int]:
@@ -379,21 +387,3 @@ def report_spec(config: Any, spec: RopeSpec, target_length: int | None = None) -
 
 def analyze_config(config: Any, target_length: int | None = None) -> list[SpecReport]:
     return [report_spec(config, spec, target_length) for spec in rope_specs(config)]
-
-
-# --------------------------------------------------------------------------- references for probes
-def reference_angles(freqs: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """[P, pairs] angles p θ_i in float64."""
-    return np.outer(np.asarray(positions, dtype=np.float64), np.asarray(freqs, dtype=np.float64))
-
-
-def angle_tolerance(freqs: np.ndarray, positions: np.ndarray, out_epsilon: float) -> np.ndarray:
-    """[P, pairs] bound of an honest implementation: angles rounded in float32 (whatever the model dtype), then
-    cos/sin rounded to the output dtype."""
-    return angle_bound(reference_angles(freqs, positions), out_epsilon)
-
-
-def angle_bound(angles: np.ndarray, out_epsilon: float) -> np.ndarray:
-    """The same bound for given angles (multimodal RoPE: each pair turned by its own stream's position)."""
-    eps32 = float(np.finfo(np.float32).eps)
-    return eps32 * (1.0 + np.abs(angles)) + out_epsilon

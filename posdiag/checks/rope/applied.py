@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from posdiag.checks.rope import angles as rope_angles
 from posdiag.checks.rope.capture import Capture, capturing, heads, without_rope
 from posdiag.checks.rope.factor import factor_finding
 from posdiag.checks.rope.findings import Finding
@@ -266,14 +267,14 @@ def judge_applied(arr: np.ndarray, freqs: np.ndarray, spec, positions: np.ndarra
     freqs = freqs[: rot // 2]
     a_idx, b_idx = _pairs(layout, rot, dim)
     x0 = arr[:, :1] if base is None else base
-    ang = (rope_math.reference_angles(freqs, positions) if angles is None else angles[:, : rot // 2])[None]
+    ang = (rope_angles.reference_angles(freqs, positions) if angles is None else angles[:, : rot // 2])[None]
     c, s = np.cos(ang), np.sin(ang) * (-1.0 if layout.endswith("reversed") else 1.0)
     xa, xb = scale * x0[..., a_idx], scale * x0[..., b_idx]
     ea, eb = xa * c - xb * s, xb * c + xa * s
     err_pair = np.sqrt((arr[..., a_idx] - ea) ** 2 + (arr[..., b_idx] - eb) ** 2)  # [H, T, pairs]
     norm_pair = np.sqrt(xa ** 2 + xb ** 2)
     norm_head = np.linalg.norm(x0, axis=-1, keepdims=True)
-    angle_tol = rope_math.angle_bound(ang, 0.0)
+    angle_tol = rope_angles.angle_bound(ang, 0.0)
     tol_pair = norm_pair * angle_tol + norm_head * (4 * eps + 2 * floor) + 1e-30
     ratio = err_pair / tol_pair
     i = np.unravel_index(int(np.argmax(ratio)), ratio.shape)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from posdiag.checks.rope import angles as rope_angles
 from posdiag.checks.rope.findings import Finding
 from posdiag.errors import describe_error
 from posdiag.model.subject import Subject
-from posdiag.tools import rope_math
 from posdiag.verdict import MACHINE_EPSILON
 
 
@@ -63,7 +63,7 @@ def _rotary_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def _table_candidates(freqs: np.ndarray, scaling: float,
                       positions: np.ndarray) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    ang = rope_math.reference_angles(freqs, positions)
+    ang = rope_angles.reference_angles(freqs, positions)
     c, s = np.cos(ang) * scaling, np.sin(ang) * scaling
     return {
         "half": (np.concatenate([c, c], -1), np.concatenate([s, s], -1)),
@@ -78,7 +78,7 @@ def _judge_table(a, b, freqs, scaling, positions, eps_out, spec) -> Finding:
         bad = np.argwhere(~(np.isfinite(a) & np.isfinite(b)))[0]
         return Finding("non-finite", float("nan"), position=int(positions[bad[0]]), dim=int(bad[1]),
                        message=f"{label}: non-finite cos/sin at position {int(positions[bad[0]])}, dim {int(bad[1])}")
-    tol_pairs = rope_math.angle_tolerance(freqs, positions, eps_out) * max(abs(scaling), 1.0)
+    tol_pairs = rope_angles.angle_tolerance(freqs, positions, eps_out) * max(abs(scaling), 1.0)
     best = None
     for layout, (rc, rs) in _table_candidates(freqs, scaling, positions).items():
         if rc.shape != a.shape:
