@@ -44,19 +44,14 @@ from typing import Any
 import torch
 
 from posdiag.checks import CheckSpec
-from posdiag.checks._shared import (
-    FLOOR_SOURCE,
-    arbitrate,
-    jittered,
-    per_token_change,
-    restart_positions,
-)
 from posdiag.errors import describe_error, raised_in_posdiag
+from posdiag.model.arbitration import arbitrate
 from posdiag.model.introspect import attention_free, recurrent_mixers, takes_attention_mask
-from posdiag.model.probe import Row, run_rows
+from posdiag.model.jitter import FLOOR_SOURCE, jittered
+from posdiag.model.probe import Row, restart_positions, run_rows
 from posdiag.model.storage_mixing import length_dependent_pooling
 from posdiag.model.subject import Subject
-from posdiag.model.tensors import relative_l2, token_states
+from posdiag.model.tensors import per_token_change, relative_l2, token_states
 from posdiag.options import RunOptions, probe_ids, probe_length
 from posdiag.results import CheckResult, Status, Table, combine_stacks
 from posdiag.verdict import agreement_tolerance, judge_agreement

@@ -39,16 +39,16 @@ from dataclasses import dataclass, replace
 import torch
 
 from posdiag.checks import CheckSpec, Option
-from posdiag.checks._shared import FLOOR_SOURCE, jittered, layer_name, stack_result
 from posdiag.model.inert import inert_reason
 from posdiag.model.introspect import mixing_reason, recurrent_mixers
+from posdiag.model.jitter import FLOOR_SOURCE, jittered
 from posdiag.model.precision import run_finer
 from posdiag.model.probe import Row, fidelity_rows, judge_fidelity, run_rows
 from posdiag.model.subject import Subject
-from posdiag.model.tensors import dtype_name, relative_l2, release_freed_memory
+from posdiag.model.tensors import dtype_name, layer_name, relative_l2, release_freed_memory
 from posdiag.options import RunOptions, probe_length
 from posdiag.results import CheckResult, Status, Table, combine_stacks
-from posdiag.verdict import FAIL_RATIO, LOW_PRECISION, MACHINE_EPSILON, PASS_RATIO, noise_floor
+from posdiag.verdict import FAIL_RATIO, LOW_PRECISION, MACHINE_EPSILON, PASS_RATIO, noise_floor, stack_result
 
 SPEC = CheckSpec("shift", "Relative invariance under a position shift",
                  "relative positions (RoPE, ALiBi, T5 buckets) give the same outputs when every position moves by k",

@@ -27,10 +27,10 @@ from collections.abc import Iterator
 import torch
 
 from posdiag.checks import CheckSpec
-from posdiag.checks._shared import FLOOR_SOURCE, jittered, layer_name, stack_result
 from posdiag.model.casts import float64_throughout
 from posdiag.model.inert import inert_reason
 from posdiag.model.introspect import attention_free, recurrent_mixers, recurrent_reason
+from posdiag.model.jitter import FLOOR_SOURCE, jittered
 from posdiag.model.precision import run_finer
 from posdiag.model.probe import (
     Row,
@@ -40,10 +40,10 @@ from posdiag.model.probe import (
     run_rows,
 )
 from posdiag.model.subject import Subject
-from posdiag.model.tensors import dtype_name, relative_l2, release_freed_memory
+from posdiag.model.tensors import dtype_name, layer_name, relative_l2, release_freed_memory
 from posdiag.options import RunOptions, probe_ids
 from posdiag.results import CheckResult, Status, Table, combine_stacks
-from posdiag.verdict import PASS_RATIO, SHRINK_RATIO, FloorVerdict, judge_position_signal, noise_floor
+from posdiag.verdict import PASS_RATIO, SHRINK_RATIO, FloorVerdict, judge_position_signal, noise_floor, stack_result
 
 SPEC = CheckSpec(
     name="shuffle",
