@@ -14,7 +14,7 @@ import sys
 import warnings
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -23,6 +23,7 @@ from posdiag.model.checkpoint import checkpoint_dtype, weight_files
 from posdiag.model.classes import auto_class, shipped_code, text_route
 from posdiag.model.families import Family, family_for, for_model
 from posdiag.model.introspect import detect_position_kind
+from posdiag.model.kinds import Kind, PositionKind
 from posdiag.model.placement import (
     device_map_kwargs,
     input_device,
@@ -37,6 +38,8 @@ from posdiag.model.subject import LoadInfo, Subject
 from posdiag.model.tensors import DTYPES, dtype_name
 from posdiag.model.towers import language_config
 from posdiag.options import LoadOptions
+
+T = TypeVar("T")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -71,8 +74,8 @@ def from_module(model: torch.nn.Module, *, name: str = "in-memory model",
         _check_attn_implementation(model, options)
     else:
         config = _CustomConfig(model)
-        family = Family(name="custom", kind=getattr(model, "posdiag_kind", "causal"),
-                        position_kind=getattr(model, "posdiag_position_kind", "none found"))
+        family = Family(name="custom", kind=_declared(model, "posdiag_kind", Kind, Kind.CAUSAL),
+                        position_kind=_declared(model, "posdiag_position_kind", PositionKind, PositionKind.NONE))
     subject = Subject(
         model=model.eval(), config=config, family=family, spec=name, kind=family.kind,
         position_kind=family.position_kind, dtype=load_dtype, load_dtype=load_dtype, device=device,
@@ -82,6 +85,16 @@ def from_module(model: torch.nn.Module, *, name: str = "in-memory model",
     _detect_position_kind(subject)
     _maybe_upcast(subject)
     return subject
+
+
+def _declared(model: torch.nn.Module, attr: str, members: type[T], default: T) -> T:
+    """What a factory model declares about itself (`model.posdiag_kind`), one of `members`."""
+    value = getattr(model, attr, default)
+    try:
+        return members(value)
+    except ValueError:
+        allowed = ", ".join(repr(m.value) for m in members)
+        raise PosdiagError(f"model.{attr} = {value!r} is not one of {allowed}") from None
 
 
 class _CustomConfig:
@@ -336,7 +349,7 @@ def _detect_position_kind(subject: Subject) -> None:
     """For a family without a row: sniffed from the language model's modules alone. The towers posdiag does not
     test carry rotary modules of their own (Nemotron 3.5 Transcribe's audio encoder), which made a NoPE + Mamba
     language model read as RoPE and `shift` fail it for positions that move nothing."""
-    if subject.position_kind == "none found":
+    if subject.position_kind == PositionKind.NONE:
         subject.position_kind = detect_position_kind(subject.language_model)
 
 
