@@ -26,8 +26,8 @@ Refine = Callable[[Any], dict[str, Any]]
 class Family:
     """How to drive one architecture faithfully.
 
-    kind:             causal | encoder | seq2seq (which stacks exist and how they attend).
-    position_kind:    rope | learned | sinusoidal | alibi | relative_bias | none found.
+    kind:             a Kind: causal | encoder | seq2seq (which stacks exist and how they attend).
+    position_kind:    a PositionKind: rope | learned | sinusoidal | alibi | relative_bias | none found.
     mask_form:        how an explicit attention pattern is handed over:
                       "4d"          one additive float [B,1,T,T] mask (a uniform window written in);
                       "layer_dict"  {"full_attention": m, "sliding_attention": m_w} by layer type;
