@@ -10,9 +10,12 @@ fixed threshold: tiny default-init models have residuals near 1e-2 (Llama) or 5e
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
 
-from posdiag.results import Status
+from posdiag.errors import MaskRefused
+from posdiag.results import CheckResult, Status
 
 # Machine epsilon per dtype. The floor is never taken below one unit of the dtype the
 # comparison ran in: a floor of exactly 0 (a bitwise-identical consistent run) would
@@ -166,3 +169,76 @@ def judge_arbitrated(error: float, measured_floor: float, dtype: str, error64: f
     if judge_agreement(error64, floor64, finer).status is Status.PASS or shrink >= SHRINK_RATIO or within:
         return FloorVerdict(Status.PASS, error, floor, ratio, f"{both}: rounding (it shrinks with precision)")
     return FloorVerdict(Status.FAIL, error, floor, ratio, f"{both}: a bug (it does not shrink with precision)")
+
+
+# ------------------------------------------------------------------ float64 arbitration: the decision
+# The re-run itself is model plumbing (posdiag.model.arbitration.arbitrate runs the measurement finer); what it
+# decides, and what stands when it cannot run, is the rule here.
+@dataclass
+class Arbitration:
+    """What a float64 re-run decided: new verdicts for the comparisons it re-judged, their figures, and the
+    clause each summary carries ("1.7e-06 in float32, 3e-16 in float64: rounding")."""
+
+    verdicts: dict[str, FloorVerdict] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def clause(self, name: str) -> str:
+        verdict = self.verdicts.get(name)
+        return f" ({verdict.reason})" if verdict is not None else ""
+
+
+def arbitration_pending(verdicts: dict[str, FloorVerdict], measured_floor: float,
+                        dtype: str) -> dict[str, FloorVerdict]:
+    """The comparisons a float64 re-run must decide."""
+    return {name: v for name, v in verdicts.items() if needs_arbitration(v, measured_floor, dtype)}
+
+
+def unarbitrated(pending: dict[str, FloorVerdict], measured_floor: float, dtype: str, reason: str) -> Arbitration:
+    """No float64 run was possible: the run-dtype verdict stands where its floor was a measurement; against a
+    degenerate floor it becomes a WARN that names the float64 re-run that could not be made."""
+    details = {"arbitration": {"ran": False, "reason": reason}}
+    if not degenerate_floor(measured_floor, dtype):
+        return Arbitration(details=details)
+    why = f"the float64 re-run that decides could not run: {reason}"
+    return Arbitration({name: FloorVerdict(Status.WARN, v.residual, v.noise_floor, v.ratio,
+                                           f"inconclusive: {v.reason} against a degenerate floor; {why}")
+                        for name, v in pending.items()}, details=details)
+
+
+def arbitrated(pending: dict[str, FloorVerdict], measured_floor: float, dtype: str, floor64: float,
+               errors64: dict[str, float], finer_name: str, how: str) -> Arbitration:
+    """The pending comparisons decided by their errors re-measured in `finer_name` (floor `floor64`)."""
+    # A finer run that is non-finite where the run dtype was finite did not compute the same thing (fully masked
+    # rows in float64): it cannot decide, and the run-dtype verdict stands.
+    unfaithful = sorted(n for n, v in pending.items() if errors64.get(n, 0.0) != errors64.get(n, 0.0)
+                        and v.residual == v.residual)
+    decided = {name: judge_arbitrated(v.residual, measured_floor, dtype, errors64[name], floor64, finer_name)
+               for name, v in pending.items() if name in errors64 and name not in unfaithful}
+    worst = max(decided, key=lambda n: errors64[n]) if decided else None
+    metrics = {} if worst is None else {f"error_{finer_name}": errors64[worst],
+                                        f"noise_floor_{finer_name}": noise_floor(floor64, finer_name)}
+    details = {"arbitration": {"ran": True, "dtype": finer_name, "how": how, "floor": floor64,
+                               "errors": {name: errors64[name] for name in decided},
+                               "decided": {name: v.reason for name, v in decided.items()},
+                               **({"non_finite_in_finer_run": unfaithful} if unfaithful else {})}}
+    return Arbitration(decided, metrics, details)
+
+
+def worst_error(errors: Iterable[float]) -> float:
+    """The largest error, NaN if any is NaN (max() would skip it depending on order), 0.0 for none."""
+    worst = 0.0
+    for e in errors:
+        if e != e:
+            return float("nan")
+        worst = max(worst, e)
+    return worst
+
+
+def stack_result(name: str, stack: str, judge: Callable[[], CheckResult]) -> CheckResult:
+    """One stack's result. A stack whose model takes no form of the mask a probe needs is a SKIP that says
+    so (MaskRefused), and the other stack of an encoder-decoder is still judged."""
+    try:
+        return judge()
+    except MaskRefused as exc:
+        return CheckResult(name, Status.SKIP, str(exc), details={"stack": stack, "mask_refused": str(exc)})

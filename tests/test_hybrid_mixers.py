@@ -14,8 +14,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from posdiag.api import run_checks
-from posdiag.checks._shared import FLOOR_SOURCE
 from posdiag.model.introspect import recurrent_mixers
+from posdiag.model.jitter import FLOOR_SOURCE
 from posdiag.model.loading import from_module
 from posdiag.results import Status
 from posdiag.testing import zoo

@@ -91,7 +91,7 @@ def test_imports_run_one_way():
 
 
 def check_of(name: str) -> str | None:
-    """The check a module belongs to: posdiag.checks.<check>[.part] (None for checks' registry and _shared)."""
+    """The check a module belongs to: posdiag.checks.<check>[.part] (None for checks' registry and _helpers)."""
     parts = name.split(".")
     if len(parts) < 3 or parts[:2] != ["posdiag", "checks"] or parts[2].startswith("_"):
         return None

@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from posdiag.checks._shared import final_state, new_cache, output_of
+from posdiag.model.caches import new_cache
+from posdiag.model.outputs import final_state, output_of
 from posdiag.model.subject import Subject
 
 

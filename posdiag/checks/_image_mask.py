@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
-from posdiag.checks._shared import FLOOR_SOURCE, per_token_change
+from posdiag.model.jitter import FLOOR_SOURCE
 from posdiag.model.subject import Subject
+from posdiag.model.tensors import per_token_change
 from posdiag.results import Status
 from posdiag.verdict import agreement_tolerance, noise_floor
 

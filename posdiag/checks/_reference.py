@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from posdiag.checks._shared import jittered, output_of
+from posdiag.model.jitter import jittered
+from posdiag.model.outputs import output_of
 from posdiag.model.probe import logits_at
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import relative_l2

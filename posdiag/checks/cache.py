@@ -34,21 +34,19 @@ import torch
 from posdiag.checks import CheckSpec, Option
 from posdiag.checks._feed import Feed, StateMissing
 from posdiag.checks._image_decode import decode_after_image, with_image_decode
-from posdiag.checks._shared import (
-    arbitrate,
+from posdiag.errors import describe_error, raised_in_posdiag
+from posdiag.model.arbitration import arbitrate
+from posdiag.model.caches import (
     cache_layer_note,
     cache_refusal,
     cache_support,
-    jittered,
     keeps_kv_cache,
     new_cache,
-    per_token_change,
     static_cache_refusal,
-    worst_error,
 )
-from posdiag.errors import describe_error, raised_in_posdiag
+from posdiag.model.jitter import jittered
 from posdiag.model.subject import Subject
-from posdiag.model.tensors import relative_l2
+from posdiag.model.tensors import per_token_change, relative_l2
 from posdiag.options import RunOptions, probe_ids, probe_length
 from posdiag.results import CheckResult, Status, Table
 from posdiag.verdict import (
@@ -58,6 +56,7 @@ from posdiag.verdict import (
     degenerate_floor,
     judge_agreement,
     noise_floor,
+    worst_error,
 )
 
 PAST_WINDOW = 64  # tokens the probe runs past a sliding window (at most: 2 x window + 4 for short windows)

@@ -27,10 +27,12 @@ from __future__ import annotations
 import torch
 
 from posdiag.checks import CheckSpec, _image_mask
-from posdiag.checks._shared import FLOOR_SOURCE, arbitrate, jittered, layer_name, per_token_change
+from posdiag.model.arbitration import arbitrate
 from posdiag.model.introspect import attention_free, recurrent_mixers
+from posdiag.model.jitter import FLOOR_SOURCE, jittered
 from posdiag.model.probe import Row, run_rows
 from posdiag.model.subject import Subject
+from posdiag.model.tensors import layer_name, per_token_change
 from posdiag.options import RunOptions, probe_ids, probe_length
 from posdiag.results import CheckResult, Status, Table
 from posdiag.verdict import FloorVerdict, agreement_tolerance, judge_agreement

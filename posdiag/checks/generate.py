@@ -15,7 +15,7 @@ step = ||gen − fwd|| / ||fwd||; noise floor from the same run: cache-free forw
 same positions, max per position. A token mismatch is a failure only when the forward's top-2 candidates are not
 within noise (tiny random models have near-ties); after the first mismatch a row is no longer compared.
 Verdict: posdiag.verdict.judge_agreement(max step error, floor, dtype); a run above its tolerance
-is generated again in float64 with its reference and decided there (checks/_shared.arbitrate).
+is generated again in float64 with its reference and decided there (model/arbitration.arbitrate).
 """
 
 from __future__ import annotations
@@ -28,20 +28,13 @@ import torch
 from posdiag.checks import CheckSpec, Option
 from posdiag.checks._image_decode import generate_after_image, with_image_decode
 from posdiag.checks._reference import JITTER_SOURCE, jitter_floor, reference
-from posdiag.checks._shared import (
-    arbitrate,
-    cache_layer_note,
-    cache_support,
-    generate_guarded,
-    new_cache,
-    static_cache_refusal,
-    worst_error,
-)
+from posdiag.model.arbitration import arbitrate
+from posdiag.model.caches import cache_layer_note, cache_support, generate_guarded, new_cache, static_cache_refusal
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import relative_l2
 from posdiag.options import RunOptions, probe_length
 from posdiag.results import CheckResult, Status, Table
-from posdiag.verdict import FAIL_RATIO, FloorVerdict, degenerate_floor, judge_agreement, noise_floor
+from posdiag.verdict import FAIL_RATIO, FloorVerdict, degenerate_floor, judge_agreement, noise_floor, worst_error
 
 SPEC = CheckSpec("generate", "generate() vs forward pass",
                  "greedy generate() agrees step by step with the teacher-forced forward, alone and in a padded batch",

@@ -34,7 +34,7 @@ attention (`Family.token_mixing`: FNet's Fourier transform reads the storage ord
 nothing FAIL only where the outputs could carry positions at all: tokens that never interact or attention scores
 that are all equal (zero-initialised branches, `posdiag.model.inert`) SKIP with that reason.
 
-The jitter noise floor it uses lives in checks/_shared.py (batch, causal, shift and shuffle use it too).
+The jitter noise floor it uses lives in model/jitter.py (batch, causal, shift and shuffle use it too).
 """
 
 from __future__ import annotations
@@ -45,25 +45,21 @@ from typing import Any
 import torch
 
 from posdiag.checks import CheckSpec
-from posdiag.checks._shared import (
-    FLOOR_SOURCE,
-    arbitrate,
-    jittered,
-    layer_name,
-    position_limit,
-    restart_positions,
-)
+from posdiag.model.arbitration import arbitrate
 from posdiag.model.inert import inert_reason
 from posdiag.model.introspect import mixing_reason, recurrent_mixers, recurrent_reason
+from posdiag.model.jitter import FLOOR_SOURCE, jittered
 from posdiag.model.probe import (
     Row,
     fidelity_rows,
     judge_fidelity,
     moving_permutations,
+    position_limit,
+    restart_positions,
     run_rows,
 )
 from posdiag.model.subject import Outputs, Subject
-from posdiag.model.tensors import relative_l2
+from posdiag.model.tensors import layer_name, relative_l2
 from posdiag.options import RunOptions, probe_ids
 from posdiag.results import CheckResult, Status, Table
 from posdiag.verdict import (

@@ -29,10 +29,10 @@ from typing import Any
 import torch
 
 from posdiag.checks import CheckSpec
-from posdiag.checks._shared import FLOOR_SOURCE, jittered, layer_name, stack_result
 from posdiag.model.casts import float64_throughout
 from posdiag.model.inert import inert_reason
 from posdiag.model.introspect import attention_free, recurrent_mixers, recurrent_reason
+from posdiag.model.jitter import FLOOR_SOURCE, jittered
 from posdiag.model.precision import run_finer
 from posdiag.model.probe import (
     Row,
@@ -42,10 +42,17 @@ from posdiag.model.probe import (
     run_rows,
 )
 from posdiag.model.subject import Outputs, Subject
-from posdiag.model.tensors import dtype_name, relative_l2, release_freed_memory
+from posdiag.model.tensors import dtype_name, layer_name, relative_l2, release_freed_memory
 from posdiag.options import RunOptions, probe_ids
 from posdiag.results import CheckResult, Status, Table, combine_stacks
-from posdiag.verdict import FloorVerdict, clear_signal, judge_position_signal, noise_floor, shrinks_with_precision
+from posdiag.verdict import (
+    FloorVerdict,
+    clear_signal,
+    judge_position_signal,
+    noise_floor,
+    shrinks_with_precision,
+    stack_result,
+)
 
 SPEC = CheckSpec(
     name="shuffle",

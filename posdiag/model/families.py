@@ -11,19 +11,23 @@ are *measured* (mask fidelity, position_ids effect) before any verdict relies on
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from posdiag.model.injectors import bloom_mask, causal_buffers, falcon_alibi_mask, layer_mask_hook
+from posdiag.model.kinds import Kind, PositionKind, declared_causal, guess_kind, masked_only
 from posdiag.model.storage_mixing import storage_order_mixing, storage_positions
 from posdiag.model.towers import is_multimodal, language_config
+
+Refine = Callable[[Any], dict[str, Any]]
 
 
 @dataclass(frozen=True)
 class Family:
     """How to drive one architecture faithfully.
 
-    kind:             causal | encoder | seq2seq (which stacks exist and how they attend).
-    position_kind:    rope | learned | sinusoidal | alibi | relative_bias | none found.
+    kind:             a Kind: causal | encoder | seq2seq (which stacks exist and how they attend).
+    position_kind:    a PositionKind: rope | learned | sinusoidal | alibi | relative_bias | none found.
     mask_form:        how an explicit attention pattern is handed over:
                       "4d"          one additive float [B,1,T,T] mask (a uniform window written in);
                       "layer_dict"  {"full_attention": m, "sliding_attention": m_w} by layer type;
@@ -49,11 +53,13 @@ class Family:
                       does not): relative invariance (`shift`) then cannot hold, by design.
     offset_rows_in_context: max_position_embeddings counts the offset rows (RoBERTa: 514 rows for 512 tokens);
                       False where they come on top of it (Kosmos: max_position_embeddings + 2 rows).
+    refine:           refine(config) -> the fields a config-dependent quirk changes ({} when none): Falcon's
+                      alibi flag, RoBERTa's padding offset, MobileBERT's trigram input.
     """
 
     name: str
-    kind: str = "causal"
-    position_kind: str = "none found"
+    kind: Kind = Kind.CAUSAL
+    position_kind: PositionKind = PositionKind.NONE
     mask_form: str = "4d"
     position_ids: str = "honoured"
     position_offset: int = 0
@@ -66,6 +72,12 @@ class Family:
     token_mixing: str = ""
     not_causal: str = ""
     offset_rows_in_context: bool = True
+    refine: Refine | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # replace(row, kind="causal") and rows built from strings keep the members (one spelling of each value)
+        object.__setattr__(self, "kind", Kind(self.kind))
+        object.__setattr__(self, "position_kind", PositionKind(self.position_kind))
 
     @property
     def takes_position_ids(self) -> bool:
@@ -73,71 +85,70 @@ class Family:
 
 
 GENERIC = Family(name="generic", offsets_known=False)
-# Decoders whose self- and cross-attention share one softmax (T5Gemma 2's merged attention): the queries are rotated
-# at their decoder positions, the encoder keys beside the decoder's own are not, so every query's score against the
-# encoder reads its absolute position. Measured on the tiny model: a decoder shift of 1 moves the outputs 0.038
-# (a left-padded row numbered from its first padding column: 0.0546 in float32 and in float64).
-MERGED_CROSS_ATTENTION = {"t5gemma2": "its merged attention scores rotated decoder queries against unrotated "
-                                      "encoder keys in the same softmax, so a decoder query reads its absolute "
-                                      "position"}
 
 
-# ------------------------------------------------------------------ injectors (imports torch lazily)
-def _causal_buffers(subject: Any, patterns: dict) -> Callable[[], None]:
-    """GPT-Neo and OpenAI GPT fold a hard-coded causal `bias` buffer [1,1,N,N] into the scores
-    (GPT-Neo: where(bias, w, min) before adding attention_mask; OpenAI GPT: w*bias - 1e4*(1-bias),
-    and it takes 2D padding masks only), so a mask can block but never open a key (measured on
-    GPT-Neo: opening a future key changed 0.0). Filling the buffer with True opens it but drops
-    GPT-Neo's local window (0.49 off the default). So each layer's buffer is swapped for the per-row
-    pattern [B,1,T,T] in the buffer's dtype (it broadcasts over heads), windowed where
-    attention_type == "local"."""
-    import torch
-
-    saved = []
-    for module in subject.model.modules():
-        buf = dict(module.named_buffers(recurse=False)).get("bias")
-        if isinstance(buf, torch.Tensor) and buf.ndim == 4 and buf.shape[-1] == buf.shape[-2]:
-            saved.append((module, buf))
-            key = "sliding" if getattr(module, "attention_type", None) == "local" and "sliding" in patterns else "full"
-            module.bias = patterns[key][:, None].to(buf.dtype)
-
-    def undo() -> None:
-        for module, buf in saved:
-            module.bias = buf
-    return undo
+# ------------------------------------------------------------------ config-dependent quirks (a row's refine)
+def _falcon_alibi(config: Any) -> dict[str, Any]:
+    """Falcon-alibi builds the bias from the 2D mask like Bloom."""
+    if not getattr(config, "alibi", False):
+        return {}
+    return dict(position_kind=PositionKind.ALIBI, mask_form="layer_hook", position_ids="ignored",
+                injector=layer_mask_hook(falcon_alibi_mask))
 
 
-def _layer_mask_hook(build: Callable[[Any, dict, dict], Any]) -> Callable[[Any, dict], Callable[[], None]]:
-    """Bloom and Falcon-alibi build their ALiBi bias from a 2D padding mask and crash on a 4D one
-    (ValueError: too many values to unpack). The model gets no mask (ALiBi from arange key
-    positions, as in training) and a forward pre-hook on each block replaces the layer's
-    attention_mask with ours."""
-    def inject(subject: Any, patterns: dict) -> Callable[[], None]:
-        def hook(module, args, kwargs):
-            kwargs["attention_mask"] = build(subject, patterns, kwargs)
-            return args, kwargs
-        handles = [layer.register_forward_pre_hook(hook, with_kwargs=True) for layer in subject.model.transformer.h]
-        return lambda: [h.remove() for h in handles]
-    return inject
+def _padding_offsets(config: Any) -> dict[str, Any]:
+    """RoBERTa's layout: own position ids from padding_idx + 1, explicit ids read as table rows."""
+    offset = (getattr(config, "pad_token_id", None) or 0) + 1
+    return dict(position_offset=offset, explicit_position_offset=offset)
 
 
-def _bloom_mask(subject: Any, patterns: dict, kwargs: dict) -> Any:
-    from posdiag.model.tensors import additive_mask
-    return additive_mask(patterns["full"][:, None], subject.dtype)
+def _prophetnet_offsets(config: Any) -> dict[str, Any]:
+    pad = getattr(config, "pad_token_id", None) or 0
+    return dict(position_offset=pad + 1, explicit_position_offset=pad + 2)
 
 
-def _falcon_alibi_mask(subject: Any, patterns: dict, kwargs: dict) -> Any:
-    """FalconModel folds alibi/sqrt(head_dim) into the float mask it hands the layers; rebuild that."""
-    import math
+def _xlnet_attn_type(config: Any) -> dict[str, Any]:
+    return dict(not_causal="") if getattr(config, "attn_type", "bi") == "uni" else {}
 
-    import torch
-    alibi = kwargs["alibi"]
-    head_dim = subject.config.hidden_size // subject.config.num_attention_heads
-    if alibi.ndim == 3:  # [B*H, 1, T] as built; FalconModel hands the blocks [B, H, 1, T]
-        alibi = alibi.reshape(-1, subject.config.num_attention_heads, *alibi.shape[1:])
-    bias = alibi / math.sqrt(head_dim)
-    bias = bias.expand(patterns["full"].shape[0], -1, patterns["full"].shape[1], -1).to(subject.dtype)
-    return bias.masked_fill(~patterns["full"][:, None], torch.finfo(subject.dtype).min)
+
+def _distilbert_tables(config: Any) -> dict[str, Any]:
+    return dict(position_kind=PositionKind.SINUSOIDAL) if getattr(config, "sinusoidal_pos_embds", False) else {}
+
+
+def _mobilebert_trigram(config: Any) -> dict[str, Any]:
+    if not getattr(config, "trigram_input", False):
+        return {}
+    return dict(token_mixing="a 3-token convolution over the token embeddings (trigram_input)")
+
+
+def _nystromformer_mixing(config: Any) -> dict[str, Any]:
+    mixing = []
+    if getattr(config, "conv_kernel_size", None):
+        mixing.append(f"a {config.conv_kernel_size}-token depthwise convolution over the attention values")
+    if getattr(config, "num_landmarks", 0) != getattr(config, "segment_means_seq_len", 0):
+        mixing.append("Nystrom landmarks (means of consecutive segments)")
+    return dict(token_mixing=" and ".join(mixing))
+
+
+def _deberta_relative(config: Any) -> dict[str, Any]:
+    """DeBERTa with relative_attention (every DeBERTa-v3): the disentangled c2p/p2c terms read relative positions
+    built from the storage index (build_relative_position over q/k lengths), never from position_ids, so a
+    consistent permutation is no identity (measured: 5.6e-5 off P f(x), 349x the floor, the same in float64).
+    Without position_biased_input (v3) nothing reads position_ids at all."""
+    if not getattr(config, "relative_attention", False):
+        return {}
+    mixing = "disentangled relative attention over positions taken from storage order (not from position_ids)"
+    if getattr(config, "position_biased_input", True):  # v2-style: an absolute table read through position_ids too
+        return dict(position_kind=PositionKind.LEARNED, token_mixing=mixing)
+    return dict(position_kind=PositionKind.RELATIVE_BIAS, position_ids="ignored", token_mixing=mixing)
+
+
+def _xlm_attention(config: Any) -> dict[str, Any]:
+    """XLMWithLMHeadModel sits in the causal-LM mapping, but XLM's default (causal=False: MLM/TLM checkpoints)
+    attends bidirectionally: judged as the encoder it is (measured: "query 0 sees key 1"). With causal=True the
+    head decides, as for a type without a row."""
+    return dict(kind=guess_kind(config) if getattr(config, "causal", False) else Kind.ENCODER)
+
 
 _ROWS: dict[str, Family] = {
     # --- RoPE decoders: 4D additive masks are used as-is; position_ids honoured. ---------------
@@ -159,7 +170,7 @@ _ROWS: dict[str, Family] = {
     "qwen2": Family("qwen2", position_kind="rope", mask_form="layer_dict"),
     "gemma2": Family("gemma2", position_kind="rope", mask_form="layer_dict", eager_only=True),
     "gemma3_text": Family("gemma3_text", position_kind="rope", mask_form="layer_dict"),
-    "falcon": Family("falcon", position_kind="rope"),  # alibi variant chosen in family_for()
+    "falcon": Family("falcon", position_kind="rope", refine=_falcon_alibi),
     # Beam: RoPE on sliding layers; its full-attention layers (rope_parameters entry None) scale queries by the
     # absolute position, (1 + (p + 1) / 2048) ** 0.1 (scalable softmax). Measured on the tiny model: a shift of 1
     # moves the outputs 1.39e-05 in float64 (93.7x its floor), 1.8e-07 with that scale held at 1.
@@ -172,11 +183,11 @@ _ROWS: dict[str, Family] = {
     "gpt2": Family("gpt2", position_kind="learned"),
     # GPT-Neo ANDs a hard-coded causal `bias` buffer into every layer: a permuted mask cannot
     # open a future key until the buffer is opened (measured: "open" probe unchanged).
-    "gpt_neo": Family("gpt_neo", position_kind="learned", injector=_causal_buffers, eager_only=True),
+    "gpt_neo": Family("gpt_neo", position_kind="learned", injector=causal_buffers, eager_only=True),
     # OpenAI GPT (table `positions_embed`): the same hard-coded causal buffer, and its forward takes only a
     # 2D padding mask (a 4D one became 6D: RuntimeError in merge_heads), so the whole pattern goes into the
     # buffers and no attention_mask is passed. No SDPA (from_config refuses it) and no KV cache.
-    "openai-gpt": Family("openai-gpt", position_kind="learned", mask_form="layer_hook", injector=_causal_buffers,
+    "openai-gpt": Family("openai-gpt", position_kind="learned", mask_form="layer_hook", injector=causal_buffers,
                          eager_only=True),
     # OPT derives positions from the 2D mask cumsum (+2); with a 4D mask it needs explicit ids.
     "opt": Family("opt", position_kind="learned", position_ids="required", position_offset=2),
@@ -187,18 +198,19 @@ _ROWS: dict[str, Family] = {
     # --- ALiBi: positions come from the 2D mask (Bloom, Falcon) or arange (MPT); position_ids
     #     are accepted and dropped (bit-identical outputs). --------------------------------
     "bloom": Family("bloom", position_kind="alibi", mask_form="layer_hook", position_ids="ignored", eager_only=True,
-                    injector=_layer_mask_hook(_bloom_mask)),
+                    injector=layer_mask_hook(bloom_mask)),
     # MPT turns the mask into bool itself: an additive float mask works, a bool one reads inverted.
     "mpt": Family("mpt", position_kind="alibi", position_ids="ignored", eager_only=True),
     # --- Encoders: bidirectional; the permutation needs no mask at all. -----------------------
     "bert": Family("bert", kind="encoder", position_kind="learned"),
     # RoBERTa reads explicit position_ids as table rows; its own ids start at padding_idx + 1.
-    "roberta": Family("roberta", kind="encoder", position_kind="learned"),
-    # Same embeddings as RoBERTa (offset padding_idx + 1, set in family_for). Without a row they
-    # fell through to GENERIC and the RoBERTa branch of family_for never ran.
-    "xlm-roberta": Family("xlm-roberta", kind="encoder", position_kind="learned"),
-    "camembert": Family("camembert", kind="encoder", position_kind="learned"),
-    "distilbert": Family("distilbert", kind="encoder", position_kind="learned"),
+    "roberta": Family("roberta", kind="encoder", position_kind="learned", refine=_padding_offsets),
+    # Same embeddings as RoBERTa (offset padding_idx + 1). Without a row they fell through to GENERIC and
+    # never got RoBERTa's offsets.
+    "xlm-roberta": Family("xlm-roberta", kind="encoder", position_kind="learned", refine=_padding_offsets),
+    "camembert": Family("camembert", kind="encoder", position_kind="learned", refine=_padding_offsets),
+    # sinusoidal_pos_embds: the table is filled with the sinusoidal formula instead of learned.
+    "distilbert": Family("distilbert", kind="encoder", position_kind="learned", refine=_distilbert_tables),
     # RoFormer rotates q and k (interleaved pairs) by sin/cos read from a fixed sinusoidal table (embed_positions,
     # indexed by arange: no position_ids). Read as a learned table, `table` FAILed (markers in its rows move no
     # position: the rows feed a rotation, not the embeddings) and `shift` skipped a model that is relative by design.
@@ -208,17 +220,19 @@ _ROWS: dict[str, Family] = {
     # FNet mixes tokens with a 2D Fourier transform (sequence x hidden), not attention, and takes no attention
     # mask. Measured: a consistent permutation differs from P f(x) by 1.07 in float32 and float64 alike.
     "fnet": Family("fnet", kind="encoder", position_kind="learned", token_mixing="a Fourier transform"),
-    # MobileBERT's trigram input (config.trigram_input, set in family_for) concatenates each token's embedding with
+    # MobileBERT's trigram input (config.trigram_input) concatenates each token's embedding with
     # its neighbours' before a linear map: a 3-token convolution in storage order, position ids aside. Measured
     # (default init): the "consistent" permutation differs from P f(x) by 0.30 in float32 and float64 (it was
     # taken as the noise floor: shuffle FAILed at 3.3x it); without trigram_input it reproduces P f(x) (2e-8).
     # Offsets: no row measured, table discovers them (offsets_known=False) as before the row existed.
-    "mobilebert": Family("mobilebert", kind="encoder", position_kind="learned", offsets_known=False),
+    "mobilebert": Family("mobilebert", kind="encoder", position_kind="learned", offsets_known=False,
+                         refine=_mobilebert_trigram),
     # Nystromformer adds a depthwise convolution over the values along the sequence (conv_kernel_size, 65 by
     # default) and, when num_landmarks < segment_means_seq_len, approximates softmax through landmarks that are
-    # means of consecutive segments: both read storage order (set in family_for). Measured with the conv: the
+    # means of consecutive segments: both read storage order. Measured with the conv: the
     # consistent permutation is 3.3e-3 off P f(x) in float32 and float64; without it, 5.6e-8.
-    "nystromformer": Family("nystromformer", kind="encoder", position_kind="learned", offsets_known=False),
+    "nystromformer": Family("nystromformer", kind="encoder", position_kind="learned", offsets_known=False,
+                            refine=_nystromformer_mixing),
     # MPNet: a learned absolute table read through position_ids (so positions are absolute: no shift invariance)
     # plus a T5-style relative bias that MPNetEncoder computes from arange, i.e. storage order: compute_position_bias
     # takes position_ids but is never handed them (the docstring: position_ids index the position embeddings).
@@ -228,8 +242,8 @@ _ROWS: dict[str, Family] = {
                                  "absolute table)"),
     # XLNet (a causal LM in transformers' mapping) with its default attn_type="bi": the content stream attends every
     # token, the future included, unless perm_mask says otherwise (permutation LM). Measured on the tiny model: changing
-    # token 1 moves output 0 by 0.014 in float32 and float64 (causal FAILed); attn_type="uni" is causal (family_for).
-    "xlnet": Family("xlnet", position_ids="ignored",
+    # token 1 moves output 0 by 0.014 in float32 and float64 (causal FAILed); attn_type="uni" is causal.
+    "xlnet": Family("xlnet", position_ids="ignored", refine=_xlnet_attn_type,
                     not_causal="attn_type='bi': every token attends every other (permutation LM; causal only with "
                                "attn_type='uni' or a perm_mask)"),
     # CPM-Ant: CpmAntModel builds its mask from a `context` that is all ones, so every input token sees every other
@@ -240,15 +254,18 @@ _ROWS: dict[str, Family] = {
                      mask_note="its attention_mask is a dummy parameter; id 0 is read as padding",
                      not_causal="CpmAntModel attends every input token bidirectionally (a context mask of all ones: a "
                                 "prefix LM)"),
-    # ProphetNet numbers positions from padding_idx + 1 (RoBERTa's layout; offsets set in family_for) and its decoder's
+    # ProphetNet numbers positions from padding_idx + 1 (RoBERTa's layout, one more for explicit ids) and its decoder's
     # predicting streams read the main stream's id + 1, unclamped: the last row is reachable only by them, so the
     # usable context is rows - padding_idx - 2 (measured: 255 decoder tokens of a 256-row table raise IndexError).
-    "prophetnet": Family("prophetnet", kind="seq2seq", position_kind="learned", position_ids="ignored"),
+    "prophetnet": Family("prophetnet", kind="seq2seq", position_kind="learned", position_ids="ignored",
+                         refine=_prophetnet_offsets),
     # Kosmos-2 / 2.5 text: a sinusoidal table (max_position_embeddings + 2 rows, row padding_idx zeroed) read RoBERTa's
-    # way: own ids from padding_idx + 1, explicit ids as rows (family_for). Passed 0-based, cached decode with ids 0..7
+    # way: own ids from padding_idx + 1, explicit ids as rows. Passed 0-based, cached decode with ids 0..7
     # was 0.706 off the default full forward (float32 and float64); from padding_idx + 1 it agrees to 2e-7.
-    "kosmos_2_text_model": Family("kosmos_2_text_model", position_kind="sinusoidal", offset_rows_in_context=False),
-    "kosmos_2_5_text_model": Family("kosmos_2_5_text_model", position_kind="sinusoidal", offset_rows_in_context=False),
+    "kosmos_2_text_model": Family("kosmos_2_text_model", position_kind="sinusoidal", offset_rows_in_context=False,
+                                  refine=_padding_offsets),
+    "kosmos_2_5_text_model": Family("kosmos_2_5_text_model", position_kind="sinusoidal", offset_rows_in_context=False,
+                                    refine=_padding_offsets),
     # --- Encoder-decoders: the 4D pattern goes to decoder_attention_mask (a top-level mask would
     #     be reused as the cross-attention mask). Positions are derived inside. -----------------
     "t5": Family("t5", kind="seq2seq", position_kind="relative_bias", position_ids="ignored"),
@@ -260,79 +277,62 @@ _ROWS: dict[str, Family] = {
     # mBART: BART's learned tables (offset 2, positions from arange + cache length, no position_ids).
     # Measured: row 3 read at position 1 in both stacks; passed position_ids change nothing.
     "mbart": Family("mbart", kind="seq2seq", position_kind="learned", position_ids="ignored", position_offset=2),
+    # T5Gemma 2's decoder shares one softmax between self- and cross-attention (merged attention): the queries are
+    # rotated at their decoder positions, the encoder keys beside the decoder's own are not, so every query's score
+    # against the encoder reads its absolute position. Measured on the tiny model: a decoder shift of 1 moves the
+    # outputs 0.038 (a left-padded row numbered from its first padding column: 0.0546 in float32 and in float64).
+    "t5gemma2": Family("t5gemma2", kind="seq2seq", position_ids="ignored", offsets_known=False,
+                       absolute_by_design="its merged attention scores rotated decoder queries against unrotated "
+                                          "encoder keys in the same softmax, so a decoder query reads its absolute "
+                                          "position"),
+    # --- Rows with config-dependent quirks only: offsets unmeasured (`table` discovers them). ------------------
+    # DeBERTa / DeBERTa-v2: the disentangled relative attention reads storage order (_deberta_relative).
+    "deberta": Family("deberta", kind="encoder", offsets_known=False, refine=_deberta_relative),
+    "deberta-v2": Family("deberta-v2", kind="encoder", offsets_known=False, refine=_deberta_relative),
+    # XLM: bidirectional unless config.causal (_xlm_attention).
+    "xlm": Family("xlm", offsets_known=False, refine=_xlm_attention),
 }
 
 
 def family_for(config: Any) -> Family:
-    """The quirk row for a loaded config (some rows depend on config fields).
+    """The quirk row for a loaded config: its row refined by the config (`Family.refine`), or, for a model type
+    without a row, GENERIC with what the config itself shows (sniffed: kind, storage-order mixing).
 
     A multimodal config (vision / audio towers around a language model) gets its language model's row
     under its own name: the checks drive the language model with text inputs (see `language_config`),
     so the text model's quirks (Gemma3's per-layer-type masks, Mistral's window) are the ones that apply.
     """
     if is_multimodal(config):
-        row = family_for(language_config(config))
-        kind = "seq2seq" if getattr(config, "is_encoder_decoder", False) else "causal"
-        if row.kind == "encoder" and _masked_only(getattr(config, "model_type", None)):
-            # A masked LM around a bidirectional text encoder (UltraVBert: an UltraBERT with a vision tower). Taken for
-            # causal, its own default output "leaked" the future (0.25), the explicit causal mask did not reproduce it.
-            kind = "encoder"
-        return replace(row, name=getattr(config, "model_type", row.name), kind=kind)
+        return _multimodal(config)
     model_type = getattr(config, "model_type", None) or "generic"
     row = _ROWS.get(model_type)
     if row is None:
-        kind = _guess_kind(config)
-        # posdiag hands encoder-decoder stacks no position_ids (Subject.forward): positions are
-        # whatever the stacks derive inside, so a "consistent" permutation cannot be built.
-        generic = replace(GENERIC, name=model_type, kind=kind, token_mixing=storage_order_mixing(config),
-                          absolute_by_design=storage_positions(config) or MERGED_CROSS_ATTENTION.get(model_type, ""),
-                          position_ids="ignored" if kind == "seq2seq" else "honoured")
-        if model_type in ("deberta", "deberta-v2") and getattr(config, "relative_attention", False):
-            return _deberta_relative(generic, config)
-        if model_type == "xlm" and not getattr(config, "causal", False):
-            # XLMWithLMHeadModel sits in the causal-LM mapping, but XLM's default (causal=False: MLM/TLM
-            # checkpoints) attends bidirectionally: judged as the encoder it is (measured: "query 0 sees key 1").
-            return replace(generic, kind="encoder")
-        return generic
-    if row.kind == "encoder" and _declared_causal(config):
+        return _sniffed(config, model_type)
+    if row.kind == Kind.ENCODER and declared_causal(config):
         # The checkpoint says what it is: an encoder family configured as a decoder (is_decoder=True, or a
         # *ForCausalLM head) attends causally and decodes with a cache, so cache, generate and causal apply.
-        row = replace(row, kind="causal")
-    if model_type == "xlnet" and getattr(config, "attn_type", "bi") == "uni":
-        row = replace(row, not_causal="")
-    if model_type == "falcon" and getattr(config, "alibi", False):
-        # Falcon-alibi builds the bias from the 2D mask like Bloom.
-        return replace(row, position_kind="alibi", mask_form="layer_hook", position_ids="ignored",
-                       injector=_layer_mask_hook(_falcon_alibi_mask))
-    if model_type == "prophetnet":
-        pad = getattr(config, "pad_token_id", None) or 0
-        return replace(row, position_offset=pad + 1, explicit_position_offset=pad + 2)
-    if model_type in ("roberta", "xlm-roberta", "camembert", "kosmos_2_text_model", "kosmos_2_5_text_model"):
-        offset = (getattr(config, "pad_token_id", None) or 0) + 1
-        return replace(row, position_offset=offset, explicit_position_offset=offset)
-    if model_type == "distilbert" and getattr(config, "sinusoidal_pos_embds", False):
-        return replace(row, position_kind="sinusoidal")
-    if model_type == "mobilebert" and getattr(config, "trigram_input", False):
-        return replace(row, token_mixing="a 3-token convolution over the token embeddings (trigram_input)")
-    if model_type == "nystromformer":
-        mixing = []
-        if getattr(config, "conv_kernel_size", None):
-            mixing.append(f"a {config.conv_kernel_size}-token depthwise convolution over the attention values")
-        if getattr(config, "num_landmarks", 0) != getattr(config, "segment_means_seq_len", 0):
-            mixing.append("Nystrom landmarks (means of consecutive segments)")
-        return replace(row, token_mixing=" and ".join(mixing))
-    return row
+        row = replace(row, kind=Kind.CAUSAL)
+    return replace(row, **row.refine(config)) if row.refine is not None else row
 
 
-def _deberta_relative(row: Family, config: Any) -> Family:
-    """DeBERTa with relative_attention (every DeBERTa-v3): the disentangled c2p/p2c terms read relative positions
-    built from the storage index (build_relative_position over q/k lengths), never from position_ids, so a
-    consistent permutation is no identity (measured: 5.6e-5 off P f(x), 349x the floor, the same in float64).
-    Without position_biased_input (v3) nothing reads position_ids at all."""
-    mixing = "disentangled relative attention over positions taken from storage order (not from position_ids)"
-    if getattr(config, "position_biased_input", True):  # v2-style: an absolute table read through position_ids too
-        return replace(row, position_kind="learned", token_mixing=mixing)
-    return replace(row, position_kind="relative_bias", position_ids="ignored", token_mixing=mixing)
+def _multimodal(config: Any) -> Family:
+    row = family_for(language_config(config))
+    kind = Kind.SEQ2SEQ if getattr(config, "is_encoder_decoder", False) else Kind.CAUSAL
+    if row.kind == Kind.ENCODER and masked_only(getattr(config, "model_type", None)):
+        # A masked LM around a bidirectional text encoder (UltraVBert: an UltraBERT with a vision tower). Taken for
+        # causal, its own default output "leaked" the future (0.25), the explicit causal mask did not reproduce it.
+        kind = Kind.ENCODER
+    return replace(row, name=getattr(config, "model_type", row.name), kind=kind)
+
+
+def _sniffed(config: Any, model_type: str) -> Family:
+    """A model type without a row: the safe defaults, with the kind and storage-order mixing the config shows."""
+    kind = guess_kind(config)
+    # posdiag hands encoder-decoder stacks no position_ids (Subject.forward): positions are
+    # whatever the stacks derive inside, so a "consistent" permutation cannot be built.
+    return replace(GENERIC, name=model_type, kind=kind, token_mixing=storage_order_mixing(config),
+                   absolute_by_design=storage_positions(config),
+                   position_ids="ignored" if kind == Kind.SEQ2SEQ else "honoured")
 
 
 def for_model(family: Family, model: Any) -> Family:
@@ -345,40 +345,10 @@ def for_model(family: Family, model: Any) -> Family:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return family
-    if family.kind == "seq2seq" and "decoder_input_ids" not in params and "input_ids" in params:
+    if family.kind == Kind.SEQ2SEQ and "decoder_input_ids" not in params and "input_ids" in params:
         # An encoder-decoder's text decoder driven alone (Pix2StructTextModel, whose config keeps the encoder-decoder
         # flag): it takes no decoder inputs, so it is a causal LM.
-        family = replace(family, kind="causal")
+        family = replace(family, kind=Kind.CAUSAL)
     if family.takes_position_ids and "position_ids" not in params:
         return replace(family, position_ids="ignored")
     return family
-
-
-def _declared_causal(config: Any) -> bool:
-    archs = getattr(config, "architectures", None) or []
-    return bool(getattr(config, "is_decoder", False)) or any(a.endswith(_CAUSAL_HEADS) for a in archs)
-
-
-_CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel")
-
-
-def _masked_only(model_type: str | None) -> bool:
-    from transformers.models.auto import modeling_auto as auto
-
-    return (model_type in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES
-            and model_type not in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-
-
-def _guess_kind(config: Any) -> str:
-    if getattr(config, "is_encoder_decoder", False):
-        return "seq2seq"
-    archs = getattr(config, "architectures", None) or []
-    if any(a.endswith(_CAUSAL_HEADS) for a in archs):
-        return "causal"
-    if any(a.endswith(("ForMaskedLM", "ForSequenceClassification", "ForTokenClassification")) for a in archs):
-        return "encoder"
-    if getattr(config, "is_decoder", None) is None and _masked_only(getattr(config, "model_type", None)):
-        # A config with no is_decoder field (5.x dropped it from many) of a type transformers builds only as a
-        # masked LM is a bidirectional encoder: guessed causal, ALBERT read as leaking the future (a false FAIL).
-        return "encoder"
-    return "causal" if getattr(config, "is_decoder", True) else "encoder"

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from posdiag.model.kinds import PositionKind
+
 # Class names of known non-attention sequence mixers (transformers 5.24: MiniMaxLightningAttention,
 # Qwen3NextGatedDeltaNet, JambaMambaMixer, Lfm2ShortConv, GraniteMoeHybridMambaLayer, Zamba2MambaMixer,
 # NemotronHMamba2Mixer, KimiLinearDeltaAttention, RwkvSelfAttention, RecurrentGemmaRglru, ...). Bare
@@ -145,20 +147,20 @@ def takes_attention_mask(subject: Any, stack: str) -> bool:
 __all__ = ["recurrent_mixers", "recurrent_reason", "mixing_reason", "takes_attention_mask", "attention_free"]
 
 
-def detect_position_kind(model: torch.nn.Module) -> str:
+def detect_position_kind(model: torch.nn.Module) -> PositionKind:
     """Best effort for families not in the table: look at module and parameter names."""
     names = [n for n, _ in model.named_modules()]
     buffers = [n for n, _ in model.named_buffers()]
     params = [n for n, _ in model.named_parameters()]
     if any("rotary" in n.lower() or n.endswith("inv_freq") for n in names + buffers):
-        return "rope"
+        return PositionKind.ROPE
     if any("alibi" in n.lower() for n in names + buffers):
-        return "alibi"
+        return PositionKind.ALIBI
     if any("relative_attention_bias" in n for n in params):
-        return "relative_bias"
+        return PositionKind.RELATIVE_BIAS
     tables = ("position_embeddings", "positions_embed", "wpe", "embed_positions", "pos_emb")
     if any(k in n for n in params for k in tables):
-        return "learned"
+        return PositionKind.LEARNED
     if any(n.split(".")[-1] == "pos_encoding" for n in buffers):  # CTRL: a sinusoidal table kept as a buffer
-        return "sinusoidal"
-    return "none found"
+        return PositionKind.SINUSOIDAL
+    return PositionKind.NONE

@@ -7,36 +7,42 @@ models are upcast to float32 when memory allows: equivariance is a property of t
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import shutil
 import sys
-import warnings
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from posdiag.errors import PosdiagError, one_line
-from posdiag.model.checkpoint import checkpoint_dtype, weight_files
-from posdiag.model.classes import auto_class, shipped_code, text_route
+from posdiag.model.checkpoint import weight_files
+from posdiag.model.classes import auto_class, text_route
 from posdiag.model.families import Family, family_for, for_model
 from posdiag.model.introspect import detect_position_kind
+from posdiag.model.kinds import Kind, PositionKind
 from posdiag.model.placement import (
-    device_map_kwargs,
     input_device,
     is_dispatched,
-    kept_in_memory,
     parse_max_memory,
     placement_note,
-    unreadable_offloaded,
 )
 from posdiag.model.precision import memory_allows, weight_bytes
+from posdiag.model.pretrained import (
+    LoadPlan,
+    check_spec,
+    from_pretrained,
+    load_info,
+    plan_load,
+    read_config,
+)
 from posdiag.model.subject import LoadInfo, Subject
 from posdiag.model.tensors import DTYPES, dtype_name
 from posdiag.model.towers import language_config
 from posdiag.options import LoadOptions
+
+T = TypeVar("T")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -71,8 +77,8 @@ def from_module(model: torch.nn.Module, *, name: str = "in-memory model",
         _check_attn_implementation(model, options)
     else:
         config = _CustomConfig(model)
-        family = Family(name="custom", kind=getattr(model, "posdiag_kind", "causal"),
-                        position_kind=getattr(model, "posdiag_position_kind", "none found"))
+        family = Family(name="custom", kind=_declared(model, "posdiag_kind", Kind, Kind.CAUSAL),
+                        position_kind=_declared(model, "posdiag_position_kind", PositionKind, PositionKind.NONE))
     subject = Subject(
         model=model.eval(), config=config, family=family, spec=name, kind=family.kind,
         position_kind=family.position_kind, dtype=load_dtype, load_dtype=load_dtype, device=device,
@@ -82,6 +88,16 @@ def from_module(model: torch.nn.Module, *, name: str = "in-memory model",
     _detect_position_kind(subject)
     _maybe_upcast(subject)
     return subject
+
+
+def _declared(model: torch.nn.Module, attr: str, members: type[T], default: T) -> T:
+    """What a factory model declares about itself (`model.posdiag_kind`), one of `members`."""
+    value = getattr(model, attr, default)
+    try:
+        return members(value)
+    except ValueError:
+        allowed = ", ".join(repr(m.value) for m in members)
+        raise PosdiagError(f"model.{attr} = {value!r} is not one of {allowed}") from None
 
 
 class _CustomConfig:
@@ -172,110 +188,49 @@ def from_factory_model(model: torch.nn.Module, spec: str, options: LoadOptions) 
 
 
 def _load_pretrained(spec: str, options: LoadOptions) -> Subject:
-    from transformers import AutoConfig
-
+    """A checkpoint directory or hub id: config, weight files, from_pretrained, then the Subject with its notes."""
     local = Path(spec)
-    is_local = local.exists()
-    if is_local and local.is_file() and local.suffix.lower() == ".gguf":
+    if local.is_file() and local.suffix.lower() == ".gguf":
         return _load_gguf(local, options)
-    if is_local:
-        if not local.is_dir():
-            raise PosdiagError(f"'{spec}' is a file; MODEL is a checkpoint directory, a hub id, or module:factory")
-        if not (local / "config.json").is_file():
-            raise PosdiagError(f"'{spec}' has no config.json: not a transformers checkpoint directory")
-    elif spec.startswith((".", "/", "~")) or spec.count("/") > 1:
-        raise PosdiagError(f"'{spec}' does not exist")
-
-    try:
-        config = AutoConfig.from_pretrained(spec, revision=options.revision,
-                                            trust_remote_code=options.trust_remote_code)
-    except Exception as exc:
-        raise PosdiagError(_explain_config_error(spec, exc, options, is_local)) from None
-
+    is_local = check_spec(spec, local)
+    config = read_config(spec, options, is_local)
     family = family_for(config)
     auto_cls = auto_class(config, family)
     weights = weight_files(spec, options, is_local)
     if weights["source"] == "pickle" and not options.allow_pickle:
         raise PosdiagError(f"'{spec}' ships only pickle weights (.bin); unpickling can run code. "
                            "Convert to safetensors or pass --allow-pickle")
-
     device = resolve_device(options.device) if not options.device_map else None
-    dtype: Any = "auto" if options.dtype == "auto" else DTYPES[options.dtype]
-    stored = DTYPES[options.dtype] if options.dtype != "auto" else checkpoint_dtype(config, weights)
-    upcast_at_load = bool(options.device_map) and options.upcast and stored in (torch.float16, torch.bfloat16)
-    if upcast_at_load:
-        # A dispatched model cannot be re-cast in place (its offloaded weights are re-read from
-        # disk in the stored dtype), so ask for float32 up front: accelerate then plans the map
-        # for the float32 size and converts each offloaded tensor as it reads it.
-        dtype = torch.float32
-    kwargs: dict[str, Any] = dict(
-        revision=options.revision, trust_remote_code=options.trust_remote_code,
-        dtype=dtype, attn_implementation=options.attn_implementation,
-        output_loading_info=True,
-        use_safetensors=weights["source"] != "pickle",
-    )
-    temporary: list[str] = []  # folders posdiag created for this run
-    if options.device_map:
-        kwargs.update(device_map_kwargs(spec, options, weights, temporary))
-    # Parameters missing from the checkpoint are re-initialised randomly: seed it so the same
-    # checkpoint gives the same report every time (the `load` check names what was missing).
-    torch.manual_seed(0)
-    notes: list[str] = []
-    try:
-        with warnings.catch_warnings():
-            # transformers' own maps name single tensors (BART's final_logits_bias); accelerate warns, harmlessly.
-            warnings.filterwarnings("ignore", message="The following device_map keys do not match any submodules")
-            model, loading_info = auto_cls.from_pretrained(spec, **kwargs)
-            lost = unreadable_offloaded(model) if options.device_map else []
-            if lost:
-                # transformers reads disk-offloaded weights from the checkpoint files in place, so a
-                # weight the checkpoint lacks (Marian's sinusoid table, built at init) has no values
-                # there: KeyError at the first forward. Load again with its module kept in memory.
-                kwargs["device_map"] = kept_in_memory(model.hf_device_map, model, lost)
-                del model
-                torch.manual_seed(0)
-                model, loading_info = auto_cls.from_pretrained(spec, **kwargs)
-                notes.append(f"kept in memory, not on disk: {', '.join(lost[:3])}{' …' if len(lost) > 3 else ''} "
-                             "(not in the checkpoint, so transformers has nothing to read from disk)")
-    except Exception as exc:
-        for folder in temporary:
-            shutil.rmtree(folder, ignore_errors=True)
-        raise PosdiagError(f"cannot load weights of '{spec}': {one_line(exc)}") from None
+    plan = plan_load(spec, options, config, weights)
+    model, loading_info, notes = from_pretrained(auto_cls, spec, options, plan)
     if device is not None:
         model = model.to(device)
     model.eval()
     inner, tested = text_route(model)
     family = for_model(family if inner is model else family_for(inner.config), inner)
     model = inner
-
     param = next(iter(model.parameters()))  # its dtype; its device may be "meta" when offloaded
-    info = LoadInfo(
-        checkpoint_keys=weights["keys"],
-        missing_keys=tuple(loading_info.get("missing_keys", ()) or ()),
-        unexpected_keys=tuple(loading_info.get("unexpected_keys", ()) or ()),
-        mismatched_keys=tuple(str(k[0]) if isinstance(k, tuple) else str(k)
-                              for k in (loading_info.get("mismatched_keys", ()) or ())),
-        files=tuple(weights["files"]),
-        source=weights["source"],
-        **shipped_code(config, model, options.trust_remote_code),
-    )
     subject = Subject(
         model=model, config=language_config(model.config), family=family, spec=spec, kind=family.kind,
         position_kind=family.position_kind,
-        dtype=param.dtype, load_dtype=stored if upcast_at_load else param.dtype, device=input_device(model),
-        load_info=info, options=options, tested=tested,
+        dtype=param.dtype, load_dtype=plan.stored if plan.upcast_at_load else param.dtype, device=input_device(model),
+        load_info=load_info(weights, loading_info, config, model, options), options=options, tested=tested,
     )
     _detect_position_kind(subject)
     # Removed by Subject.close(), else when the model is collected, else at interpreter exit.
-    subject.cleanup = [weakref.finalize(model, shutil.rmtree, folder, True) for folder in temporary]
-    if options.device_map:
-        subject.notes += [placement_note(model, options)] + notes
-    if upcast_at_load:
-        name = dtype_name(stored)
-        subject.notes.append(f"loaded in float32 from {name} weights (--device-map: the map was planned for the "
-                             f"float32 size, twice {name}'s; --no-upcast keeps {name})")
+    subject.cleanup = [weakref.finalize(model, shutil.rmtree, folder, True) for folder in plan.temporary]
+    _note_placement(subject, options, plan, notes)
     _maybe_upcast(subject)
     return subject
+
+
+def _note_placement(subject: Subject, options: LoadOptions, plan: LoadPlan, notes: list[str]) -> None:
+    if options.device_map:
+        subject.notes += [placement_note(subject.model, options)] + notes
+    if plan.upcast_at_load:
+        name = dtype_name(plan.stored)
+        subject.notes.append(f"loaded in float32 from {name} weights (--device-map: the map was planned for the "
+                             f"float32 size, twice {name}'s; --no-upcast keeps {name})")
 
 
 def _load_gguf(path: Path, options: LoadOptions) -> Subject:
@@ -336,7 +291,7 @@ def _detect_position_kind(subject: Subject) -> None:
     """For a family without a row: sniffed from the language model's modules alone. The towers posdiag does not
     test carry rotary modules of their own (Nemotron 3.5 Transcribe's audio encoder), which made a NoPE + Mamba
     language model read as RoPE and `shift` fail it for positions that move nothing."""
-    if subject.position_kind == "none found":
+    if subject.position_kind == PositionKind.NONE:
         subject.position_kind = detect_position_kind(subject.language_model)
 
 
@@ -356,17 +311,3 @@ def _maybe_upcast(subject: Subject) -> None:
     subject.dtype = torch.float32
     subject.notes.append(f"upcast from {dtype_name(subject.load_dtype)} to float32 for the checks "
                          "(--no-upcast keeps it)")
-
-
-def _explain_config_error(spec: str, exc: Exception, options: LoadOptions, is_local: bool) -> str:
-    text = one_line(exc)
-    if "trust_remote_code" in text or "custom code" in text:
-        return f"'{spec}' needs its own Python code to load; rerun with --trust-remote-code if you trust it"
-    unknown = "Unrecognized model" in text or "does not recognize this architecture" in text
-    if isinstance(exc, (json.JSONDecodeError, ValueError)) and is_local and not unknown:
-        return f"'{spec}/config.json' is not a valid config: {text}"
-    if unknown or "model_type" in text:
-        return f"'{spec}': unknown model type for this transformers version ({text[:160]})"
-    if not is_local:
-        return f"cannot fetch '{spec}' from the hub: {text[:200]} (check the id, the network, or HF_TOKEN)"
-    return f"cannot read the config of '{spec}': {text[:200]}"

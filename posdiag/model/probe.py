@@ -297,3 +297,17 @@ def _logits(subject: Subject, ids: torch.Tensor, where: torch.Tensor | None) -> 
     if where is not None and tuple(logits.shape[:2]) != tuple(where.shape):
         return None
     return logits
+
+
+def position_limit(subject: Subject) -> int | None:
+    """Largest logical position id the probes may use (the declared context, less table offsets)."""
+    declared = subject.max_positions
+    if declared is None:
+        return None
+    return declared - 1 - max(0, subject.family.position_offset - subject.family.explicit_position_offset)
+
+
+def restart_positions(length: int) -> torch.Tensor:
+    """Two packed documents: 0..h-1, 0..T-h-1 (the pattern stays one causal/bidirectional block)."""
+    half = length // 2
+    return torch.cat([torch.arange(half), torch.arange(length - half)])

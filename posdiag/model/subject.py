@@ -27,6 +27,7 @@ import torch
 
 from posdiag.errors import PosdiagError
 from posdiag.model.families import Family
+from posdiag.model.kinds import Kind, PositionKind
 from posdiag.model.placement import stored_weight
 from posdiag.model.tensors import additive_mask, dtype_name, token_states
 from posdiag.options import LoadOptions
@@ -65,8 +66,8 @@ class Subject:
     config: Any
     family: Family
     spec: str
-    kind: str
-    position_kind: str
+    kind: Kind
+    position_kind: PositionKind
     dtype: torch.dtype
     load_dtype: torch.dtype
     device: torch.device

@@ -103,3 +103,17 @@ def default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(saved)
+
+
+def per_token_change(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """||a_t − e_t|| / ||e_t|| per token [T] in float64 (0 where both vanish); everything after the token dim is
+    the token's state (DeepSeek-V4's hyper-connections carry [T, streams, D])."""
+    a, e = (t.detach().double().reshape(t.shape[0], -1) for t in (actual, expected))
+    num = (a - e).norm(dim=-1)
+    den = e.norm(dim=-1)
+    return torch.where(den > 0, num / den.clamp_min(1e-300), torch.where(num > 0, torch.inf, 0.0))
+
+
+def layer_name(index: int, total: int | None = None) -> str:
+    """Index 0 of a hidden-state list is the embeddings output (when there is more than one entry)."""
+    return "embeddings" if index == 0 and (total is None or total > 1) else f"block {index}"

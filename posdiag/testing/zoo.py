@@ -11,6 +11,7 @@ Heavy imports happen inside the functions: ``import posdiag.testing.zoo`` stays 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -262,50 +263,77 @@ def remove_positions(model: nn.Module, family: str) -> None:
       pattern, 0 / finfo.min). MPT: the instance's ``build_mpt_alibi_tensor`` returns zeros.
     Nothing global is patched: other instances are unaffected.
     """
-    import torch
-
     kind = POSITION_KIND[_check(family)]
-    done = 0
-    with torch.no_grad():
-        if kind == "rope":
-            for module in model.modules():
-                for name, buf in module.named_buffers(recurse=False):
-                    if name.endswith("inv_freq"):
-                        buf.zero_()
-                        done += 1
-                if any(n.endswith("inv_freq") for n, _ in module.named_buffers(recurse=False)):
-                    _freeze_rope_type(module)
-                if type(module).__name__ == "GPTJRotaryEmbedding":
-                    half = module.embed_positions.shape[-1] // 2
-                    module.embed_positions[:, :half] = 0.0
-                    module.embed_positions[:, half:] = 1.0
-                    done += 1
-        elif kind in ("learned", "sinusoidal"):
-            for name, module in model.named_modules():
-                if name.split(".")[-1] in ("wpe", "embed_positions", "position_embeddings"):
-                    module.weight.zero_()
-                    done += 1
-        elif kind == "relative_bias":
-            for name, module in model.named_modules():
-                if name.endswith("relative_attention_bias"):
-                    module.weight.zero_()
-                    done += 1
-        elif family == "mpt":
-            base = model.get_decoder() if hasattr(model, "get_decoder") else model
-            base = getattr(model, "transformer", base)
-
-            def no_alibi(num_heads, sequence_length, alibi_bias_max=8, device=None):
-                return torch.zeros(num_heads, 1, sequence_length, device=device)
-
-            base.build_mpt_alibi_tensor = no_alibi
-            done += 1
-        else:  # bloom, falcon_alibi
-            layers = model.transformer.h
-            for layer in layers:
-                layer.register_forward_pre_hook(_zero_alibi, with_kwargs=True)
-                done += 1
+    if kind == "rope":
+        done = _identity_rotations(model)
+    elif kind in ("learned", "sinusoidal"):
+        done = _zero_weights(model, lambda name: name.split(".")[-1] in _POSITION_TABLES)
+    elif kind == "relative_bias":
+        done = _zero_weights(model, lambda name: name.endswith("relative_attention_bias"))
+    elif family == "mpt":
+        done = _no_mpt_alibi(model)
+    else:  # bloom, falcon_alibi
+        done = _hooked_alibi(model)
     if not done:
         raise RuntimeError(f"remove_positions({family!r}) found nothing to remove in {type(model).__name__}")
+
+
+_POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
+
+
+def _identity_rotations(model: nn.Module) -> int:
+    """Every ``*inv_freq`` buffer zeroed (its rope type frozen), GPT-J's sin | cos table set to 0 | 1."""
+    import torch
+
+    done = 0
+    with torch.no_grad():
+        for module in model.modules():
+            for name, buf in module.named_buffers(recurse=False):
+                if name.endswith("inv_freq"):
+                    buf.zero_()
+                    done += 1
+            if any(n.endswith("inv_freq") for n, _ in module.named_buffers(recurse=False)):
+                _freeze_rope_type(module)
+            if type(module).__name__ == "GPTJRotaryEmbedding":
+                half = module.embed_positions.shape[-1] // 2
+                module.embed_positions[:, :half] = 0.0
+                module.embed_positions[:, half:] = 1.0
+                done += 1
+    return done
+
+
+def _zero_weights(model: nn.Module, chosen: Callable[[str], bool]) -> int:
+    """The weight of every module whose qualified name is `chosen` zeroed (position tables, relative biases)."""
+    import torch
+
+    done = 0
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if chosen(name):
+                module.weight.zero_()
+                done += 1
+    return done
+
+
+def _no_mpt_alibi(model: nn.Module) -> int:
+    """The instance's ``build_mpt_alibi_tensor`` returns zeros."""
+    import torch
+
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model
+    base = getattr(model, "transformer", base)
+
+    def no_alibi(num_heads, sequence_length, alibi_bias_max=8, device=None):
+        return torch.zeros(num_heads, 1, sequence_length, device=device)
+
+    base.build_mpt_alibi_tensor = no_alibi
+    return 1
+
+
+def _hooked_alibi(model: nn.Module) -> int:
+    """A forward pre-hook on each decoder layer zeroes the ``alibi`` argument (Bloom, Falcon)."""
+    for layer in model.transformer.h:
+        layer.register_forward_pre_hook(_zero_alibi, with_kwargs=True)
+    return len(model.transformer.h)
 
 
 def _freeze_rope_type(module: nn.Module) -> None:

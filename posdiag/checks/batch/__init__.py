@@ -41,10 +41,11 @@ from __future__ import annotations
 from typing import Any
 
 from posdiag.checks import CheckSpec
-from posdiag.checks._shared import FLOOR_SOURCE, arbitrate
 from posdiag.checks.batch.forward import DEFAULTS, LEFT_DEFAULTS
 from posdiag.checks.batch.padded import Measured, Probe, mask_ignored, plan
+from posdiag.model.arbitration import arbitrate
 from posdiag.model.introspect import takes_attention_mask
+from posdiag.model.jitter import FLOOR_SOURCE
 from posdiag.model.storage_mixing import length_dependent_pooling
 from posdiag.model.subject import Subject
 from posdiag.options import RunOptions

@@ -6,12 +6,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from posdiag.checks._shared import jittered, per_token_change, restart_positions
 from posdiag.checks.batch.forward import default_path, forward
 from posdiag.errors import describe_error, raised_in_posdiag
 from posdiag.model.introspect import attention_free, recurrent_mixers
+from posdiag.model.jitter import jittered
+from posdiag.model.probe import restart_positions
 from posdiag.model.subject import Subject
-from posdiag.model.tensors import relative_l2
+from posdiag.model.tensors import per_token_change, relative_l2
 from posdiag.options import RunOptions, probe_ids, probe_length
 from posdiag.results import Status
 from posdiag.verdict import agreement_tolerance, judge_agreement

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from posdiag.checks._shared import keeps_kv_cache
+from posdiag.model.caches import keeps_kv_cache
 from posdiag.model.subject import Subject
 from posdiag.options import RunOptions, probe_ids
 

@@ -39,7 +39,6 @@ from typing import Any
 import torch
 
 from posdiag.checks import CheckSpec, Option
-from posdiag.checks._shared import stack_result
 from posdiag.checks.shift import judge, ladder
 from posdiag.checks.shift.judge import ABSOLUTE_KINDS, RELATIVE_KINDS
 from posdiag.model.introspect import recurrent_mixers
@@ -48,7 +47,7 @@ from posdiag.model.subject import Subject
 from posdiag.model.tensors import dtype_name, release_freed_memory
 from posdiag.options import RunOptions
 from posdiag.results import CheckResult, Status, combine_stacks
-from posdiag.verdict import LOW_PRECISION, above_rounding
+from posdiag.verdict import LOW_PRECISION, above_rounding, stack_result
 
 SPEC = CheckSpec("shift", "Relative invariance under a position shift",
                  "relative positions (RoPE, ALiBi, T5 buckets) give the same outputs when every position moves by k",

@@ -6,12 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from posdiag.checks._shared import layer_name
 from posdiag.checks.shift.ladder import Measured, Probe, default_output, refine, worst_token
 from posdiag.model.inert import inert_reason
 from posdiag.model.probe import fidelity_rows, judge_fidelity
 from posdiag.model.subject import Subject
-from posdiag.model.tensors import relative_l2
+from posdiag.model.tensors import layer_name, relative_l2
 from posdiag.results import Status, Table
 from posdiag.verdict import (
     LOW_PRECISION,

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from posdiag.checks._shared import FLOOR_SOURCE, jittered
 from posdiag.model.introspect import mixing_reason, recurrent_mixers
+from posdiag.model.jitter import FLOOR_SOURCE, jittered
 from posdiag.model.probe import Row, fidelity_rows, run_rows
 from posdiag.model.subject import Outputs, Subject
 from posdiag.model.tensors import relative_l2

@@ -1,0 +1,40 @@
+"""Float64 arbitration run: a measurement whose verdict is not a pass is measured again with the model in float64.
+
+The rule that decides (rounding shrinks by ~1e9 from float32 to float64, a bug does not) is verdict.py's; this is
+the re-run that feeds it, through the one finer-dtype engine (posdiag.model.precision.run_finer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+from posdiag.model.precision import run_finer
+from posdiag.model.subject import Subject
+from posdiag.model.tensors import dtype_name, release_freed_memory
+from posdiag.verdict import Arbitration, FloorVerdict, arbitrated, arbitration_pending, unarbitrated
+
+T = TypeVar("T")
+
+
+def arbitrate(subject: Subject, measure: Callable[..., T], measured_floor: float, verdicts: dict[str, FloorVerdict],
+              dtype: str, figures: Callable[[T], tuple[float, dict[str, float]]], *,
+              subset: bool = False) -> Arbitration:
+    """Decide, don't shrug: comparisons that are above their tolerance, or judged against a degenerate floor,
+    are measured again with `measure` re-run in float64 (the model converted module by module) and decided
+    there: rounding shrinks by ~1e9, a bug does not. `figures(measurement) -> (floor, {name: error})`.
+    With `subset`, `measure(names)` re-runs only the named comparisons (those that passed need no deciding).
+
+    When no float64 run is possible the run-dtype verdict stands where its floor was a measurement; against a
+    degenerate floor it becomes a WARN that names the float64 re-run that could not be made."""
+    pending = arbitration_pending(verdicts, measured_floor, dtype)
+    if not pending:
+        return Arbitration()
+    # Padding rows fully masked in float64 turn NaN and spread through 0-weight attention; the guard zeroes them
+    # (a NaN in the run dtype is decided before this: judge_arbitrated never calls it rounding).
+    finer = run_finer(subject, (lambda: measure(set(pending))) if subset else measure, what="re-run")
+    release_freed_memory()
+    if finer.value is None:
+        return unarbitrated(pending, measured_floor, dtype, finer.reason)
+    floor64, errors64 = figures(finer.value)
+    return arbitrated(pending, measured_floor, dtype, floor64, errors64, dtype_name(finer.dtype), finer.how)

@@ -1,0 +1,148 @@
+"""KV caches as generate() builds them, whether a model keeps one, and generate() guarded.
+
+`cache` and `generate` drive the model through transformers' Cache objects the way users do: these helpers say
+whether that path exists for a subject, build the cache generate() would build (sized for the decoder stack),
+and tell a crash on a path transformers accepts from a request transformers refuses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from posdiag.errors import describe_error, refused_by_generation
+from posdiag.model.subject import Subject
+
+
+def cache_support(subject: Subject) -> tuple[bool, str]:
+    """Can this subject decode with a transformers Cache at all?"""
+    if subject.kind == "encoder":
+        return False, "encoder (bidirectional): no KV cache, nothing is decoded"
+    if not subject.is_hf:
+        return False, "factory model: no transformers Cache interface to drive"
+    model = subject.model
+    supports = getattr(model, "_supports_default_dynamic_cache", None)
+    if supports is None or not supports():
+        return False, f"{type(model).__name__} does not use transformers Cache objects"
+    return True, ""
+
+
+def keeps_kv_cache(subject: Subject) -> bool:
+    """Whether a forward asked for a cache returns one (measured on two tokens, not read off the class).
+
+    OpenAI GPT swallows use_cache / past_key_values in **kwargs and returns none: a cache handed to it
+    stays empty, each call sees only its own tokens, and generate() re-runs the whole prefix each step."""
+    if subject.kind != "causal" or not subject.is_hf:
+        return subject.kind == "seq2seq"
+    ids = subject.sample_ids(1, 2, 0)
+    subject.forward_count += 1
+    try:
+        with torch.inference_mode():
+            out = subject.model(input_ids=ids, use_cache=True, return_dict=True)
+    except Exception:  # the checks' own cached paths will meet (and report) whatever this was
+        return True
+    if any(getattr(out, name, None) is not None for name in ("past_key_values", "cache_params", "cache")):
+        return True
+    # A state kept inside the model and advanced by cache_position (RecurrentGemma) returns no cache object.
+    return any(name in _forward_parameters(subject.model) for name in ("cache_position", "cache_params", "cache"))
+
+
+def _forward_parameters(model: Any) -> set[str]:
+    import inspect
+
+    try:
+        return set(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):  # pragma: no cover - forward without a signature
+        return set()
+
+
+def text_config(subject: Subject) -> Any:
+    """The config a decoder cache is sized from, with the layer count the decoder really has.
+
+    T5/mT5 configs count encoder layers in num_hidden_layers (num_layers) and keep the decoder's in
+    num_decoder_layers; a cache built from the top config (as generate() builds it) has too few
+    layers when they differ (measured: mT5 with num_layers=2, num_decoder_layers=8: IndexError in
+    cache.update). The model's own forward sizes its cache from the decoder stack's config."""
+    import copy
+
+    cfg = subject.config
+    cfg = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+    layers = decoder_layer_count(subject)
+    if layers is not None and getattr(cfg, "num_hidden_layers", layers) != layers:
+        cfg = copy.deepcopy(cfg)
+        cfg.num_hidden_layers = layers
+    return cfg
+
+
+def decoder_layer_count(subject: Subject) -> int | None:
+    """Blocks in the decoder stack of an encoder-decoder (None: not one, or not found)."""
+    if subject.kind != "seq2seq" or not hasattr(subject.model, "get_decoder"):
+        return None
+    decoder = subject.model.get_decoder()
+    for attr in ("layers", "block", "layer", "h"):
+        blocks = getattr(decoder, attr, None)
+        if isinstance(blocks, torch.nn.ModuleList):
+            return len(blocks)
+    return None
+
+
+def cache_layer_note(subject: Subject) -> str:
+    """Why posdiag sized the cache itself, where the config's layer count is not the decoder's."""
+    cfg = subject.config
+    top = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+    layers = decoder_layer_count(subject)
+    declared = getattr(top, "num_hidden_layers", None)
+    if layers is None or declared is None or declared == layers:
+        return ""
+    return (f"the config's num_hidden_layers={declared} is not the decoder's {layers} layers: a cache sized from it "
+            "(generate()'s default) crashes, so posdiag sizes the cache for the decoder")
+
+
+def new_cache(subject: Subject, kind: str, max_len: int, encoder_len: int = 0) -> Any:
+    """The cache generate() builds: DynamicCache(config) or StaticCache(config, max_cache_len);
+    encoder-decoders wrap it with a cross-attention cache (EncoderDecoderCache)."""
+    from transformers import DynamicCache, EncoderDecoderCache, StaticCache
+
+    cfg = text_config(subject)
+    if kind == "dynamic":
+        cache = DynamicCache(config=cfg)
+        cross = DynamicCache(config=cfg) if subject.kind == "seq2seq" else None
+    else:
+        cache = StaticCache(config=cfg, max_cache_len=max_len)
+        cross = StaticCache(config=cfg, max_cache_len=encoder_len) if subject.kind == "seq2seq" else None
+    return EncoderDecoderCache(cache, cross) if cross is not None else cache
+
+
+def static_cache_refusal(subject: Subject) -> str:
+    """Why transformers cannot build a StaticCache for this model ("" when it can). generate(cache_implementation=
+    "static") builds the same StaticCache(config) first, so a config it refuses (DeepSeek-V4: no static layer for
+    its compressed-attention layer types, KeyError) is a path users cannot run, not a crash to judge."""
+    return cache_refusal(subject, "static")
+
+
+def cache_refusal(subject: Subject, kind: str) -> str:
+    """Why transformers cannot build this kind of cache ("dynamic", "static") from the config ("" when it can).
+    BLT's config has no num_hidden_layers at its top level, so DynamicCache(config) raises AttributeError: its own
+    forward builds that cache whenever use_cache is set, so generate() crashes too (judged by `generate`)."""
+    try:
+        new_cache(subject, kind, max_len=8, encoder_len=8)
+    except Exception as exc:
+        return f"transformers cannot build a {kind.capitalize()}Cache for this config ({describe_error(exc)})"
+    return ""
+
+
+def generate_guarded(model: torch.nn.Module, call: Callable[..., Any], *args: Any) -> tuple[Any, str, str]:
+    """``call(*args)`` (a generate() call) as (result, crashed, refused): an exception is a crash on a path
+    transformers accepts, unless transformers' generation code refused the request with a ValueError before the
+    model's own forward ran (a configuration error such as no decoder_start_token_id: not judged)."""
+    ran: list[int] = []
+    hook = model.register_forward_pre_hook(lambda *_: ran.append(1))
+    try:
+        return call(*args), "", ""
+    except Exception as exc:  # a path transformers accepts that crashes: users hit it
+        refused = refused_by_generation(exc) and not ran
+        return None, "" if refused else describe_error(exc), describe_error(exc) if refused else ""
+    finally:
+        hook.remove()
