@@ -1,6 +1,6 @@
 """The layout a newcomer reads at a glance, enforced: no import cycles (lazy imports included), imports that run
 one way (cli -> api -> checks -> model -> results), no check importing another check, no private name imported
-from another module, no module over 400 lines."""
+from another module, no module over 400 lines, no function over 60."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "posdiag"
 MAX_LINES = 400
+MAX_FUNCTION_LINES = 60
 
 
 def module_name(path: Path) -> str:
@@ -118,6 +119,19 @@ def test_no_private_name_imported_from_another_module():
 def test_module_size(name):
     lines = len(MODULES[name].read_text().splitlines())
     assert lines <= MAX_LINES, f"{MODULES[name]} has {lines} lines (at most {MAX_LINES}): split it along its sections"
+
+
+def test_function_size():
+    """No function over MAX_FUNCTION_LINES: where the logic lives, a function reads as its phases on one screen.
+    A module stays under MAX_LINES because it is one concept; a long function is split into named steps."""
+    long = []
+    for name, path in sorted(MODULES.items()):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                size = node.end_lineno - node.lineno + 1
+                if size > MAX_FUNCTION_LINES:
+                    long.append(f"{path}:{node.lineno} {node.name} has {size} lines (at most {MAX_FUNCTION_LINES})")
+    assert not long, "\n".join(long)
 
 
 def test_the_layout_test_sees_the_package():
