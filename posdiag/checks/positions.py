@@ -49,6 +49,7 @@ from posdiag.model.arbitration import arbitrate
 from posdiag.model.inert import inert_reason
 from posdiag.model.introspect import mixing_reason, recurrent_mixers, recurrent_reason
 from posdiag.model.jitter import FLOOR_SOURCE, jittered
+from posdiag.model.kinds import PositionKind
 from posdiag.model.probe import (
     Row,
     fidelity_rows,
@@ -106,7 +107,7 @@ def _not_judged(subject: Subject) -> CheckResult | None:
             f"{recurrent_reason(subject)}; and no position mechanism was found ({subject.position_kind}), so there "
             f"are no position ids to honour", details={"recurrent_mixers": recurrent})
     if not fam.takes_position_ids:
-        inside = ("no position mechanism was found" if subject.position_kind == "none found"
+        inside = ("no position mechanism was found" if subject.position_kind == PositionKind.NONE
                   else f"{subject.position_kind} positions are derived inside the model")
         return SPEC.result(
             Status.NA,

@@ -10,6 +10,7 @@ from posdiag.checks.batch.forward import default_path, forward
 from posdiag.errors import describe_error, raised_in_posdiag
 from posdiag.model.introspect import attention_free, recurrent_mixers
 from posdiag.model.jitter import jittered
+from posdiag.model.kinds import PositionKind
 from posdiag.model.probe import restart_positions
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import per_token_change, relative_l2
@@ -25,7 +26,7 @@ _START_INVARIANT = ("alibi", "relative_bias", "rope")
 
 
 def _positionless(subject: Subject) -> bool:
-    return subject.position_kind == "none found" and attention_free(subject.language_model)
+    return subject.position_kind == PositionKind.NONE and attention_free(subject.language_model)
 
 
 def _pad_id(subject: Subject) -> int:
