@@ -331,8 +331,10 @@ def write_page() -> None:
              f"marked *finding*; {c['by_design']} by design, marked *by design*; see [findings](#findings-on-stock-"
              f"transformers-524) and [the list below](#what-each-finding-fails))"
              + (f", {c['unclassified']} not yet classified." if c["unclassified"] else "."), "",
-             f"{c['current']} of the {c['swept']} rows were swept since checks report *n/a* for what does not apply "
-             "by design; the others come from the previous full sweep, which reported those as skips.", "",
+             (f"{c['current']} of the {c['swept']} rows were swept since checks report *n/a* for what does not apply "
+              "by design; the others come from the previous full sweep, which reported those as skips."
+              if c["current"] < c["swept"] else "Every row was swept on the current checks (*n/a* for what does not "
+              "apply by design, `fit` included)."), "",
              *_verdict_table(rows), "", "Not judged (cannot be built from a small config on CPU, or over the time "
              "limit):", ""]
     for r in sorted((r for r in rows.values() if "checks" not in r), key=lambda r: r["type"]):
