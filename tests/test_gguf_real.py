@@ -162,7 +162,7 @@ def test_a_kquant_file_is_judged_at_float32_noise_on_its_twin(reference, smollm2
     healthy = judge(reference, smollm2_kquant)
     assert healthy.status is Status.PASS, healthy.summary
     twin = healthy.details["layers"][0]
-    assert twin["name"] == "logits, F32 twin" and twin["ratio"] <= 10, healthy.summary  # measured 1.7x
+    assert twin["name"] == "logits, F32 twin" and twin["ratio"] <= 10, healthy.summary  # measured 1.27x
     split = healthy.details["quantisation_split"]
     assert "Q4_K" in split["kind"] and split["weights_source"].startswith("the reference run with the file's")
     assert split["weights_part_median"] > 1e3 * twin["noise_floor"]  # the weights moved; the twin's line did not
