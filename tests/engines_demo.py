@@ -67,6 +67,17 @@ def restarts_positions() -> RestartingEngine:
     return RestartingEngine(copy_of(reference()), "engine whose continuation restarts positions at 0")
 
 
+class QuantisedEngine(TorchEngine):
+    """A port that says its weights are quantised but has no file posdiag could split into its F32 twin: what
+    quantisation adds cannot be measured, so a position bug it shows is inconclusive (WARN), never a PASS."""
+
+    quantization = "Q8_0"
+
+
+def quantised_rotary_layout() -> QuantisedEngine:
+    return QuantisedEngine(interleave_qk(reference()), "quantised engine with q/k in the interleaved layout")
+
+
 class _Flat:
     def logits(self, ids):
         return [0.0] * len(ids)

@@ -198,3 +198,23 @@ def test_quantised_writer_types_and_refusals(tmp_path, llama):
         write(convert(llama), tmp_path / "k.gguf", {"token_embd.weight": "Q4_K"})
     with pytest.raises(ConversionError, match="no GGUF converter"):
         convert(zoo.tiny_model("phi3"))
+
+
+def test_compare_fail_on_and_require_gate_a_warn():
+    """An inconclusive comparison (a quantised engine with no file to split, showing a rise) is WARN, exit 0;
+    `--fail-on warn` and `--require compare` fail the gate on it (exit 1), as they do for `check`; a name compare
+    does not know is a usage error."""
+    from typer.testing import CliRunner
+
+    from posdiag.cli import app
+
+    base = ["compare", "tests.engines_demo:reference", "tests.engines_demo:quantised_rotary_layout", "--seq-len", "32",
+            "--quiet"]
+    plain = CliRunner().invoke(app, base)
+    assert plain.exit_code == 0 and plain.output.startswith("WARN compare: inconclusive"), plain.output
+    for gate in (["--fail-on", "warn"], ["--require", "compare"]):
+        out = CliRunner().invoke(app, base + gate)
+        assert out.exit_code == 1, out.output
+        assert "GATE FAILED — compare" in out.output
+    out = CliRunner().invoke(app, base + ["--require", "shufle"])
+    assert out.exit_code == 2 and "--require shufle: unknown check" in out.output

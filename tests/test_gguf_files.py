@@ -117,25 +117,6 @@ def test_an_architecture_transformers_cannot_map_is_named(tiny, tmp_path):
     assert "transformers cannot map GGUF architecture 'posdiagnet'" in out.output and "Traceback" not in out.output
 
 
-def test_compare_fail_on_and_require_gate_a_warn(tiny, tmp_path):
-    """A quantisation too coarse to judge is WARN, exit 0; `--fail-on warn` and `--require compare` fail the
-    gate on it (exit 1), as they do for `check`; a name compare does not know is a usage error."""
-    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
-    from transformers import AutoModelForCausalLM
-
-    root, _ = tiny
-    coarse = write_gguf(AutoModelForCausalLM.from_pretrained(root), tmp_path / "q4.gguf", qtype="Q4_0")
-    base = ["compare", str(root), str(coarse), "--seq-len", "32", "--quiet"]
-    plain = CliRunner().invoke(app, base)
-    assert plain.exit_code == 0 and plain.output.startswith("WARN compare: inconclusive"), plain.output
-    for gate in (["--fail-on", "warn"], ["--require", "compare"]):
-        out = CliRunner().invoke(app, base + gate)
-        assert out.exit_code == 1, out.output
-        assert "GATE FAILED — compare" in out.output
-    out = CliRunner().invoke(app, base + ["--require", "shufle"])
-    assert out.exit_code == 2 and "--require shufle: unknown check" in out.output
-
-
 def test_compare_alone_takes_only_a_gguf_file():
     out = CliRunner().invoke(app, ["compare", "fixtures/llama-tiny"])
     assert out.exit_code == 2 and "only a .gguf file is compared alone" in out.output, out.output
