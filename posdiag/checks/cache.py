@@ -114,14 +114,14 @@ class Measurement:
 def run(subject: Subject, options: RunOptions) -> CheckResult:
     ok, why = cache_support(subject)
     if not ok:  # an encoder decodes nothing by design; the other refusals are what posdiag cannot drive
-        return CheckResult("cache", Status.NA if subject.kind == "encoder" else Status.SKIP, why)
+        return SPEC.result(Status.NA if subject.kind == "encoder" else Status.SKIP, why)
     if not keeps_kv_cache(subject):
-        return CheckResult("cache", Status.NA, f"{type(subject.model).__name__} keeps no KV cache (a forward with "
+        return SPEC.result(Status.NA, f"{type(subject.model).__name__} keeps no KV cache (a forward with "
                            "use_cache=True returns none; a cache handed to it stays empty): there is no cached "
                            "decoding to compare, and generate() re-runs the whole prefix each step (see `generate`)")
     no_dynamic = cache_refusal(subject, "dynamic")
     if no_dynamic:
-        return CheckResult("cache", Status.SKIP, f"{no_dynamic}: no cached decoding to compare (generate() builds "
+        return SPEC.result(Status.SKIP, f"{no_dynamic}: no cached decoding to compare (generate() builds "
                            "the same cache: see `generate`)")
     length = _length(subject, options)
     ids = subject.sample_ids(1, length, options.seed) if options.token_ids is None else probe_ids(subject, options)[:1]
@@ -133,10 +133,10 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
 
     first = _measure(subject, ids, schedules, explicit, kinds, jitter=options.seed)
     if not first.finite:
-        return CheckResult("cache", Status.FAIL, "non-finite outputs in the full forward", details={"seq_len": length})
+        return SPEC.result(Status.FAIL, "non-finite outputs in the full forward", details={"seq_len": length})
     verdicts = {p.name: judge_agreement(p.max_error, first.floor, dtype) for p in first.paths if p.judged}
     if not verdicts and not any(p.crashed for p in first.paths):
-        return CheckResult("cache", Status.SKIP, f"the model refuses every cache path: {first.paths[0].refused}")
+        return SPEC.result(Status.SKIP, f"the model refuses every cache path: {first.paths[0].refused}")
 
     def measure(names: set[str]) -> Measurement:  # float64: only the paths that differ, up to their last bad step
         return _measure(subject, ids, schedules, explicit, kinds, _steps_to_rerun(first, names, tolerance))
@@ -286,7 +286,7 @@ def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict],
     if worst.crashed:
         metrics = {"paths_judged": len(judged)}
         summary = f"{worst.name} crashed: {worst.crashed} (a cache transformers accepts for this model){tail}"
-        return CheckResult("cache", Status.FAIL, summary, metrics, details, (table,))
+        return SPEC.result(Status.FAIL, summary, metrics, details, (table,))
     v = verdicts[worst.name]
     metrics = {"error": v.residual, "noise_floor": v.noise_floor, "ratio": v.ratio, "tolerance": tolerance,
                "paths_judged": len(judged), **arbitration.metrics}
@@ -305,7 +305,7 @@ def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict],
                    f"noise floor {v.noise_floor:.2g}{arbitration.clause(worst.name)} ({len(judged)} paths, "
                    f"{length} tokens){tail}")
     details["reason"] = v.reason
-    return CheckResult("cache", status, summary, metrics, details, (table,))
+    return SPEC.result(status, summary, metrics, details, (table,))
 
 
 def _schedules(length: int, decode_steps: int) -> dict[str, list[tuple[int, int]]]:

@@ -105,7 +105,7 @@ def _pad_id(subject: Subject) -> tuple[int, str]:
 def run(subject: Subject, options: RunOptions) -> CheckResult:
     status, why = _support(subject)
     if status is not None:  # n/a: an encoder, or a class without a generation head; skip: what cannot be driven
-        return CheckResult("generate", status, why)
+        return SPEC.result(status, why)
     new_tokens = int(SPEC.setting(options, "new_tokens"))
     length = probe_length(subject, options)
     window, declared = subject.sliding_window, subject.max_positions
@@ -125,7 +125,7 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
 
     first = _measure(subject, prompts, new_tokens, jitter=options.seed)
     if first.runs and all(r.refused for r in first.runs):  # transformers' own configuration error: nothing ran
-        return CheckResult("generate", Status.SKIP, f"transformers refuses generate() for this model before running "
+        return SPEC.result(Status.SKIP, f"transformers refuses generate() for this model before running "
                            f"it: {first.runs[0].refused}", details={"refused": {r.name: r.refused for r in first.runs}})
     verdicts = {r.name: (FloorVerdict(Status.FAIL, r.max_error, noise_floor(first.floor, dtype), float("inf"),
                                       "a token differs beyond a near-tie") if r.token_failure else
@@ -297,7 +297,7 @@ def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict],
     if failing and failing[0].crashed:
         worst = failing[0]
         summary = f"{worst.name} crashed: {worst.crashed} (a generate() call transformers accepts for this model){tail}"
-        return CheckResult("generate", Status.FAIL, summary, {"runs_judged": len(done)}, details, (table,))
+        return SPEC.result(Status.FAIL, summary, {"runs_judged": len(done)}, details, (table,))
     worst = failing[0] if failing else max(done, key=lambda r: r.max_error)
     v = verdicts[worst.name]
     metrics = {"error": v.residual, "noise_floor": v.noise_floor, "ratio": v.residual / floor, "tolerance": tolerance,
@@ -314,7 +314,7 @@ def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict],
                    f"noise floor {floor:.2g}{arbitration.clause(worst.name)} ({len(done)} runs, prompts "
                    f"{'/'.join(map(str, lens))} tokens, {new_tokens} new){tail}")
     details["reason"] = v.reason
-    return CheckResult("generate", status, summary, metrics, details, (table,))
+    return SPEC.result(status, summary, metrics, details, (table,))
 
 
 def _first_bad(r: Run, tolerance: float) -> str | None:

@@ -57,9 +57,9 @@ def position_parameters(subject: Subject) -> CheckResult:
     info = subject.load_info
     if info.checkpoint_keys is None:
         if info.source != "pickle":  # nothing was loaded: there is no checkpoint to check
-            return CheckResult("load", Status.NA, "no checkpoint files: the model was built in memory",
+            return SPEC.result(Status.NA, "no checkpoint files: the model was built in memory",
                                details={"source": info.source})
-        return CheckResult("load", Status.SKIP, "pickle checkpoint: keys not read without unpickling",
+        return SPEC.result(Status.SKIP, "pickle checkpoint: keys not read without unpickling",
                            details={"source": info.source})
 
     keys = set(info.checkpoint_keys)
@@ -83,18 +83,18 @@ def position_parameters(subject: Subject) -> CheckResult:
     tables = (table,) if table else ()
 
     if mismatched:
-        return CheckResult("load", Status.FAIL, f"position parameter shape mismatch: {', '.join(mismatched[:3])}",
+        return SPEC.result(Status.FAIL, f"position parameter shape mismatch: {', '.join(mismatched[:3])}",
                            metrics, details, tables)
     if absent and not sinusoidal:
-        return CheckResult("load", Status.FAIL,
+        return SPEC.result(Status.FAIL,
                            f"{len(absent)} position parameter(s) missing from the checkpoint and randomly "
                            f"re-initialised: {', '.join(absent[:3])}", metrics, details, tables)
     if absent and sinusoidal:
-        return CheckResult("load", Status.WARN,
+        return SPEC.result(Status.WARN,
                            f"sinusoidal table not in the checkpoint, recomputed at init: {', '.join(absent[:3])}",
                            metrics, details, tables)
     if unexpected:
-        return CheckResult("load", Status.WARN,
+        return SPEC.result(Status.WARN,
                            f"checkpoint has position tensors the model did not use: {', '.join(unexpected[:3])}",
                            metrics, details, tables)
     if not model_position:
@@ -102,6 +102,6 @@ def position_parameters(subject: Subject) -> CheckResult:
                 "alibi": "ALiBi slopes are computed, not stored"}.get(subject.position_kind,
                                                                      "no position parameters in this model")
         # Nothing was read, so nothing passed: the check does not apply (computed, not stored, positions).
-        return CheckResult("load", Status.NA, f"nothing stored to check: {what}", metrics, details, tables)
-    return CheckResult("load", Status.PASS, f"all {len(provided)} position parameter(s) came from the checkpoint "
+        return SPEC.result(Status.NA, f"nothing stored to check: {what}", metrics, details, tables)
+    return SPEC.result(Status.PASS, f"all {len(provided)} position parameter(s) came from the checkpoint "
                        f"({info.source})", metrics, details, tables)

@@ -68,21 +68,21 @@ SPEC = CheckSpec(
 def run(subject: Subject, options: RunOptions) -> CheckResult:
     why = _not_scored(subject)
     if why:
-        return CheckResult("fit", Status.SKIP, why)
+        return SPEC.result(Status.SKIP, why)
     material = plan_material(subject, options, options.for_check("fit"))
     if material is None:
-        return CheckResult("fit", Status.SKIP, f"the declared context ({subject.max_positions} tokens) is too short "
+        return SPEC.result(Status.SKIP, f"the declared context ({subject.max_positions} tokens) is too short "
                            "for a repeated sequence")
     try:
         configured, why = _configured(subject, material, options.seed)
     except (ValueError, RuntimeError, TypeError) as exc:  # the model refuses a plain scoring forward: nothing to score
-        return CheckResult("fit", Status.SKIP, f"cannot score the model's predictions ({type(exc).__name__}: "
+        return SPEC.result(Status.SKIP, f"cannot score the model's predictions ({type(exc).__name__}: "
                            f"{str(exc)[:160]})")
     if why:
-        return CheckResult("fit", Status.SKIP, why, {"loss": configured.loss, "targets": configured.losses.size})
+        return SPEC.result(Status.SKIP, why, {"loss": configured.loss, "targets": configured.losses.size})
     alternatives, notes = plan_alternatives(subject)
     if not alternatives:
-        return CheckResult("fit", Status.SKIP, f"no alternative configuration to score against ({subject.position_kind}"
+        return SPEC.result(Status.SKIP, f"no alternative configuration to score against ({subject.position_kind}"
                            f" positions{'; ' + '; '.join(notes) if notes else ''})")
     comparisons, skipped = _measure(subject, material, configured, alternatives)
     return _judge(subject, options, material, configured, comparisons, notes + skipped)
@@ -137,11 +137,11 @@ def _measure(subject: Subject, material: Material, configured: Scored,
 def _judge(subject: Subject, options: RunOptions, material: Material, configured: Scored,
            comparisons: list[Comparison], notes: list[str]) -> CheckResult:
     if not comparisons:
-        return CheckResult("fit", Status.SKIP, f"no alternative could be applied: {'; '.join(notes)}")
+        return SPEC.result(Status.SKIP, f"no alternative could be applied: {'; '.join(notes)}")
     best = min([configured] + [c.scored for c in comparisons], key=lambda s: s.loss)
     why = below_unigram(best, material.unigram)
     if why:
-        return CheckResult("fit", Status.SKIP, why, {"loss": configured.loss, "unigram": material.unigram})
+        return SPEC.result(Status.SKIP, why, {"loss": configured.loss, "unigram": material.unigram})
     winners = [c for c in comparisons if c.beats]
     decisive = max(winners, key=lambda c: c.gain) if winners else max(comparisons, key=lambda c: c.z)
     copies = _copy_evidence(subject, options, material, configured, decisive)
@@ -151,9 +151,9 @@ def _judge(subject: Subject, options: RunOptions, material: Material, configured
                                                "z": c.z, "beats": c.beats} for c in comparisons]}
     table = tables(configured, comparisons, copies, decisive)
     if winners:
-        return CheckResult("fit", Status.FAIL, fail_summary(material, configured, decisive, copies),
+        return SPEC.result(Status.FAIL, fail_summary(material, configured, decisive, copies),
                            metrics, details, table)
-    return CheckResult("fit", Status.PASS, pass_summary(material, configured, decisive, len(comparisons), notes),
+    return SPEC.result(Status.PASS, pass_summary(material, configured, decisive, len(comparisons), notes),
                        metrics, details, table)
 
 

@@ -52,18 +52,18 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     scenarios = build_scenarios(subject, options)
     base_impl = subject.config._attn_implementation
     if base_impl not in (None, "eager"):
-        return CheckResult("kernels", Status.SKIP,
+        return SPEC.result(Status.SKIP,
                            f"the model runs {base_impl}; load it with eager attention to compare")
 
     # Reference and the same-dtype eager baseline, the model as it is first. An input its own eager forward
     # cannot run (a cache path the model crashes on: `cache` judges that) has no baseline to compare kernels with.
     eager, scenarios, unrunnable = _eager_baseline(subject, scenarios)
     if not scenarios:
-        return CheckResult("kernels", Status.SKIP, f"the model's own eager forward raises on every input: "
+        return SPEC.result(Status.SKIP, f"the model's own eager forward raises on every input: "
                                                    f"{'; '.join(unrunnable)}")
     reference = reference_runs(subject, scenarios)
     if not reference.ran:
-        return CheckResult("kernels", Status.SKIP, f"{reference.reason}; FlashAttention's rule needs one")
+        return SPEC.result(Status.SKIP, f"{reference.reason}; FlashAttention's rule needs one")
     runs, notes = _run_implementations(subject, names, scenarios)
     evidence = Evidence(subject, scenarios, eager, reference.value, reference.dtype, reference.how,
                         {"eager": eager, **runs}, notes, skipped)
@@ -100,11 +100,11 @@ def _eager_baseline(subject: Subject, scenarios: list[Scenario]) -> tuple[list[R
 
 def _not_applicable(subject: Subject) -> CheckResult | None:
     if not subject.is_hf:
-        return CheckResult("kernels", Status.NA, "factory models have a single attention path: nothing to compare")
+        return SPEC.result(Status.NA, "factory models have a single attention path: nothing to compare")
     if not hasattr(subject.model, "set_attn_implementation"):
-        return CheckResult("kernels", Status.SKIP, "the model cannot switch attention implementations")
+        return SPEC.result(Status.SKIP, "the model cannot switch attention implementations")
     if attention_free(subject.language_model):
-        return CheckResult("kernels", Status.NA, f"{recurrent_reason(subject)}; and no layer is attention, so no "
+        return SPEC.result(Status.NA, f"{recurrent_reason(subject)}; and no layer is attention, so no "
                                                    "attention kernel runs: nothing to compare")
     return None
 
