@@ -57,7 +57,10 @@ def _quiet_transformers():
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    # One intra-op thread per xdist worker on a 2-core machine: two workers of two threads each oversubscribe the
+    # cores and every matmul waits on the other worker's threads.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // workers)))
     yield
 
 
