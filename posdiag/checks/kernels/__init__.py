@@ -22,26 +22,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from posdiag.checks import CheckSpec, Option
 from posdiag.checks.kernels.isolated import ISOLATED, run_isolated
 from posdiag.checks.kernels.judging import Evidence, judge, needs_arbitration
 from posdiag.checks.kernels.running import finer_runs, forward, forward_all, reference_runs, run_here
 from posdiag.checks.kernels.scenarios import Run, Scenario, build_scenarios, default_implementations
+from posdiag.checks.kernels.spec import SPEC
 from posdiag.errors import describe_error
 from posdiag.model.introspect import attention_free, recurrent_reason
 from posdiag.model.subject import Subject
 from posdiag.options import RunOptions
 from posdiag.results import CheckResult, Status
-
-SPEC = CheckSpec(
-    name="kernels",
-    title="Attention kernels agree with eager",
-    proves="SDPA, FlashAttention and flex compute eager attention's function (FlashAttention's own error rule)",
-    options={
-        "implementations": Option(None, "implementations compared with eager; by default every one the model and "
-                                        "this machine take", (list,)),
-    },
-)
 
 
 def run(subject: Subject, options: RunOptions) -> CheckResult:

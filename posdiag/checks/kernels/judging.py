@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from posdiag.checks.kernels.scenarios import Run, Scenario
+from posdiag.checks.kernels.spec import SPEC
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import dtype_name
 from posdiag.results import CheckResult, Status, Table
@@ -67,7 +68,7 @@ def judge(ev: Evidence) -> CheckResult:
     dname, ref_name = ev.subject.dtype_name, dtype_name(ev.ref_dtype)
     untrusted = untrusted_inputs(ev)
     if len(untrusted) == len(ev.scenarios):
-        return CheckResult("kernels", Status.SKIP,
+        return SPEC.result(Status.SKIP,
                            "the higher-precision reference is not the same function as eager here "
                            f"(eager is {max(untrusted.values()):.3g} off it): nothing to judge against",
                            {"reference_dtype": ref_name}, {"untrusted_inputs": untrusted})
@@ -92,7 +93,7 @@ def judge(ev: Evidence) -> CheckResult:
         else:
             status = Status.SKIP
             summary = f"nothing to compare with eager here ({reasons})"
-        return CheckResult("kernels", status, summary, metrics, details, rows.tables())
+        return SPEC.result(status, summary, metrics, details, rows.tables())
     summary = _summary(ev, results, compared, decided)
     if untrusted:
         details["untrusted_inputs"] = untrusted
@@ -100,7 +101,7 @@ def judge(ev: Evidence) -> CheckResult:
                     f"{ref_name} reference there: not the same function)")
         if status is Status.PASS:
             status = Status.WARN  # part of the inputs could not be judged: inconclusive, not a pass
-    return CheckResult("kernels", status, summary, metrics, details, rows.tables())
+    return SPEC.result(status, summary, metrics, details, rows.tables())
 
 
 def untrusted_inputs(ev: Evidence) -> dict[str, float]:
