@@ -97,8 +97,8 @@ api._run_one = measured
 if os.environ.get("POSDIAG_BENCH_FORCE_ARBITRATION") == "1":
     # --force-arbitration: every comparison is re-run in float64 as if it had disagreed (the worst case of
     # "Decide, don't shrug"), to measure its memory; verdicts are unchanged where the float32 ones passed.
-    import posdiag.checks._shared as shared
-    shared.needs_arbitration = lambda verdict, floor, dtype: True
+    import posdiag.verdict as verdict
+    verdict.needs_arbitration = lambda verdict, floor, dtype: True
 result = CliRunner().invoke(app, sys.argv[1:])
 t1 = time.perf_counter()
 print(json.dumps({"total": t1 - t0, "exit_code": result.exit_code, "peaks": peaks, "fed": fed,

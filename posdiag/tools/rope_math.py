@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 ALIAS_EPSILON = 0.02
-SCAN_LIMIT = 1 << 21  # offsets scanned for aliasing / decay (64 pairs x 2M cos: about a second)
+SCAN_LIMIT = 1 << 21  # offsets scanned for aliasing / decay (64 pairs x 2M offsets: one matrix product per 128k)
 STATEFUL_TYPES = ("dynamic", "longrope")
 
 
@@ -282,16 +282,24 @@ def critical_pair(freqs: np.ndarray, training_length: int) -> int | None:
     return int(over[0]) if over.size else None
 
 
-def _scan(freqs: np.ndarray, limit: int, chunk: int = 1 << 15):
-    """Yield (offsets, mean_i cos(D θ_i)) for D = 1 .. limit, in chunks."""
-    theta = freqs[freqs > 0]
+def _scan(freqs: np.ndarray, limit: int, width: int = 4096, block: int = 32):
+    """Yield (offsets, mean_i cos(D θ_i)) for D = 1 .. limit, `width * block` offsets at a time.
+
+    cos((D0 + d) θ) = Re(e^{i D0 θ} e^{i d θ}): one table of e^{i d θ} for d < width, and per block of
+    starting offsets D0 a matrix product with e^{i D0 θ} (BLAS), instead of a cosine per (D, pair)."""
+    theta = freqs[freqs > 0].astype(np.float64)
     if theta.size == 0:
         return
-    start = 1
-    while start <= limit:
-        d = np.arange(start, min(limit, start + chunk - 1) + 1, dtype=np.float64)
-        yield d, np.cos(np.outer(d, theta)).mean(axis=1)
-        start += chunk
+    table = np.exp(1j * np.outer(np.arange(width, dtype=np.float64), theta))  # [width, pairs]
+    first = 1
+    while first <= limit:
+        starts = first + width * np.arange(block, dtype=np.float64)
+        sums = table @ np.exp(1j * np.outer(theta, starts))  # [width, block]: column k holds D = starts[k] + d
+        d = (starts[None, :] + np.arange(width, dtype=np.float64)[:, None]).T.ravel()
+        s = (sums.real / theta.size).T.ravel()
+        keep = d <= limit
+        yield d[keep], s[keep]
+        first += width * block
 
 
 def alias_offset(freqs: np.ndarray, limit: int, epsilon: float = ALIAS_EPSILON) -> int | None:
