@@ -67,13 +67,14 @@ def test_forward_decode_bug_also_breaks_generation():
 
 
 def _fed(model):
-    """The shapes of the ids generate()'s own calls feed (those handed a cache), in order, after the check ran."""
-    shapes = []
+    """The shapes of the ids each call of the model feeds, in order, after the check ran: generate()'s own calls
+    (those handed a cache) and the cache-free forwards."""
+    shapes = {"generate": [], "forward": []}
 
     def count(module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
-        if kwargs.get("cache", kwargs.get("past_key_values")) is not None and ids is not None:
-            shapes.append(tuple(ids.shape))
+        cached = kwargs.get("cache", kwargs.get("past_key_values")) is not None
+        shapes["generate" if cached else "forward"].append(tuple(ids.shape))
 
     model.register_forward_pre_hook(count, with_kwargs=True)
     return shapes
@@ -93,10 +94,15 @@ def test_past_the_window_only_the_prompt_alone_is_stretched():
     assert result.status is Status.PASS, result.summary
     assert "prompt 16 tokens alone, batch 8/6/4" in result.summary
     assert result.details["prompt_lengths"] == [8, 6, 4] and result.details["alone_prompt_length"] == WINDOW + 4
-    prefills = sorted(s for s in shapes if s[1] > 1)
-    assert prefills == [(1, 16), (1, 16), (3, 8), (3, 8)], shapes  # dynamic and static: alone, then the batch
+    generated, forwards = shapes["generate"], shapes["forward"]
+    prefills = sorted(s for s in generated if s[1] > 1)
+    assert prefills == [(1, 16), (1, 16), (3, 8), (3, 8)], generated  # dynamic and static: alone, then the batch
     # each prefill, then 2 one-token steps per row: 2 caches x (16 + 2 alone, 3 x (8 + 2) batched)
-    assert sum(rows * width for rows, width in shapes) == 2 * (18 + 30)
+    assert sum(rows * width for rows, width in generated) == 2 * (18 + 30)
+    # the references (prompt + generated tokens but the last: 18, 10, 8, 6; both caches generate alike) in forwards
+    # at most a quarter padding, and the floor's 2-token prefixes of the 4 prompts: one forward of the four
+    # right-padded to 18 would feed 72
+    assert sum(rows * width for rows, width in forwards) <= (18 + 10 + 8 + 6) * 4 / 3 + 4 * 2, forwards
 
 
 def test_window_bug_is_caught_by_the_prompt_alone_past_the_window():
