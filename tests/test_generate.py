@@ -64,3 +64,53 @@ def test_padding_shift_is_invisible_to_rope():
 def test_forward_decode_bug_also_breaks_generation():
     result = generate(plants.rotate_decode_off_by_one(zoo.tiny_model("gpt2")))
     assert result.status is Status.FAIL and "step 1" in result.summary
+
+
+def _fed(model):
+    """The shapes of the ids each call of the model feeds, in order, after the check ran: generate()'s own calls
+    (those handed a cache) and the cache-free forwards."""
+    shapes = {"generate": [], "forward": []}
+
+    def count(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        cached = kwargs.get("cache", kwargs.get("past_key_values")) is not None
+        shapes["generate" if cached else "forward"].append(tuple(ids.shape))
+
+    model.register_forward_pre_hook(count, with_kwargs=True)
+    return shapes
+
+
+WINDOW = 12
+SHORT = RunOptions(seq_len=8, check_options={"generate": {"new_tokens": 3}})  # 8 + 3 stays within the window
+
+
+def test_past_the_window_only_the_prompt_alone_is_stretched():
+    """The prompt generated alone runs past the window (12 + 4 tokens); the padded batch keeps the probe length
+    (8/6/4): its shorter rows never reach the window however long its first row is, so a stretched batch would
+    multiply the tokens fed and test nothing more about the window."""
+    model = zoo.tiny_model("mistral", sliding_window=WINDOW)
+    shapes = _fed(model)
+    result = run_checks(from_module(model), ["generate"], SHORT).check("generate")
+    assert result.status is Status.PASS, result.summary
+    assert "prompt 16 tokens alone, batch 8/6/4" in result.summary
+    assert result.details["prompt_lengths"] == [8, 6, 4] and result.details["alone_prompt_length"] == WINDOW + 4
+    generated, forwards = shapes["generate"], shapes["forward"]
+    prefills = sorted(s for s in generated if s[1] > 1)
+    assert prefills == [(1, 16), (1, 16), (3, 8), (3, 8)], generated  # dynamic and static: alone, then the batch
+    # each prefill, then 2 one-token steps per row: 2 caches x (16 + 2 alone, 3 x (8 + 2) batched)
+    assert sum(rows * width for rows, width in generated) == 2 * (18 + 30)
+    # the references (prompt + generated tokens but the last: 18, 10, 8, 6; both caches generate alike) in forwards
+    # at most a quarter padding, and the floor's 2-token prefixes of the 4 prompts: one forward of the four
+    # right-padded to 18 would feed 72
+    assert sum(rows * width for rows, width in forwards) <= (18 + 10 + 8 + 6) * 4 / 3 + 4 * 2, forwards
+
+
+def test_window_bug_is_caught_by_the_prompt_alone_past_the_window():
+    """The cache placing the window by its buffer length (mlx-lm #1673) shows only once decoding passes the window:
+    the prompt alone FAILs with the dynamic cache while the batch at the probe length cannot see it."""
+    result = run_checks(from_module(plants.window_by_buffer_length(zoo.tiny_model("mistral", sliding_window=WINDOW))),
+                        ["generate"], SHORT).check("generate")
+    assert result.status is Status.FAIL, result.summary
+    runs = result.details["runs"]
+    assert runs["dynamic/single"]["status"] is Status.FAIL and runs["dynamic/batch"]["status"] is Status.PASS
+    assert result.summary.startswith("dynamic/single: row 0 step 1"), result.summary

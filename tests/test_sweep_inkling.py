@@ -86,3 +86,16 @@ def test_inkling2_static_generate_with_only_full_hybrid_layers_passes():
     agrees with the forward."""
     result = _run("inkling2_text", "generate", layer_types=["hybrid", "hybrid"])
     assert result.status is Status.PASS, result.summary
+
+
+def test_inkling_static_generate_crash_shows_with_a_probe_the_window_holds():
+    """A probe the window holds (4 + 3 tokens of 8): the prompt generated alone is stretched past the window (12
+    tokens) and meets the crash; the padded batch keeps the probe length (4/3/2). The dynamic cache PASSes both."""
+    subject = from_module(small_model("inkling_text", **SMALL), name="inkling_text")
+    options = RunOptions(seq_len=4, check_options={"generate": {"new_tokens": 3}})
+    result = run_checks(subject, ["generate"], options).check("generate")
+    assert result.status is Status.FAIL, result.summary
+    assert "static/single crashed: RuntimeError" in result.summary, result.summary
+    assert result.details["alone_prompt_length"] == 12 and result.details["prompt_lengths"] == [4, 3, 2]
+    runs = result.details["runs"]
+    assert runs["dynamic/single"]["status"] is Status.PASS and runs["dynamic/batch"]["status"] is Status.PASS

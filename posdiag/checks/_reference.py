@@ -16,6 +16,7 @@ from posdiag.model.tensors import relative_l2
 JITTER_SOURCE = ("the teacher-forced forward of one generated row with its token embeddings jittered by ~1 ulp, at the "
                  "generated positions (max per position): the short prompt prefixes reproduced it bit for bit")
 FLOOR_POSITIONS = 16  # positions of the short prefixes the floor compares (all of them when fewer)
+PADDING_SHARE = 0.25  # of a reference forward's tokens, at most this share is padding
 
 Item = tuple[str, int, int, torch.Tensor]  # (run name, index in the run, prompt index, the generated tokens)
 
@@ -26,11 +27,12 @@ def reference(subject: Subject, prompts: list[torch.Tensor], items: list[Item], 
     its last position ([V]; None for a prompt no run generated from, decoder-only), and the measured noise floor
     (max per position over equivalent cache-free paths).
 
-    Decoder-only: every sequence right-padded into one forward without a mask (a causal model never sees the keys
-    after a query, so the padding is invisible), the short prompt prefixes likewise; logits only at the positions
-    compared.
+    Decoder-only: sequences of like length right-padded into one forward without a mask (a causal model never sees
+    the keys after a query, so the padding is invisible), the short prompt prefixes likewise; logits only at the
+    positions compared.
     Encoder-decoders: one forward per prompt (its unpadded encoder input), all its decoder
-    sequences stacked; the prompt-only pass is the padded-encoder batch with its mask.
+    sequences stacked; the prompt-only pass is the padded-encoder batch with its mask (prompts of like length
+    together: length_groups).
     """
     if not seq2seq:
         return _decoder_reference(subject, prompts, items, pad)
@@ -47,13 +49,17 @@ def reference(subject: Subject, prompts: list[torch.Tensor], items: list[Item], 
                                   use_cache=False, return_dict=True))
             for j, (name, i, _) in enumerate(mine):
                 refs[(name, i)] = out[j]
-        enc, enc_mask = right_padded(prompts, pad, subject.device)
-        start = torch.full((len(prompts), 1), start_id, dtype=torch.long, device=subject.device)
-        subject.forward_count += 1
-        pout = output_of(model(input_ids=enc, attention_mask=enc_mask, decoder_input_ids=start,
-                               use_cache=False, return_dict=True))
-    floor = max(relative_l2(pout[j, 0], refs[(name, i)][0]) for name, i, row, _ in items for j in (row,))
-    return refs, [pout[j, 0] for j in range(len(prompts))], floor
+        pout: list[torch.Tensor | None] = [None] * len(prompts)  # each prompt's first decoder logits
+        for group in length_groups([len(p) for p in prompts]):
+            enc, enc_mask = right_padded([prompts[j] for j in group], pad, subject.device)
+            start = torch.full((len(group), 1), start_id, dtype=torch.long, device=subject.device)
+            subject.forward_count += 1
+            got = output_of(model(input_ids=enc, attention_mask=enc_mask, decoder_input_ids=start,
+                                  use_cache=False, return_dict=True))
+            for g, j in enumerate(group):
+                pout[j] = got[g, 0]
+    floor = max(relative_l2(pout[row], refs[(name, i)][0]) for name, i, row, _ in items)
+    return refs, pout, floor
 
 
 def _decoder_reference(subject: Subject, prompts: list[torch.Tensor], items: list[Item],
@@ -73,16 +79,52 @@ def _decoder_reference(subject: Subject, prompts: list[torch.Tensor], items: lis
     steps = len(items[0][3])
     short = max(1, min(len(p) for p in prompts) // 2)
     spots = sorted({round(x) for x in torch.linspace(0, short - 1, min(short, FLOOR_POSITIONS)).tolist()})
-    keep = torch.tensor([spots + list(range(len(prompts[r]) - 1, len(prompts[r]) - 1 + steps)) for r in owner])
-    out = logits_at(subject, right_padded(seqs, pad, subject.device)[0], keep)  # [S, F + N, V]
-    refs = {(name, i): out[index[(row, tuple(toks.tolist()))], len(spots):] for name, i, row, toks in items}
+    keep = [spots + list(range(len(prompts[r]) - 1, len(prompts[r]) - 1 + steps)) for r in owner]
+    out = _logits_by_length(subject, seqs, keep, pad)  # each [F + N, V]
+    refs = {(name, i): out[index[(row, tuple(toks.tolist()))]][len(spots):] for name, i, row, toks in items}
     # a prompt's last logits are its reference's first compared position (causal: the generated tokens after it
     # are not seen there), so no forward of the prompts alone is needed; a prompt without a generated row gets none
-    first = {j: out[s, len(spots)] for s, j in reversed(list(enumerate(owner)))}
-    pstack, _ = right_padded(prompts, pad, subject.device)
-    sout = logits_at(subject, pstack[:, :short], torch.tensor([spots] * len(prompts)))
-    floor = max(relative_l2(sout[j, f], out[s, f]) for s, j in enumerate(owner) for f in range(len(spots)))
-    return refs, [first.get(j) for j in range(len(prompts))], floor
+    first = {j: out[s][len(spots)] for s, j in reversed(list(enumerate(owner)))}
+    return refs, [first.get(j) for j in range(len(prompts))], _prefix_floor(subject, prompts, owner, out, spots)
+
+
+def _prefix_floor(subject: Subject, prompts: list[torch.Tensor], owner: list[int], out: list[torch.Tensor],
+                  spots: list[int]) -> float:
+    """The short prompt prefixes' logits at `spots` against each reference row's (`out`, of the prompt `owner`
+    names), max per position."""
+    prefixes = torch.stack([p[:spots[-1] + 1] for p in prompts])
+    sout = logits_at(subject, prefixes, torch.tensor([spots] * len(prompts)))
+    return max(relative_l2(sout[j, f], out[s][f]) for s, j in enumerate(owner) for f in range(len(spots)))
+
+
+def _logits_by_length(subject: Subject, seqs: list[torch.Tensor], keep: list[list[int]],
+                      pad: int) -> list[torch.Tensor]:
+    """Cache-free logits of each sequence at its `keep` positions ([K, V] each). Sequences of like length share a
+    right-padded forward without a mask (a causal model never sees the keys after a query, so the padding is
+    invisible); one much shorter than the rest goes in another, so padding never multiplies the cost."""
+    out: list[torch.Tensor | None] = [None] * len(seqs)
+    for group in length_groups([len(x) for x in seqs]):
+        ids, _ = right_padded([seqs[j] for j in group], pad, seqs[0].device)
+        got = logits_at(subject, ids, torch.tensor([keep[j] for j in group]))
+        for g, j in enumerate(group):
+            out[j] = got[g]
+    return out
+
+
+def length_groups(lengths: list[int]) -> list[list[int]]:
+    """Indices of the sequences grouped so that a right-padded forward of each group spends at most PADDING_SHARE of
+    its tokens on padding: longest first, a sequence joining the group before it while that holds; each group in
+    its original order."""
+    groups: list[list[int]] = []
+    for j in sorted(range(len(lengths)), key=lambda k: -lengths[k]):
+        if groups:
+            group = groups[-1]
+            width = lengths[group[0]]
+            if sum(lengths[k] for k in group) + lengths[j] >= (1 - PADDING_SHARE) * width * (len(group) + 1):
+                group.append(j)
+                continue
+        groups.append([j])
+    return [sorted(group) for group in groups]
 
 
 def jitter_floor(subject: Subject, prompt: torch.Tensor, tokens: torch.Tensor, seed: int) -> float | None:

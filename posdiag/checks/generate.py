@@ -4,18 +4,18 @@ generate() numbers positions itself (position_ids from the attention-mask cumsum
 plain forward numbers them its own way (arange, family offsets). Where the two disagree, generation drifts although
 every forward test passes. With teacher forcing the forward gives the logits generation should have produced: for a
 generated sequence s = prompt ‖ g, step k's logits must equal f(s)[len(prompt) − 1 + k] (step 0 is the last logit of
-model(prompt)). We generate greedily (a) the full prompt alone and (b) a
-padded batch of prompts of different lengths (left-padded for decoder-only models, the encoder input right-padded
-for encoder-decoders, each one's convention), with the default cache and with a static cache (transformers runs one
-on any model that uses Cache objects, whatever the class declares: judged on every one, a crash being a FAIL that
-names it; a ValueError from transformers' generation code before the model's forward ran is a refusal of the
-request, not judged), and compare each row against the forward of that row *alone* (no padding). Error per
-step = ||gen − fwd|| / ||fwd||; noise floor from the same run: cache-free forwards of short prompt prefixes
-(decoder-only) or of the padded encoder batch (encoder-decoders) against the teacher-forced forward at the
-same positions, max per position. A token mismatch is a failure only when the forward's top-2 candidates are not
-within noise (tiny random models have near-ties); after the first mismatch a row is no longer compared.
-Verdict: posdiag.verdict.judge_agreement(max step error, floor, dtype); a run above its tolerance
-is generated again in float64 with its reference and decided there (model/arbitration.arbitrate).
+model(prompt)). We generate greedily (a) the full prompt alone (past the sliding window, where the probe stays
+within one) and (b) a padded batch of prompts of the probe length and shorter (left-padded for decoder-only models,
+the encoder input right-padded for encoder-decoders, each one's convention), with the default cache and with a
+static cache (transformers runs one on any model that uses Cache objects, whatever the class declares: judged on
+every one, a crash being a FAIL that names it; a ValueError from transformers' generation code before the model's
+forward ran is a refusal of the request, not judged), and compare each row against the forward of that row *alone*
+(no padding). Error per step = ||gen − fwd|| / ||fwd||; noise floor from the same run: cache-free forwards of short
+prompt prefixes (decoder-only) or of the padded encoder batch (encoder-decoders) against the teacher-forced forward
+at the same positions, max per position. A token mismatch is a failure only when the forward's top-2 candidates are
+not within noise (tiny random models have near-ties); after the first mismatch a row is no longer compared. Verdict:
+posdiag.verdict.judge_agreement(max step error, floor, dtype); a run above its tolerance is generated again in
+float64 with its reference and decided there (model/arbitration.arbitrate).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class Run:
     rows: list[int]  # prompt index of each generated row
     logits: torch.Tensor | None = None  # [R, N, V] raw logits per step
     tokens: torch.Tensor | None = None  # [R, N]
-    errors: dict[int, list[float]] = field(default_factory=dict)  # row -> per-step errors (compared steps)
+    errors: dict[int, list[float]] = field(default_factory=dict)  # row of the run -> per-step errors (compared)
     notes: list[str] = field(default_factory=list)
     token_failure: tuple[int, int, float, float] | None = None  # (row, step, gap, tie tolerance)
     crashed: str = ""  # the exception a generate() call transformers accepts raised
@@ -102,28 +102,44 @@ def _pad_id(subject: Subject) -> tuple[int, str]:
     return pad, f"padding with id {pad} ({'; '.join(invalid)})" if invalid else ""
 
 
+def _prompts(subject: Subject, options: RunOptions, new_tokens: int) -> tuple[list[torch.Tensor], list[int]]:
+    """The prompts and which of them make the padded batch; prompt 0 is generated alone.
+
+    Where the probe stays within a sliding window, the prompt generated alone is stretched past it (window + 4
+    tokens): decoding past the window is where window bugs live (Inkling's static cache, a cache that evicts what
+    the forward attends). The padded batch keeps the probe length, rows [P, P - P/4, P - P/2]: its job is padding,
+    and its shorter rows never reach the window however long its first row is. Without a stretch the prompt
+    alone is the batch's first row."""
+    base = probe_length(subject, options)
+    window, declared = subject.sliding_window, subject.max_positions
+
+    def fitted(length: int) -> int:  # prompt + generated tokens within the declared context
+        return max(4, declared - new_tokens) if declared is not None and length + new_tokens > declared else length
+
+    alone = fitted(window + 4 if window and base + new_tokens <= window + 2 else base)
+    base = fitted(base)
+    lens = [base, max(2, base - max(1, base // 4)), max(2, base - max(2, base // 2))][:ROWS]
+    sampled = subject.sample_ids(len(lens), max(alone, base), options.seed)
+    if options.token_ids is not None:  # the text's tokens: no longer than the text, whatever was asked
+        sampled = torch.tensor(options.token_ids, device=subject.device)[None].expand(len(lens), -1).clone()
+    batch = [sampled[r, :n] for r, n in enumerate(lens)]
+    if len(sampled[0, :alone]) == len(batch[0]):  # nothing stretched: the prompt alone is the batch's first row
+        return batch, list(range(len(batch)))
+    return [sampled[0, :alone], *batch], list(range(1, len(batch) + 1))
+
+
 def run(subject: Subject, options: RunOptions) -> CheckResult:
     status, why = _support(subject)
     if status is not None:  # n/a: an encoder, or a class without a generation head; skip: what cannot be driven
         return SPEC.result(status, why)
     new_tokens = int(SPEC.setting(options, "new_tokens"))
-    length = probe_length(subject, options)
-    window, declared = subject.sliding_window, subject.max_positions
-    if window and length + new_tokens <= window + 2:  # run past the window
-        length = window + 4
-    if declared is not None and length + new_tokens > declared:
-        length = max(4, declared - new_tokens)
-    lens = [length, max(2, length - max(1, length // 4)), max(2, length - max(2, length // 2))][:ROWS]
-    prompts = subject.sample_ids(len(lens), length, options.seed)
-    if options.token_ids is not None:
-        prompts = torch.tensor(options.token_ids, device=subject.device)[None].expand(len(lens), -1).clone()
-    prompts = [prompts[r, :n] for r, n in enumerate(lens)]
+    prompts, batch_rows = _prompts(subject, options, new_tokens)
     dtype = subject.dtype_name
 
     def measure(names: set[str]) -> Measurement:  # float64: only the runs that differ
-        return _measure(subject, prompts, new_tokens, only=names)
+        return _measure(subject, prompts, batch_rows, new_tokens, only=names)
 
-    first = _measure(subject, prompts, new_tokens, jitter=options.seed)
+    first = _measure(subject, prompts, batch_rows, new_tokens, jitter=options.seed)
     if first.runs and all(r.refused for r in first.runs):  # transformers' own configuration error: nothing ran
         return SPEC.result(Status.SKIP, f"transformers refuses generate() for this model before running "
                            f"it: {first.runs[0].refused}", details={"refused": {r.name: r.refused for r in first.runs}})
@@ -133,7 +149,8 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     arbitration = arbitrate(subject, measure, first.floor, verdicts, dtype,
                             lambda m: (m.floor, {r.name: r.max_error for r in m.done}), subset=True)
     verdicts.update(arbitration.verdicts)
-    result = _report(subject, first, verdicts, arbitration, lens, new_tokens)
+    lengths = (len(prompts[0]), [len(prompts[r]) for r in batch_rows])
+    result = _report(subject, first, verdicts, arbitration, lengths, new_tokens)
     return with_image_decode(result, subject, options.seed,  # multimodal RoPE: generate() after an image
                              lambda prompt: generate_after_image(subject, prompt, new_tokens, _pad_id(subject)[0]))
 
@@ -155,20 +172,15 @@ class Measurement:
         return [r for r in self.runs if not r.crashed and not r.refused]
 
 
-def _measure(subject: Subject, prompts: list[torch.Tensor], new_tokens: int, only: set[str] | None = None,
-             jitter: int | None = None) -> Measurement:
-    """Every generate() run (those named in `only`: the float64 re-run) against the teacher-forced forward; `jitter`
-    (the seed) re-measures a degenerate floor in the run dtype (_reference.jitter_floor)."""
-    model, seq2seq, length = subject.model, subject.kind == "seq2seq", len(prompts[0])
+def _measure(subject: Subject, prompts: list[torch.Tensor], batch_rows: list[int], new_tokens: int,
+             only: set[str] | None = None, jitter: int | None = None) -> Measurement:
+    """Every generate() run (those named in `only`: the float64 re-run) against the teacher-forced forward: prompt 0
+    alone, the prompts `batch_rows` as a padded batch; `jitter` (the seed) re-measures a degenerate floor in the run
+    dtype (_reference.jitter_floor)."""
+    model, seq2seq = subject.model, subject.kind == "seq2seq"
     pad, pad_note = _pad_id(subject)
     cache_note = cache_layer_note(subject)
-    batch = torch.full((len(prompts), length), pad, dtype=torch.long, device=subject.device)
-    mask = torch.zeros_like(batch)
-    for r, p in enumerate(prompts):
-        if seq2seq:  # encoder inputs are right-padded by convention
-            batch[r, :len(p)], mask[r, :len(p)] = p, 1
-        else:  # decoder-only generation needs left padding
-            batch[r, length - len(p):], mask[r, length - len(p):] = p, 1
+    batch, mask = _padded_batch([prompts[r] for r in batch_rows], pad, seq2seq, subject.device)
     gen_kwargs = dict(do_sample=False, num_beams=1, max_new_tokens=new_tokens, output_logits=True,
                       return_dict_in_generate=True, pad_token_id=pad, eos_token_id=None, forced_eos_token_id=None,
                       forced_bos_token_id=None)
@@ -188,7 +200,7 @@ def _measure(subject: Subject, prompts: list[torch.Tensor], new_tokens: int, onl
         return logits, out.sequences[:, -logits.shape[1]:]
 
     refused = static_cache_refusal(subject)  # a static cache users cannot build: no static run
-    runs = _generated(model, generate, prompts, batch, mask, refused, only)
+    runs = _generated(model, generate, prompts[0], (batch, mask, batch_rows), refused, only)
     done = [r for r in runs if not r.crashed and not r.refused]
     if not done:
         return Measurement(runs, 0.0, 0.0, pad_note, cache_note, refused)
@@ -199,7 +211,10 @@ def _measure(subject: Subject, prompts: list[torch.Tensor], new_tokens: int, onl
     refs, prompt_logits, floor_measured = reference(subject, prompts, items, pad, seq2seq, start_id)
     source = ""
     if jitter is not None and not seq2seq and degenerate_floor(floor_measured, subject.dtype_name):
-        shaken = jitter_floor(subject, prompts[items[0][2]], items[0][3], jitter)
+        # on a row of the padded batch's first prompt (the probe length; prompt 0 alone where nothing was
+        # stretched): a prompt stretched past the window would double the cost of the whole reference
+        row = next((item for item in items if item[2] == batch_rows[0]), items[0])
+        shaken = jitter_floor(subject, prompts[row[2]], row[3], jitter)
         if shaken is not None:
             floor_measured, source = shaken, JITTER_SOURCE
     tolerance = FAIL_RATIO * noise_floor(floor_measured, subject.dtype_name)
@@ -207,19 +222,34 @@ def _measure(subject: Subject, prompts: list[torch.Tensor], new_tokens: int, onl
     for run_ in done:
         for i, row in enumerate(run_.rows):
             first_step_error = max(first_step_error, relative_l2(run_.logits[i, 0], prompt_logits[row]))
-            run_.errors[row] = _compare_row(run_, i, row, refs[(run_.name, i)], tolerance)
+            run_.errors[i] = _compare_row(run_, i, refs[(run_.name, i)], tolerance)
         run_.logits = run_.tokens = None  # judged: only the figures are kept
     return Measurement(runs, floor_measured, first_step_error, pad_note, cache_note, refused, source)
 
 
-def _generated(model: Any, generate: Any, prompts: list[torch.Tensor], batch: torch.Tensor, mask: torch.Tensor,
+def _padded_batch(prompts: list[torch.Tensor], pad: int, seq2seq: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompts as one batch and its mask: left-padded (decoder-only generation needs it), or right-padded
+    (encoder inputs, by convention)."""
+    width = max(len(p) for p in prompts)
+    batch = torch.full((len(prompts), width), pad, dtype=torch.long, device=device)
+    mask = torch.zeros_like(batch)
+    for r, p in enumerate(prompts):
+        if seq2seq:
+            batch[r, :len(p)], mask[r, :len(p)] = p, 1
+        else:
+            batch[r, width - len(p):], mask[r, width - len(p):] = p, 1
+    return batch, mask
+
+
+def _generated(model: Any, generate: Any, alone: torch.Tensor, padded: tuple[torch.Tensor, torch.Tensor, list[int]],
                refused: str, only: set[str] | None) -> list[Run]:
-    """Every generate() run (single prompt and padded batch, per cache kind; those in `only` where given), each with
-    its logits and tokens, or the crash or refusal it met."""
+    """Every generate() run (prompt 0 alone and the padded batch (ids, mask, prompt of each row), per cache kind;
+    those in `only` where given), each with its logits and tokens, or the crash or refusal it met."""
     runs: list[Run] = []
+    batch, mask, batch_rows = padded
     for kind in ("dynamic",) if refused else ("dynamic", "static"):  # else run on any model using Cache objects
-        for variant, ids, attn, rows in (("single", prompts[0][None], torch.ones_like(prompts[0])[None], [0]),
-                                         ("batch", batch, mask, list(range(len(prompts))))):
+        for variant, ids, attn, rows in (("single", alone[None], torch.ones_like(alone)[None], [0]),
+                                         ("batch", batch, mask, list(batch_rows))):
             run_ = Run(kind, variant, rows)
             if only is not None and run_.name not in only:
                 continue
@@ -231,15 +261,15 @@ def _generated(model: Any, generate: Any, prompts: list[torch.Tensor], batch: to
     return runs
 
 
-def _compare_row(run_: Run, i: int, row: int, ref: torch.Tensor, tolerance: float) -> list[float]:
-    """Per-step errors of one generated row against its teacher-forced logits at the generated positions ([N, V]), up
-    to the first token that differs (later steps see other prefixes); a mismatch beyond a near-tie of the forward's
-    top two is a token failure."""
+def _compare_row(run_: Run, row: int, ref: torch.Tensor, tolerance: float) -> list[float]:
+    """Per-step errors of one generated row (`row` of the run) against its teacher-forced logits at the generated
+    positions ([N, V]), up to the first token that differs (later steps see other prefixes); a mismatch beyond a
+    near-tie of the forward's top two is a token failure."""
     errs: list[float] = []
     for k in range(run_.logits.shape[1]):
-        want, got = ref[k], run_.logits[i, k]
+        want, got = ref[k], run_.logits[row, k]
         errs.append(relative_l2(got, want))
-        token = int(run_.tokens[i, k])
+        token = int(run_.tokens[row, k])
         if token != int(got.argmax()):
             run_.notes.append(f"row {row} step {k}: a logits processor chose the token; stopped comparing")
             break
@@ -259,7 +289,7 @@ def _compare_row(run_: Run, i: int, row: int, ref: torch.Tensor, tolerance: floa
 
 
 def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict], arbitration: Any,
-            lens: list[int], new_tokens: int) -> CheckResult:
+            lengths: tuple[int, list[int]], new_tokens: int) -> CheckResult:
     seq2seq, dtype = subject.kind == "seq2seq", subject.dtype_name
     floor = noise_floor(m.floor, dtype)
     tolerance = FAIL_RATIO * floor
@@ -268,7 +298,8 @@ def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict],
     failing = [r for r in m.runs if status_of[r.name] is Status.FAIL]
     status = Status.worst(list(status_of.values()))
     rows = []
-    details: dict[str, Any] = {"prompt_lengths": lens, "new_tokens": new_tokens,
+    alone, lens = lengths
+    details: dict[str, Any] = {"prompt_lengths": lens, "alone_prompt_length": alone, "new_tokens": new_tokens,
                                "padding": "right (encoder input)" if seq2seq else "left",
                                "floor_source": m.floor_source or (
                                    ("padded encoder batch vs each encoder alone" if seq2seq else
@@ -311,10 +342,17 @@ def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict],
         summary = f"{worst.name}: {v.reason}{tail}"
     else:
         summary = (f"generate() matches the forward pass: max step error {v.residual:.3g} = {v.residual / floor:.3g}x "
-                   f"noise floor {floor:.2g}{arbitration.clause(worst.name)} ({len(done)} runs, prompts "
-                   f"{'/'.join(map(str, lens))} tokens, {new_tokens} new){tail}")
+                   f"noise floor {floor:.2g}{arbitration.clause(worst.name)} ({len(done)} runs, "
+                   f"{_prompt_words(alone, lens)}, {new_tokens} new){tail}")
     details["reason"] = v.reason
     return SPEC.result(status, summary, metrics, details, (table,))
+
+
+def _prompt_words(alone: int, lens: list[int]) -> str:
+    """The prompt lengths as the summary says them: the one generated alone apart where it is not the batch's
+    first."""
+    batch = "/".join(map(str, lens))
+    return f"prompts {batch} tokens" if alone == lens[0] else f"prompt {alone} tokens alone, batch {batch}"
 
 
 def _first_bad(r: Run, tolerance: float) -> str | None:
