@@ -29,8 +29,9 @@ class Feed:
         self.hidden: bool | None = None  # compared by the final hidden state (else by the logits)
 
     def cache(self, kind: str) -> Any:
+        """A fresh cache; a static one holds exactly the probe, so a path's last step writes its last slot."""
         length = self.ids.shape[1]
-        return new_cache(self.subject, kind, max_len=length + 7, encoder_len=length if self.seq2seq else 0)
+        return new_cache(self.subject, kind, max_len=length, encoder_len=length if self.seq2seq else 0)
 
     def __call__(self, start: int, end: int, cache: Any = None, with_ids: bool = False) -> torch.Tensor:
         subject, ids = self.subject, self.ids
