@@ -1,11 +1,14 @@
-"""Where the `cache` check's probe runs and how each path feeds it: the probe reaches every boundary the model
-declares (a sliding window, a chunked-attention size, the original context of a scaling block), and the paths that
-share their first forwards feed them once (a later path continues a copy of an earlier one's cache).
+"""Where the `cache` check's probe runs and how each path feeds it: the probe reaches every boundary the cache
+applies (a sliding window, a chunked-attention size), and the paths that share their first forwards feed them once
+(a later path continues a copy of an earlier one's cache).
 
-A boundary changes what a cached step sees: the cache crops a window or a chunk, a scaling block switches its
-frequencies past its original context. Feeding positions far beyond it proves nothing more and costs every path
-those tokens, so the probe ends a few tokens past the largest boundary, the decode prefill is longer than any window
-and the last multi-token forwards are placed across it.
+A boundary changes what a cached step sees: the cache crops a window or a chunk. Feeding positions far beyond it
+proves nothing more and costs every path those tokens, so the probe ends a few tokens past the largest boundary,
+the decode prefill is longer than it and the last multi-token forwards are placed across it. A scaling block that
+switches its frequencies with the length (dynamic NTK, LongRoPE, YaRN past original_max_position_embeddings) is not
+straddled: past it every position of a forward is rescaled by the whole length, so the output at t depends on more
+than tokens 0..t, the identity this check rests on (a cache-free prefix then differs from the full forward by
+design: a LongRoPE model measured 1.1e-2 where both sides of it agree to 3e-7). It is named, never claimed.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from posdiag.options import RunOptions, probe_length
 PAST_WINDOW = 64  # a window of up to this many tokens: the probe runs 2 x window + 4 tokens, as for any short window
 PAST_BOUNDARY = 12  # tokens a probe runs past a longer boundary: a decode prefill past it, then the decode steps
 CHUNKS = 5  # multi-token chunks continuing the chunked prefill (q_len > 1 against a cache), at least 2 tokens each
-SCALING_REACH = 1024  # the longest probe a scaling block's original context extends it to (beyond: named, not run)
 SWITCHING = ("dynamic", "longrope", "yarn")  # scaling blocks whose frequencies depend on the length seen
 
 
@@ -39,18 +41,14 @@ class Plan:
 
 
 def declared_boundaries(subject: Subject) -> dict[str, int]:
-    """The positions past which a cached step sees something else: the sliding window (the cache keeps only it),
-    Llama 4-style chunked attention (the cache keeps the chunk, like a window), and the original context of a
-    scaling block whose frequencies switch with the length (dynamic NTK, LongRoPE, YaRN)."""
+    """The positions past which a cached step sees something else: the sliding window (the cache keeps only it)
+    and Llama 4-style chunked attention (DynamicCache(config) keeps the chunk, like a window)."""
     found: dict[str, int] = {}
     if subject.sliding_window:
         found["sliding window"] = subject.sliding_window
     chunk = getattr(text_config(subject), "attention_chunk_size", None)
     if isinstance(chunk, int) and chunk > 0:
         found["attention chunk"] = chunk
-    original = original_context(subject)
-    if original:
-        found["original context"] = original
     return found
 
 
@@ -71,35 +69,33 @@ def original_context(subject: Subject) -> int | None:
     return min(values) if values else None
 
 
-def plan_probe(subject: Subject, options: RunOptions, decode_steps: int) -> Plan:
-    """The probe length: the requested one, extended to reach each declared boundary (a window or chunk of up to
-    PAST_WINDOW: 2 x it + 4 tokens, as for every short window; a longer one: PAST_BOUNDARY past it; an original
-    context: the decode steps straddle it). A boundary past the declared context, or an original context needing a
-    probe over SCALING_REACH, is named in `missed`, never run short and claimed."""
+def plan_probe(subject: Subject, options: RunOptions) -> Plan:
+    """The probe length: the requested one, extended to reach each declared boundary (one of up to PAST_WINDOW:
+    2 x it + 4 tokens, as for every short window; a longer one: PAST_BOUNDARY past it), up to the declared context.
+    A boundary the probe does not pass (past the declared context, or the tokens given) is named in `missed`, never
+    claimed; so is a switching scaling block's original context the probe does not cross (see the module doc)."""
     plan = Plan(probe_length(subject, options))
-    if options.token_ids is not None:  # the user's tokens: their own length, the boundaries inside it
-        plan.reached = {k: v for k, v in declared_boundaries(subject).items() if v < plan.length}
-        plan.missed = {k: f"{v} is past the {plan.length} tokens given" for k, v in declared_boundaries(subject).items()
-                       if v >= plan.length}
-        return plan
     declared = subject.max_positions
-    for name, at in declared_boundaries(subject).items():
-        want = _needs(name, at, decode_steps)
-        if declared is not None and want > declared:
-            plan.missed[name] = f"{at} needs a {want}-token probe, past the declared context of {declared}"
-        elif name == "original context" and want > max(SCALING_REACH, plan.length):
-            plan.missed[name] = f"{at} needs a {want}-token probe, over the {SCALING_REACH} tokens this check runs"
-        else:
+    boundaries = declared_boundaries(subject)
+    if options.token_ids is None:  # the user's tokens keep their own length
+        wants = [probe_past(at) for at in boundaries.values()]
+        plan.length = max([plan.length, *(want if declared is None else min(want, declared) for want in wants)])
+    for name, at in boundaries.items():
+        if at < plan.length:
             plan.reached[name] = at
-    wants = [_needs(name, at, decode_steps) for name, at in plan.reached.items()]
-    plan.length = max([plan.length, *wants])
+        else:
+            plan.missed[name] = (f"{at} is past the {plan.length} tokens given" if options.token_ids is not None else
+                                 f"{at} is past the declared context of {declared} tokens")
+    original = original_context(subject)
+    if original is not None and original >= plan.length:
+        plan.missed["original context"] = (f"{original} (a length-switching scaling block: past it a forward rescales "
+                                           "every position by the whole length, so the full forward is no reference)")
     return plan
 
 
-def _needs(name: str, at: int, decode_steps: int) -> int:
-    if name == "original context":  # the decode steps (the last decode_steps tokens) straddle it
-        return at + max(1, decode_steps // 2)
-    return at + min(at, PAST_WINDOW) + 4 if at <= PAST_WINDOW else at + PAST_BOUNDARY
+def probe_past(boundary: int) -> int:
+    """The probe a boundary needs: 2 x it + 4 tokens up to PAST_WINDOW, PAST_BOUNDARY tokens past a longer one."""
+    return 2 * boundary + 4 if boundary <= PAST_WINDOW else boundary + PAST_BOUNDARY
 
 
 @dataclass(frozen=True)

@@ -131,7 +131,7 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
         return SPEC.result(Status.SKIP, f"{no_dynamic}: no cached decoding to compare (generate() builds "
                            "the same cache: see `generate`)")
     steps = int(SPEC.setting(options, "decode_steps"))
-    plan = plan_probe(subject, options, steps)
+    plan = plan_probe(subject, options)
     length = plan.length
     ids = subject.sample_ids(1, length, options.seed) if options.token_ids is None else probe_ids(subject, options)[:1]
     explicit = subject.family.takes_position_ids and subject.kind != "seq2seq"

@@ -117,10 +117,13 @@ def new_cache(subject: Subject, kind: str, max_len: int, encoder_len: int = 0) -
 
 def copied_cache(cache: Any) -> Any | None:
     """A deep copy of a cache that shares no tensor storage with it (None where it cannot be copied so: deepcopy
-    refuses it, or it holds a module deepcopy would duplicate): a path continuing it never writes into the original."""
+    refuses it, it holds a module deepcopy would duplicate, or a function of its own, which deepcopy keeps as it is
+    and which may read the original): a path continuing it never reads or writes the original."""
     import copy
+    import types
 
-    if any(isinstance(obj, torch.nn.Module) for obj in _reachable(cache)):
+    held = (torch.nn.Module, types.FunctionType, types.MethodType)
+    if any(isinstance(obj, held) for obj in _reachable(cache)):
         return None
     try:
         with torch.inference_mode():
