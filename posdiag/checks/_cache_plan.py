@@ -126,5 +126,5 @@ def schedules(length: int, decode_steps: int, boundary: int | None = None) -> di
     tail = [(t, min(t + chunk, length)) for t in range(start, length, chunk)]
     if len(tail) > 1 and tail[-1][1] - tail[-1][0] == 1:  # a 1-token tail would be a decode step: merge it
         tail[-2:] = [(tail[-2][0], length)]
-    return {"decode": Schedule(decode), "chunked_prefill": Schedule(chunked),
-            "chunks": Schedule(chunked[:shared] + tail, "chunked_prefill", shared)}
+    return {"decode": Schedule(decode), "chunks": Schedule(chunked[:shared] + tail, "chunked_prefill", shared),
+            "chunked_prefill": Schedule(chunked)}
