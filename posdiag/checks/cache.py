@@ -13,8 +13,9 @@ judged on every one, and a crash there is a FAIL that names the exception; a pat
 support (an AssertionError in its code: ProphetNet caches one decoder token at a time) is named and not judged on
 posdiag's multi-token schedules; on the one-token decode (generate()'s path and a manual decode loop's) it is a FAIL.
 Steps pass no position_ids (the model's defaults, as in a manual decode loop); families that take position ids
-also run decode and chunks with explicit ids. The probe reaches every boundary the model declares (a sliding window,
-a chunked-attention size, a scaling block's original context: _cache_plan), and paths that begin with the same
+also run decode and chunks with explicit ids. The probe reaches every boundary the cache applies (a sliding window,
+a chunked-attention size: _cache_plan; one it cannot reach, or a length-switching scaling block's original context,
+is named in the summary, never claimed), and paths that begin with the same
 forwards into the same kind of cache feed them once: the later path continues a copy of the earlier one's cache
 (chunks after the chunked prefill's first forwards, the explicit-ids paths after their default twin's prefill; a
 prefill with explicit ids into a cache is generate()'s, judged by `generate`). Reference sliding-window
@@ -68,7 +69,7 @@ from posdiag.verdict import (
 
 FLOOR_SOURCE = "the cache-free forward of the longest first forward's tokens vs the full forward (max per position)"
 JITTER_SOURCE = ("the full forward with its token embeddings jittered by ~1 ulp (rounding sensitivity, max per "
-                 "position): the cache-free prefixes reproduced the full forward bit for bit")
+                 "position): the cache-free prefix reproduced the full forward bit for bit")
 
 SPEC = CheckSpec(
     name="cache",
@@ -138,7 +139,8 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     dtype = subject.dtype_name
     refused = static_cache_refusal(subject)  # a static cache users cannot build: those paths are not run
     kinds = ("dynamic",) if refused else ("dynamic", "static")
-    paths = _paths(schedules(length, steps, plan.boundary), explicit, kinds)
+    planned = schedules(length, steps, plan.boundary)
+    paths = _paths(planned, explicit, kinds)
 
     first = _measure(subject, ids, paths, jitter=options.seed)
     if not first.finite:
@@ -148,8 +150,7 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
         return SPEC.result(Status.SKIP, f"the model refuses every cache path: {first.paths[0].refused}")
 
     def measure(names: set[str]) -> Measurement:  # float64: only the paths that differ, up to their last bad step
-        return _measure(subject, ids, _paths(schedules(length, steps, plan.boundary), explicit, kinds),
-                        _steps_to_rerun(first, names, tolerance))
+        return _measure(subject, ids, _paths(planned, explicit, kinds), _steps_to_rerun(first, names, tolerance))
 
     tolerance = agreement_tolerance(first.floor, dtype)
     arbitration = arbitrate(subject, measure, first.floor, verdicts, dtype,
@@ -160,16 +161,16 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
         subject, prompt, new_cache(subject, "dynamic", max_len=prompt.ids.shape[1] + steps + 1), steps, options.seed))
 
 
-def _paths(plan: dict[str, Schedule], explicit: bool, kinds: tuple[str, ...]) -> list[PathResult]:
+def _paths(planned: dict[str, Schedule], explicit: bool, kinds: tuple[str, ...]) -> list[PathResult]:
     """Every path of the run: each schedule in each kind of cache, and where the family takes position ids decode
     and chunks with explicit ids in the default cache, continuing their default twin's (or parent's) cache after
     its first forward(s) (the ids matter on the steps against a cache; a prefill with ids is generate()'s)."""
-    paths = [PathResult(kind, name, s.steps, parent=f"{kind}/{s.parent}" if s.parent else "", shared=s.shared)
-             for kind in kinds for name, s in plan.items()]
+    paths = [PathResult(kind, name, list(s.steps), parent=f"{kind}/{s.parent}" if s.parent else "", shared=s.shared)
+             for kind in kinds for name, s in planned.items()]
     if explicit:
         for name in ("decode", "chunks"):
-            s = plan[name]
-            paths.append(PathResult("dynamic", name, s.steps, explicit_ids=True,
+            s = planned[name]
+            paths.append(PathResult("dynamic", name, list(s.steps), explicit_ids=True,
                                     parent=f"dynamic/{s.parent or name}", shared=s.shared or 1))
     return paths
 
