@@ -124,3 +124,20 @@ def test_a_cache_copy_shares_nothing_and_a_cache_holding_a_function_is_not_copie
     assert copied.layers[0].keys.data_ptr() != cache.layers[0].keys.data_ptr()
     cache.layers[0].get_seq_length = lambda: 0  # an instance function may read the original: not shared
     assert copied_cache(cache) is None
+
+
+def test_continuing_a_copied_cache_gives_the_errors_of_feeding_every_step(monkeypatch):
+    """Sharing is only a saving: with no cache copied (each path feeds its own first forwards) every step's error is
+    the same, bit for bit, and only the tokens fed grow."""
+    import posdiag.checks.cache as cache_check
+
+    shared_model, shared_fed = _counted(zoo.tiny_model("mistral"))
+    shared = cache(shared_model)
+    monkeypatch.setattr(cache_check, "copied_cache", lambda c: None)
+    alone_model, alone_fed = _counted(zoo.tiny_model("mistral"))
+    alone = cache(alone_model)
+    assert shared.status is alone.status is Status.PASS, (shared.summary, alone.summary)
+    errors = {name: p["step_errors"] for name, p in shared.details["paths"].items()}
+    assert errors == {name: p["step_errors"] for name, p in alone.details["paths"].items()}
+    assert not any("continues" in p for p in alone.details["paths"].values())
+    assert sum(alone_fed) > sum(shared_fed)
