@@ -93,15 +93,19 @@ def test_a_boundary_past_the_declared_context_is_named_not_claimed():
     assert "not reached, not judged: sliding window 96" in result.summary, result.summary
 
 
-def test_a_switching_scaling_context_is_named_not_straddled():
-    """Past a LongRoPE block's original context a forward rescales every position by the whole length: the full
-    forward is no reference across it, so the probe stays short of it and the report names it."""
+def test_a_longrope_original_context_caps_the_probe_and_is_named():
+    """Past a LongRoPE block's original context a forward rotates every position with its long factors: the full
+    forward is no reference across it (a 64-token probe's floor came out at 1.1e-2, by design, and hid everything),
+    so the probe stays within it and the report names it."""
     rope = {"rope_type": "longrope", "factor": 2.0, "rope_theta": 10000.0, "original_max_position_embeddings": 40,
             "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
-    result = cache(zoo.tiny_model("llama", rope_parameters=rope))
-    assert result.status is Status.PASS, result.summary
-    assert result.details["seq_len"] == 12 and "original context" in result.details["boundaries_not_reached"]
-    assert "not reached, not judged: original context 40 (a length-switching scaling block" in result.summary
+    short = cache(zoo.tiny_model("llama", rope_parameters=rope))
+    assert short.status is Status.PASS, short.summary
+    assert short.details["seq_len"] == 12 and "original context" in short.details["boundaries_not_reached"]
+    assert "not reached, not judged: original context 40 (LongRoPE" in short.summary
+    capped = cache(zoo.tiny_model("llama", rope_parameters=rope), RunOptions(seq_len=64))
+    assert capped.status is Status.PASS, capped.summary
+    assert capped.details["seq_len"] == 40 and capped.metrics["noise_floor"] < 1e-5, capped.summary
 
 
 def test_the_schedules_cross_the_boundary_and_share_their_first_forwards():

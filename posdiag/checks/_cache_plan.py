@@ -4,11 +4,13 @@ applies (a sliding window, a chunked-attention size), and the paths that share t
 
 A boundary changes what a cached step sees: the cache crops a window or a chunk. Feeding positions far beyond it
 proves nothing more and costs every path those tokens, so the probe ends a few tokens past the largest boundary,
-the decode prefill is longer than it and the last multi-token forwards are placed across it. A scaling block that
-switches its frequencies with the length (dynamic NTK, LongRoPE, YaRN past original_max_position_embeddings) is not
-straddled: past it every position of a forward is rescaled by the whole length, so the output at t depends on more
-than tokens 0..t, the identity this check rests on (a cache-free prefix then differs from the full forward by
-design: a LongRoPE model measured 1.1e-2 where both sides of it agree to 3e-7). It is named, never claimed.
+the decode prefill is longer than it and the last multi-token forwards are placed across it. A LongRoPE block's
+original context is not straddled: a forward longer than original_max_position_embeddings rotates every position
+with the long factors (transformers picks them by the forward's largest position), so the output at t depends on
+more than tokens 0..t, the identity this check rests on (a 64-token probe of a tiny LongRoPE model with an original
+context of 40: a cache-free prefix shorter than 40 differs from the full forward by 1.1e-2, by design, and the floor
+it set hid everything). The probe stays within it and the report names it. (Dynamic NTK switches past the declared
+context, which no probe passes; YaRN's frequencies do not depend on the length.)
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from posdiag.options import RunOptions, probe_length
 PAST_WINDOW = 64  # a window of up to this many tokens: the probe runs 2 x window + 4 tokens, as for any short window
 PAST_BOUNDARY = 12  # tokens a probe runs past a longer boundary: a decode prefill past it, then the decode steps
 CHUNKS = 5  # multi-token chunks continuing the chunked prefill (q_len > 1 against a cache), at least 2 tokens each
-SWITCHING = ("dynamic", "longrope", "yarn")  # scaling blocks whose frequencies depend on the length seen
+SWITCHING = ("longrope",)  # scaling blocks whose frequencies switch with a forward's length inside the context
 
 
 @dataclass
@@ -53,8 +55,8 @@ def declared_boundaries(subject: Subject) -> dict[str, int]:
 
 
 def original_context(subject: Subject) -> int | None:
-    """The shortest original_max_position_embeddings of a switching scaling block (rope_parameters / rope_scaling,
-    one block or one per layer type), None without one."""
+    """The shortest original_max_position_embeddings of a LongRoPE block (rope_parameters / rope_scaling, one block
+    or one per layer type), None without one."""
     cfg = text_config(subject)
     values = []
     for obj in (getattr(cfg, "rope_parameters", None), getattr(cfg, "rope_scaling", None)):
@@ -72,24 +74,27 @@ def original_context(subject: Subject) -> int | None:
 def plan_probe(subject: Subject, options: RunOptions) -> Plan:
     """The probe length: the requested one, extended to reach each declared boundary (one of up to PAST_WINDOW:
     2 x it + 4 tokens, as for every short window; a longer one: PAST_BOUNDARY past it), up to the declared context.
-    A boundary the probe does not pass (past the declared context, or the tokens given) is named in `missed`, never
-    claimed; so is a switching scaling block's original context the probe does not cross (see the module doc)."""
+    A LongRoPE block's original context caps the probe (see the module doc). A boundary the probe does not pass (past
+    the declared context, the tokens given or that cap) is named in `missed`, never claimed; so is the cap."""
     plan = Plan(probe_length(subject, options))
     declared = subject.max_positions
     boundaries = declared_boundaries(subject)
     if options.token_ids is None:  # the user's tokens keep their own length
         wants = [probe_past(at) for at in boundaries.values()]
         plan.length = max([plan.length, *(want if declared is None else min(want, declared) for want in wants)])
+    original = original_context(subject)
+    limit = "the declared context" if options.token_ids is None else "the tokens given"
+    if original is not None:
+        plan.missed["original context"] = (f"{original} (LongRoPE: a longer forward rotates every position with its "
+                                           "long factors, so the full forward is no reference past it; the probe stays "
+                                           "within it)")
+        if original < plan.length:
+            plan.length, limit = max(4, original), f"LongRoPE's original context of {original}"
     for name, at in boundaries.items():
         if at < plan.length:
             plan.reached[name] = at
         else:
-            plan.missed[name] = (f"{at} is past the {plan.length} tokens given" if options.token_ids is not None else
-                                 f"{at} is past the declared context of {declared} tokens")
-    original = original_context(subject)
-    if original is not None and original >= plan.length:
-        plan.missed["original context"] = (f"{original} (a length-switching scaling block: past it a forward rescales "
-                                           "every position by the whole length, so the full forward is no reference)")
+            plan.missed[name] = f"{at} needs a {probe_past(at)}-token probe: past {limit} ({plan.length} tokens)"
     return plan
 
 

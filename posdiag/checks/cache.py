@@ -14,8 +14,8 @@ support (an AssertionError in its code: ProphetNet caches one decoder token at a
 posdiag's multi-token schedules; on the one-token decode (generate()'s path and a manual decode loop's) it is a FAIL.
 Steps pass no position_ids (the model's defaults, as in a manual decode loop); families that take position ids
 also run decode and chunks with explicit ids. The probe reaches every boundary the cache applies (a sliding window,
-a chunked-attention size: _cache_plan; one it cannot reach, or a length-switching scaling block's original context,
-is named in the summary, never claimed), and paths that begin with the same
+a chunked-attention size: _cache_plan; one it cannot reach is named in the summary, never claimed; a LongRoPE
+block's original context caps it, named too), and paths that begin with the same
 forwards into the same kind of cache feed them once: the later path continues a copy of the earlier one's cache
 (chunks after the chunked prefill's first forwards, the explicit-ids paths after their default twin's prefill; a
 prefill with explicit ids into a cache is generate()'s, judged by `generate`). Reference sliding-window
@@ -134,7 +134,8 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     steps = int(SPEC.setting(options, "decode_steps"))
     plan = plan_probe(subject, options)
     length = plan.length
-    ids = subject.sample_ids(1, length, options.seed) if options.token_ids is None else probe_ids(subject, options)[:1]
+    ids = subject.sample_ids(1, length, options.seed) if options.token_ids is None else \
+        probe_ids(subject, options)[:1, :length]  # the given tokens, cut where the probe stops (LongRoPE)
     explicit = subject.family.takes_position_ids and subject.kind != "seq2seq"
     dtype = subject.dtype_name
     refused = static_cache_refusal(subject)  # a static cache users cannot build: those paths are not run
