@@ -13,13 +13,19 @@ judged on every one, and a crash there is a FAIL that names the exception; a pat
 support (an AssertionError in its code: ProphetNet caches one decoder token at a time) is named and not judged on
 posdiag's multi-token schedules; on the one-token decode (generate()'s path and a manual decode loop's) it is a FAIL.
 Steps pass no position_ids (the model's defaults, as in a manual decode loop); families that take position ids
-also run decode and chunks with explicit ids. Sliding-window models run past the window. Reference sliding-window
+also run decode and chunks with explicit ids. The probe reaches every boundary the cache applies (a sliding window,
+a chunked-attention size: _cache_plan; one it cannot reach is named in the summary, never claimed; a LongRoPE
+block's original context caps it, named too), and paths that begin with the same
+forwards into the same kind of cache feed them once: the later path continues a copy of the earlier one's cache
+(chunks after the chunked prefill's first forwards, the explicit-ids paths after their default twin's prefill; a
+prefill with explicit ids into a cache is generate()'s, judged by `generate`). Reference sliding-window
 layers (every prefill token stays in reach, later tokens see a window of their own) are compared with the full
 forward with the path's first forward declared the prefill, the semantics the cached run has by design.
 Per step error = ||cached − full|| / ||full|| over the step's positions, in the final hidden state (which determines
-the logits: no [T, vocab] output is kept); the noise floor is measured in the same run: cache-free forwards of
-prefixes of the same tokens must equal the full forward at those positions (they differ only by matmul shapes), max
-per position; where they reproduce it bit for bit (a degenerate floor), the full forward with its embeddings jittered
+the logits: no [T, vocab] output is kept); the noise floor is measured in the same run: a cache-free forward of the
+longest first forward's prefix must equal the full forward at those positions (they differ only by matmul shapes),
+max per position (shorter prefixes reproduced it bit for bit on every model measured: they add tokens, not
+rounding); where it reproduces it bit for bit (a degenerate floor), the full forward with its embeddings jittered
 by ~1 ulp measures the rounding sensitivity instead. Verdict: posdiag.verdict.judge_agreement(max step error, floor,
 dtype); a path above its tolerance is re-run in float64, up to its last step over it, and decided there.
 """
@@ -32,6 +38,7 @@ from typing import Any
 import torch
 
 from posdiag.checks import CheckSpec, Option
+from posdiag.checks._cache_plan import Plan, Schedule, plan_probe, schedules
 from posdiag.checks._feed import Feed, StateMissing
 from posdiag.checks._image_decode import decode_after_image, with_image_decode
 from posdiag.errors import describe_error, raised_in_posdiag
@@ -40,6 +47,7 @@ from posdiag.model.caches import (
     cache_layer_note,
     cache_refusal,
     cache_support,
+    copied_cache,
     keeps_kv_cache,
     new_cache,
     static_cache_refusal,
@@ -47,7 +55,7 @@ from posdiag.model.caches import (
 from posdiag.model.jitter import jittered
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import per_token_change, relative_l2
-from posdiag.options import RunOptions, probe_ids, probe_length
+from posdiag.options import RunOptions, probe_ids
 from posdiag.results import CheckResult, Status, Table
 from posdiag.verdict import (
     FAIL_RATIO,
@@ -59,11 +67,9 @@ from posdiag.verdict import (
     worst_error,
 )
 
-PAST_WINDOW = 64  # tokens the probe runs past a sliding window (at most: 2 x window + 4 for short windows)
-CHUNKS = 5  # multi-token chunks after the prefill (q_len > 1 against a cache), at least 2 tokens each
-FLOOR_SOURCE = "cache-free prefix forwards vs the full forward (max per position)"
+FLOOR_SOURCE = "the cache-free forward of the longest first forward's tokens vs the full forward (max per position)"
 JITTER_SOURCE = ("the full forward with its token embeddings jittered by ~1 ulp (rounding sensitivity, max per "
-                 "position): the cache-free prefixes reproduced the full forward bit for bit")
+                 "position): the cache-free prefix reproduced the full forward bit for bit")
 
 SPEC = CheckSpec(
     name="cache",
@@ -83,6 +89,8 @@ class PathResult:
     schedule: str  # decode | chunks | chunked_prefill
     steps: list[tuple[int, int]]  # (start, end) token ranges fed per forward
     explicit_ids: bool = False  # position_ids passed with each step (else the model's defaults)
+    parent: str = ""  # the path whose first `shared` steps this one continues (a copy of its cache after them)
+    shared: int = 0  # 0 where the path fed every step itself (no parent, or its cache could not be copied)
     errors: list[float] = field(default_factory=list)
     crashed: str = ""  # the exception a path transformers accepts raised
     refused: str = ""  # the model's own assertion that it does not support this path (not judged)
@@ -123,15 +131,19 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     if no_dynamic:
         return SPEC.result(Status.SKIP, f"{no_dynamic}: no cached decoding to compare (generate() builds "
                            "the same cache: see `generate`)")
-    length = _length(subject, options)
-    ids = subject.sample_ids(1, length, options.seed) if options.token_ids is None else probe_ids(subject, options)[:1]
-    schedules = _schedules(length, int(SPEC.setting(options, "decode_steps")))
+    steps = int(SPEC.setting(options, "decode_steps"))
+    plan = plan_probe(subject, options)
+    length = plan.length
+    ids = subject.sample_ids(1, length, options.seed) if options.token_ids is None else \
+        probe_ids(subject, options)[:1, :length]  # the given tokens, cut where the probe stops (LongRoPE)
     explicit = subject.family.takes_position_ids and subject.kind != "seq2seq"
     dtype = subject.dtype_name
     refused = static_cache_refusal(subject)  # a static cache users cannot build: those paths are not run
     kinds = ("dynamic",) if refused else ("dynamic", "static")
+    planned = schedules(length, steps, plan.boundary)
+    paths = _paths(planned, explicit, kinds)
 
-    first = _measure(subject, ids, schedules, explicit, kinds, jitter=options.seed)
+    first = _measure(subject, ids, paths, jitter=options.seed)
     if not first.finite:
         return SPEC.result(Status.FAIL, "non-finite outputs in the full forward", details={"seq_len": length})
     verdicts = {p.name: judge_agreement(p.max_error, first.floor, dtype) for p in first.paths if p.judged}
@@ -139,22 +151,34 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
         return SPEC.result(Status.SKIP, f"the model refuses every cache path: {first.paths[0].refused}")
 
     def measure(names: set[str]) -> Measurement:  # float64: only the paths that differ, up to their last bad step
-        return _measure(subject, ids, schedules, explicit, kinds, _steps_to_rerun(first, names, tolerance))
+        return _measure(subject, ids, _paths(planned, explicit, kinds), _steps_to_rerun(first, names, tolerance))
 
     tolerance = agreement_tolerance(first.floor, dtype)
     arbitration = arbitrate(subject, measure, first.floor, verdicts, dtype,
                             lambda m: (m.floor, {p.name: p.max_error for p in m.paths if p.judged}), subset=True)
     verdicts.update(arbitration.verdicts)
-    result = _report(subject, first, verdicts, arbitration, length, dtype, refused)
-    steps = int(SPEC.setting(options, "decode_steps"))  # multimodal RoPE: after an image
-    return with_image_decode(result, subject, options.seed, lambda prompt: decode_after_image(
+    result = _report(subject, first, verdicts, arbitration, plan, dtype, refused)
+    return with_image_decode(result, subject, options.seed, lambda prompt: decode_after_image(  # multimodal RoPE
         subject, prompt, new_cache(subject, "dynamic", max_len=prompt.ids.shape[1] + steps + 1), steps, options.seed))
 
 
-def _measure(subject: Subject, ids: torch.Tensor, schedules: dict[str, list[tuple[int, int]]],
-             explicit: bool, kinds: tuple[str, ...], only: dict[str, int] | None = None,
+def _paths(planned: dict[str, Schedule], explicit: bool, kinds: tuple[str, ...]) -> list[PathResult]:
+    """Every path of the run: each schedule in each kind of cache, and where the family takes position ids decode
+    and chunks with explicit ids in the default cache, continuing their default twin's (or parent's) cache after
+    its first forward(s) (the ids matter on the steps against a cache; a prefill with ids is generate()'s)."""
+    paths = [PathResult(kind, name, list(s.steps), parent=f"{kind}/{s.parent}" if s.parent else "", shared=s.shared)
+             for kind in kinds for name, s in planned.items()]
+    if explicit:
+        for name in ("decode", "chunks"):
+            s = planned[name]
+            paths.append(PathResult("dynamic", name, list(s.steps), explicit_ids=True,
+                                    parent=f"dynamic/{s.parent or name}", shared=s.shared or 1))
+    return paths
+
+
+def _measure(subject: Subject, ids: torch.Tensor, paths: list[PathResult], only: dict[str, int] | None = None,
              jitter: int | None = None) -> Measurement:
-    """The full forward, the floor from cache-free prefixes, then every cache path against the full forward.
+    """The full forward, the floor from a cache-free prefix, then every cache path against the full forward.
 
     Each forward is reduced to the final hidden state as it comes out (it determines the logits: the head and any
     softcapping after it are position-free), so no full-vocabulary logits are kept. `only` (the float64 re-run)
@@ -162,9 +186,6 @@ def _measure(subject: Subject, ids: torch.Tensor, schedules: dict[str, list[tupl
     forward up to the last position those steps reach. `jitter` (the seed) re-measures a degenerate floor in the
     run dtype from the full forward with its token embeddings jittered by ~1 ulp."""
     feed, length = Feed(subject, ids), ids.shape[1]
-    paths = [PathResult(kind, name, sched) for kind in kinds for name, sched in schedules.items()]
-    if explicit:
-        paths += [PathResult("dynamic", name, schedules[name], explicit_ids=True) for name in ("decode", "chunks")]
     if only is not None:
         paths = [p for p in paths if p.name in only]
         for p in paths:
@@ -173,35 +194,69 @@ def _measure(subject: Subject, ids: torch.Tensor, schedules: dict[str, list[tupl
     full = feed(0, reach)
     if not torch.isfinite(full).all():
         return Measurement(0.0, [], finite=False)
-    floor, source = 0.0, FLOOR_SOURCE
-    for end in sorted({p.steps[0][1] for p in paths} - {reach}):
-        floor = max(floor, float(per_token_change(feed(0, end), full[:end]).max()))
-    if jitter is not None and degenerate_floor(floor, subject.dtype_name):
-        with jittered(subject, "decoder", 0, 1, jitter, settle_masks=False) as found:
-            shaken = feed(0, reach) if found else None
-        if shaken is not None:
-            floor, source = float(per_token_change(shaken, full).max()), JITTER_SOURCE
-    references = {}  # first-forward length -> the full forward with those tokens declared the prefill
-    for path in paths:
+    floor, source = _floor(subject, feed, paths, full, jitter)
+    references: dict[int, torch.Tensor] = {}  # first-forward length -> the full forward with that prefill declared
+    trunks: dict[str, tuple[Any, list[float]]] = {}  # a parent -> its cache and errors after the steps shared
+    for path in sorted(paths, key=lambda p: bool(p.parent)):  # parents first
         cache = feed.cache(path.cache)
-        reference = full
-        if _prefill_layers(cache):
-            prefill = path.steps[0][1]
-            if prefill not in references:
-                declared = feed.cache("dynamic")
-                for layer in _prefill_layers(declared):
-                    layer.set_prefill_length(prefill)
-                references[prefill] = feed(0, reach, declared)
-            reference = references[prefill]
-        _run_path(feed, path, cache, reference)
+        reference = _reference(feed, path, cache, full, references)
+        first, trunk = 0, trunks.get(path.parent)
+        continued = copied_cache(trunk[0]) if trunk is not None and len(path.steps) > path.shared else None
+        if continued is not None:
+            cache, first, path.errors = continued, path.shared, list(trunk[1])
+        else:  # no parent, or its cache after the shared steps is not there to copy: the path feeds them itself
+            path.shared = 0
+        branch = max((p.shared for p in paths if p.parent == path.name), default=0)
+        snapshot = _run_path(feed, path, cache, reference, first, branch)
+        if snapshot is not None:
+            trunks[path.name] = snapshot
     return Measurement(floor, paths, prefill_declared=bool(references), floor_source=source)
 
 
-def _run_path(feed: Feed, path: PathResult, cache: Any, reference: torch.Tensor) -> None:
-    """Feed the path's steps through its cache, each step's error against the reference taken as it comes out."""
+def _floor(subject: Subject, feed: Feed, paths: list[PathResult], full: torch.Tensor,
+           jitter: int | None) -> tuple[float, str]:
+    """The noise floor: the cache-free forward of the longest first forward's tokens against the full forward (the
+    shorter prefixes reproduced it bit for bit on every model measured); a degenerate one re-measured jittered."""
+    floor, source = 0.0, FLOOR_SOURCE
+    ends = {p.steps[0][1] for p in paths} - {full.shape[0]}
+    if ends:
+        end = max(ends)
+        floor = float(per_token_change(feed(0, end), full[:end]).max())
+    if jitter is not None and degenerate_floor(floor, subject.dtype_name):
+        with jittered(subject, "decoder", 0, 1, jitter, settle_masks=False) as found:
+            shaken = feed(0, full.shape[0]) if found else None
+        if shaken is not None:
+            floor, source = float(per_token_change(shaken, full).max()), JITTER_SOURCE
+    return floor, source
+
+
+def _reference(feed: Feed, path: PathResult, cache: Any, full: torch.Tensor,
+               references: dict[int, torch.Tensor]) -> torch.Tensor:
+    """What the path is compared with: the full forward, or (reference sliding-window cache layers) the full forward
+    with the path's first forward declared the prefill, computed once per prefill length."""
+    if not _prefill_layers(cache):
+        return full
+    prefill = path.steps[0][1]
+    if prefill not in references:
+        declared = feed.cache("dynamic")
+        for layer in _prefill_layers(declared):
+            layer.set_prefill_length(prefill)
+        references[prefill] = feed(0, full.shape[0], declared)
+    return references[prefill]
+
+
+def _run_path(feed: Feed, path: PathResult, cache: Any, reference: torch.Tensor, first: int = 0,
+              branch: int = 0) -> tuple[Any, list[float]] | None:
+    """Feed the path's steps from `first` on through its cache, each step's error against the reference taken as it
+    comes out. Returns a copy of the cache after its first `branch` steps and their errors (for the paths continuing
+    it), or None where it has none (no branch, a crash before it, a cache that cannot be copied)."""
+    snapshot = None
     try:
-        for start, end in path.steps:
+        for index, (start, end) in enumerate(path.steps[first:], first):
             path.errors.append(relative_l2(feed(start, end, cache, path.explicit_ids), reference[start:end]))
+            if index + 1 == branch:
+                copied = copied_cache(cache)
+                snapshot = None if copied is None else (copied, list(path.errors))
     except StateMissing:
         raise
     except AssertionError as exc:  # a precondition the model states: a refusal of posdiag's multi-token
@@ -213,6 +268,7 @@ def _run_path(feed: Feed, path: PathResult, cache: Any, reference: torch.Tensor)
             path.refused, path.errors = describe_error(exc), []
     except Exception as exc:  # a path transformers accepts that crashes: users hit it
         path.crashed, path.errors = describe_error(exc), []
+    return snapshot
 
 
 def _steps_to_rerun(m: Measurement, names: set[str], tolerance: float) -> dict[str, int]:
@@ -237,9 +293,14 @@ def _prefill_layers(cache: Any) -> list[Any]:
     return [layer for layer in getattr(cache, "layers", ()) if callable(getattr(layer, "set_prefill_length", None))]
 
 
-def _notes(subject: Subject, m: Measurement, refused: str, refusals: list, details: dict[str, Any]) -> str:
-    """The summary's tail (paths not run or not judged, the reference used, the cache note), each also in details."""
+def _notes(subject: Subject, m: Measurement, plan: Plan, refused: str, refusals: list,
+           details: dict[str, Any]) -> str:
+    """The summary's tail (boundaries not reached, paths not run or not judged, the reference used, the cache note),
+    each also in details."""
     tail = ""
+    if plan.missed:
+        details["boundaries_not_reached"] = plan.missed
+        tail += "; not reached, not judged: " + ", ".join(f"{name} {why}" for name, why in plan.missed.items())
     if refused:
         details["static_not_run"] = refused
         tail += f"; static cache paths not run: {refused}"
@@ -257,8 +318,8 @@ def _notes(subject: Subject, m: Measurement, refused: str, refusals: list, detai
 
 
 def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict], arbitration: Any,
-            length: int, dtype: str, refused: str = "") -> CheckResult:
-    floor = noise_floor(m.floor, dtype)
+            plan: Plan, dtype: str, refused: str = "") -> CheckResult:
+    length, floor = plan.length, noise_floor(m.floor, dtype)
     tolerance = FAIL_RATIO * floor
     judged = [p for p in m.paths if p.judged]
     refusals = [p for p in m.paths if p.refused]
@@ -267,7 +328,7 @@ def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict],
     status = Status.worst([Status.FAIL] * bool(crashed) + [v.status for v in verdicts.values()])
     worst = failing[0] if failing else max(judged, key=lambda p: p.max_error)
     rows, details = [], {"seq_len": length, "sliding_window": subject.sliding_window, "floor_source": m.floor_source,
-                         "paths": {}, **arbitration.details}
+                         "boundaries": plan.reached, "paths": {}, **arbitration.details}
     for p in m.paths:
         if p.crashed or p.refused:
             rows.append((p.name, len(p.steps), "-", "-", "-", f"crashed: {p.crashed}" if p.crashed else
@@ -280,9 +341,11 @@ def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict],
         rows.append((p.name, len(p.steps), f"{p.max_error:.3e}", f"{floor:.2e}", f"{p.max_error / floor:.3g}", where))
         details["paths"][p.name] = {"step_errors": p.errors, "steps": p.steps, "first_diverging_step": where,
                                     "status": verdicts[p.name].status, "reason": verdicts[p.name].reason}
+        if p.shared:
+            details["paths"][p.name]["continues"] = {"path": p.parent, "steps_shared": p.shared}
     table = Table("cached decoding vs full forward", ("path", "forwards", "max step error", "noise floor", "ratio",
                                                       "first diverging step"), tuple(rows))
-    tail = _notes(subject, m, refused, refusals, details)
+    tail = _notes(subject, m, plan, refused, refusals, details)
     if worst.crashed:
         metrics = {"paths_judged": len(judged)}
         summary = f"{worst.name} crashed: {worst.crashed} (a cache transformers accepts for this model){tail}"
@@ -306,34 +369,6 @@ def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict],
                    f"{length} tokens){tail}")
     details["reason"] = v.reason
     return SPEC.result(status, summary, metrics, details, (table,))
-
-
-def _schedules(length: int, decode_steps: int) -> dict[str, list[tuple[int, int]]]:
-    steps = max(1, min(decode_steps, length // 2))
-    prefill = length - steps
-    decode = [(0, prefill)] + [(t, t + 1) for t in range(prefill, length)]
-    start = max(1, length // 4)
-    chunk = max(2, -(-(length - start) // CHUNKS))
-    chunks = [(0, start)] + [(t, min(t + chunk, length)) for t in range(start, length, chunk)]
-    if chunks[-1][1] - chunks[-1][0] == 1:  # a 1-token tail would be a decode step: merge it
-        chunks[-2:] = [(chunks[-2][0], length)]
-    size = -(-length // 3)
-    chunked = [(t, min(t + size, length)) for t in range(0, length, size)]
-    return {"decode": decode, "chunks": chunks, "chunked_prefill": chunked}
-
-
-def _length(subject: Subject, options: RunOptions) -> int:
-    """Probe length, extended past the sliding window where there is one: the decode steps and the last chunks run
-    up to PAST_WINDOW tokens past it, after a prefill longer than the window (2 x window + 4 tokens for a window of up
-    to PAST_WINDOW; a longer window adds no other boundary, only cost: every path feeds every token)."""
-    length = probe_length(subject, options)
-    window = subject.sliding_window
-    declared = subject.max_positions
-    if window and options.token_ids is None:
-        want = window + min(window, PAST_WINDOW) + 4
-        if length < want:
-            length = want if declared is None else min(want, declared)
-    return length
 
 
 def _first_bad(p: PathResult, tolerance: float) -> int | None:

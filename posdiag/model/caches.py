@@ -115,6 +115,45 @@ def new_cache(subject: Subject, kind: str, max_len: int, encoder_len: int = 0) -
     return EncoderDecoderCache(cache, cross) if cross is not None else cache
 
 
+def copied_cache(cache: Any) -> Any | None:
+    """A deep copy of a cache that shares no tensor storage with it (None where it cannot be copied so: deepcopy
+    refuses it, it holds a module deepcopy would duplicate, or a function of its own, which deepcopy keeps as it is
+    and which may read the original): a path continuing it never reads or writes the original."""
+    import copy
+    import types
+
+    held = (torch.nn.Module, types.FunctionType, types.MethodType)
+    if any(isinstance(obj, held) for obj in _reachable(cache)):
+        return None
+    try:
+        with torch.inference_mode():
+            copied = copy.deepcopy(cache)
+    except Exception:  # a cache of its own kind that cannot be copied: the caller runs the shared steps again
+        return None
+    kept = {obj.untyped_storage().data_ptr() for obj in _reachable(cache) if isinstance(obj, torch.Tensor)}
+    if any(isinstance(obj, torch.Tensor) and obj.numel() and obj.untyped_storage().data_ptr() in kept
+           for obj in _reachable(copied)):
+        return None
+    return copied
+
+
+def _reachable(obj: Any, seen: set[int] | None = None, depth: int = 0) -> list[Any]:
+    """obj and what it holds through attributes, lists, tuples and dicts (a cache's own state), modules not entered."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or depth > 8:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, dict):
+        items = list(obj.values())
+    elif isinstance(obj, (list, tuple)):
+        items = list(obj)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.nn.Module, torch.Tensor)):
+        items = list(vars(obj).values())
+    else:
+        items = []
+    return [obj] + [held for item in items for held in _reachable(item, seen, depth + 1)]
+
+
 def static_cache_refusal(subject: Subject) -> str:
     """Why transformers cannot build a StaticCache for this model ("" when it can). generate(cache_implementation=
     "static") builds the same StaticCache(config) first, so a config it refuses (DeepSeek-V4: no static layer for
