@@ -64,8 +64,13 @@ def run_checks(subject: Any, names: Iterable[str] | None = None, options: RunOpt
     names = list(names) if names is not None else checks.available()
     results: list[CheckResult] = []
     # Collecting between checks frees a big model's activations before the next check; on a
-    # tiny model it costs more (~1 s in a process holding many objects) than it saves.
+    # tiny model it costs more (~1 s in a process holding many objects) than it saves. What exists before the
+    # first check (modules, the model) lives through every check: frozen, a collection scans only what a check
+    # made (Gemma-3-270M shape: 0.29 s per collection before, 3.5 s of a 51 s `check`).
     large = sum(p.numel() for p in subject.model.parameters()) > 50_000_000
+    if large:
+        gc.collect()
+        gc.freeze()
     try:
         for name in names:
             if on_progress:
@@ -79,6 +84,9 @@ def run_checks(subject: Any, names: Iterable[str] | None = None, options: RunOpt
     except KeyboardInterrupt:
         # Ctrl-C: hand back what finished, marked incomplete (exit 2), never a report that looks whole.
         return Report(model=subject.info, checks=tuple(results), versions=versions(), incomplete=True, policy=policy)
+    finally:
+        if large:
+            gc.unfreeze()
     return Report(model=subject.info, checks=tuple(results), versions=versions(), policy=policy)
 
 

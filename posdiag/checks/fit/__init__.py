@@ -19,9 +19,9 @@ few distances is shown for the configuration and the decisive alternative (evide
 θ-lost copy copies better than the healthy model at distances 64 and 256, worse only at 512).
 
 SKIP, cheaply, when the configured model predicts like an untrained one: no better on its material than on a
-destroyed twin of it (the copy's source replaced by fresh tokens, the prose shuffled), whatever its loss. One forward
-of the first rows and their twins decides, before the rest of the material or any alternative runs (default-init
-models, Gemma's scaled embeddings included, and large random weights). Also SKIP when no candidate beats the targets'
+destroyed twin of it (the copy's source replaced by fresh tokens, the prose shuffled), whatever its loss. The first row
+and its twin decide where they settle it (default-init models: one forward), else the first rows and their twins,
+before the rest of the material or any alternative runs (Gemma's scaled embeddings, large random weights). Also SKIP when no candidate beats the targets'
 unigram entropy. Masked LMs and encoder-decoders are not scored (a pseudo-likelihood costs a forward per masked
 set). Alternatives are made in memory and undone exactly (edits.py); the checkpoint on disk is never touched.
 Logits are reduced chunk by chunk (posdiag.model.logits): a forward never holds full-vocabulary logits for more
@@ -34,7 +34,18 @@ from typing import Any
 
 from posdiag.checks import CheckSpec, Option
 from posdiag.checks.fit.alternatives import Alternative, NotApplicable, plan_alternatives
-from posdiag.checks.fit.judging import Comparison, Scored, below_unigram, compare, copy_accuracy, learned_nothing, score
+from posdiag.checks.fit.judging import (
+    CONTEXT_GAIN,
+    SETTLED,
+    Comparison,
+    Scored,
+    below_unigram,
+    compare,
+    copy_accuracy,
+    learned_nothing,
+    score,
+    settled_untrained,
+)
 from posdiag.checks.fit.material import (
     COPY_DISTANCES,
     SCREEN_TARGETS,
@@ -99,20 +110,45 @@ def _not_scored(subject: Subject) -> str:
 
 def _configured(subject: Subject, material: Material, seed: int) -> tuple[Scored, str]:
     """The configuration as loaded scored on the material, or on its first rows only with the reason it is not
-    trained: those rows and their destroyed twins run first (one forward where their widths match, as repeated
-    sequences' do), and the rest only when the model shows it learned something."""
-    head = material.rows(0, material.head_rows(SCREEN_TARGETS))
-    twin = destroyed(subject, head, seed)
-    if twin.ids.shape[1] == head.ids.shape[1]:
-        both = score(subject, head.stacked(twin), "configured")
-        scored, twin_scored = both.split(head.count)
+    trained. The first row and its destroyed twin run first: where that settles it (judging.settled_untrained: an
+    untrained model's one-row gain lies 3 standard errors below the bound) nothing else runs; otherwise the rest of
+    the screen and the rest of the material run together (a model that gains on its first row is usually trained:
+    its material is scored anyway)."""
+    rows = material.head_rows(SCREEN_TARGETS)
+    head, twin = material.rows(0, rows), destroyed(subject, material.rows(0, rows), seed)
+    scored, twin_scored = _screened(subject, head.rows(0, 1), twin.rows(0, 1))
+    if rows > 1 and settled_untrained(scored, twin_scored):
+        return scored, (f"{learned_nothing(scored, twin_scored)} (settled on the screen's first row: the gain lies "
+                        f"over {SETTLED:g} standard errors below the {CONTEXT_GAIN:g} nats a trained model gains)")
+    rest = material.rows(rows)
+    if rows > 1:
+        more, more_twin, rest_scored = _screen_and_rest(subject, head.rows(1), twin.rows(1), rest)
+        scored, twin_scored = scored.joined(more), twin_scored.joined(more_twin)
     else:
-        scored, twin_scored = score(subject, head, "configured"), score(subject, twin, "destroyed")
+        rest_scored = None
     why = learned_nothing(scored, twin_scored)
-    rest = material.rows(head.ids.shape[0])
     if why or not rest.ids.shape[0]:
         return scored, why
-    return scored.joined(score(subject, rest, "configured")), ""
+    return scored.joined(rest_scored if rest_scored is not None else score(subject, rest, "configured")), ""
+
+
+def _screen_and_rest(subject: Subject, head: Material, twin: Material,
+                     rest: Material) -> tuple[Scored, Scored, Scored | None]:
+    """The screen's other rows, their twins and the rest of the material, in one pass where their widths match."""
+    if not (head.ids.shape[1] == twin.ids.shape[1] == rest.ids.shape[1]):
+        more, more_twin = _screened(subject, head, twin)
+        return more, more_twin, None
+    both = score(subject, head.stacked(twin).stacked(rest), "configured")
+    more, after = both.split(head.count)
+    more_twin, rest_scored = after.split(twin.count)
+    return more, more_twin, rest_scored if rest.ids.shape[0] else None
+
+
+def _screened(subject: Subject, rows: Material, twin: Material) -> tuple[Scored, Scored]:
+    """Rows and their destroyed twins scored (one forward where their widths match, as repeated sequences' do)."""
+    if twin.ids.shape[1] == rows.ids.shape[1]:
+        return score(subject, rows.stacked(twin), "configured").split(rows.count)
+    return score(subject, rows, "configured"), score(subject, twin, "destroyed")
 
 
 def _measure(subject: Subject, material: Material, configured: Scored,

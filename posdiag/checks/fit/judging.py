@@ -26,6 +26,7 @@ MIN_GAIN = 0.03  # nats per target an alternative must gain (healthy nearest: -0
 # rope-copy +11.7 (its q/k rows interleaved +3.2, loss above chance); untrained, at most +0.001 (8 default-init and 2
 # strong-init zoo families, the default-init Gemma-3-270M shape -0.003)
 CONTEXT_GAIN = 0.5
+SETTLED = 3.0  # standard errors below CONTEXT_GAIN that let the screen stop after its first row
 UNIGRAM_MARGIN = 0.1  # nats below the targets' unigram entropy the best candidate must reach
 
 
@@ -85,21 +86,37 @@ def compare(alternative: Alternative, configured: Scored, scored: Scored) -> Com
     return Comparison(alternative, scored, gain, z)
 
 
+def context_gain(configured: Scored, twin: Scored) -> tuple[float, float]:
+    """(gain, its standard error): mean twin loss - mean configured loss over the same stretch (the configured
+    material's first targets, as many as the twin has), Welch's spread of that difference."""
+    mine = configured.losses[:twin.losses.size]
+    gain = float(twin.losses.mean() - mine.mean())
+    spread = math.sqrt(float(mine.var(ddof=1)) / mine.size + float(twin.losses.var(ddof=1)) / twin.losses.size)
+    return gain, spread
+
+
 def learned_nothing(configured: Scored, twin: Scored) -> str:
     """Why the configured model cannot be judged, or "": it predicts the material no better than its destroyed twin
     (material.destroyed: the same targets without the context that makes them predictable). gain = mean twin loss
     - mean configured loss over the same stretch, z its Welch statistic; a trained model gains >= CONTEXT_GAIN at
     z >= Z_BOUND whatever its loss (its positions broken included), an untrained one gains nothing, whether its loss
     sits at chance or not (Gemma's scaled embeddings, large random weights: confidently wrong on both)."""
-    mine = configured.losses[:twin.losses.size]
-    gain = float(twin.losses.mean() - mine.mean())
-    spread = math.sqrt(float(mine.var(ddof=1)) / mine.size + float(twin.losses.var(ddof=1)) / twin.losses.size)
+    gain, spread = context_gain(configured, twin)
     z = gain / spread if spread > 0 else (math.inf if gain > 0 else 0.0)
     if not np.isfinite(gain) or (gain >= CONTEXT_GAIN and z >= Z_BOUND):  # non-finite losses: for the alternatives
         return ""
+    mine = configured.losses[:twin.losses.size]
     return (f"the model predicts like an untrained one (loss {mine.mean():.2f} nats on its material, "
             f"{twin.losses.mean():.2f} with the context destroyed: gain {gain:+.3f}, z = {z:.1f}): "
             "no configuration can be preferred")
+
+
+def settled_untrained(configured: Scored, twin: Scored) -> bool:
+    """Whether a first stretch already rules a trained model out: its gain lies more than SETTLED standard errors
+    below CONTEXT_GAIN, so more rows could not lift it to the bound (default-init models: gain ~0, error ~0.1 nats
+    over one 126-target row; the q/k-interleaved SmolLM2 on repeated sequences +0.61 there: not settled)."""
+    gain, spread = context_gain(configured, twin)
+    return bool(np.isfinite(gain) and np.isfinite(spread) and gain + SETTLED * spread < CONTEXT_GAIN)
 
 
 def below_unigram(best: Scored, unigram: float) -> str:
