@@ -145,3 +145,17 @@ def test_continuing_a_copied_cache_gives_the_errors_of_feeding_every_step(monkey
     assert errors == {name: p["step_errors"] for name, p in alone.details["paths"].items()}
     assert not any("continues" in p for p in alone.details["paths"].values())
     assert sum(alone_fed) > sum(shared_fed)
+
+
+def test_a_decode_paths_static_cache_keeps_room_past_the_probe():
+    """generate() sizes a static cache for the tokens still to come, and so does each decode path (7 tokens of room;
+    the chunked paths' holds exactly the probe). GPT-Neo cuts its position buffer (max_position_embeddings square) by
+    the cache length: the sweep's GPT-Neo (window 256 = its context, so the probe runs to the context) crashes on the
+    static decode path, as docs/support.md has it; a cache sized to the probe hid that."""
+    from sweep_support import run_named, sweep_model
+
+    result = run_named(sweep_model("gpt_neo"), ["cache"])["cache"]
+    assert result.status is Status.FAIL, result.summary
+    assert result.summary.startswith("static/decode crashed: RuntimeError"), result.summary
+    chunked = result.details["paths"]["static/chunked_prefill"]  # exactly the probe: within the buffer, judged
+    assert "crashed" not in chunked and chunked["status"] is Status.PASS, chunked

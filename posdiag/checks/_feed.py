@@ -31,10 +31,13 @@ class Feed:
         self.extra = {"logits_to_keep": no_rows} if subject.takes_logits_to_keep else {}
         self.hidden: bool | None = None  # compared by the final hidden state (else by the logits)
 
-    def cache(self, kind: str) -> Any:
-        """A fresh cache; a static one holds exactly the probe, so a path's last step writes its last slot."""
+    def cache(self, kind: str, room: int = 0) -> Any:
+        """A fresh cache; a static one holds the probe and `room` more tokens. The decode paths leave room, as the
+        cache generate() builds is sized for tokens still to come (GPT-Neo's position buffer is cut by the cache
+        length: one longer than the buffer crashes with every position in range); the chunked paths' holds exactly
+        the probe, so their last step writes its last slot."""
         length = self.ids.shape[1]
-        return new_cache(self.subject, kind, max_len=length, encoder_len=length if self.seq2seq else 0)
+        return new_cache(self.subject, kind, max_len=length + room, encoder_len=length if self.seq2seq else 0)
 
     def __call__(self, start: int, end: int, cache: Any = None, with_ids: bool = False) -> torch.Tensor:
         subject, ids = self.subject, self.ids

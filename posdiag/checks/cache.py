@@ -67,6 +67,7 @@ from posdiag.verdict import (
     worst_error,
 )
 
+DECODE_ROOM = 7  # tokens a decode path's static cache holds beyond the probe (generate()'s is sized for more to come)
 FLOOR_SOURCE = "the cache-free forward of the longest first forward's tokens vs the full forward (max per position)"
 JITTER_SOURCE = ("the full forward with its token embeddings jittered by ~1 ulp (rounding sensitivity, max per "
                  "position): the cache-free prefix reproduced the full forward bit for bit")
@@ -198,7 +199,7 @@ def _measure(subject: Subject, ids: torch.Tensor, paths: list[PathResult], only:
     references: dict[int, torch.Tensor] = {}  # first-forward length -> the full forward with that prefill declared
     trunks: dict[str, tuple[Any, list[float]]] = {}  # a parent -> its cache and errors after the steps shared
     for path in sorted(paths, key=lambda p: bool(p.parent)):  # parents first
-        cache = feed.cache(path.cache)
+        cache = feed.cache(path.cache, DECODE_ROOM if path.schedule == "decode" else 0)
         reference = _reference(feed, path, cache, full, references)
         first, trunk = 0, trunks.get(path.parent)
         continued = copied_cache(trunk[0]) if trunk is not None and len(path.steps) > path.shared else None

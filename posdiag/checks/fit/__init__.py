@@ -19,13 +19,13 @@ few distances is shown for the configuration and the decisive alternative (evide
 θ-lost copy copies better than the healthy model at distances 64 and 256, worse only at 512).
 
 SKIP, cheaply, when the configured model predicts like an untrained one: no better on its material than on a
-destroyed twin of it (the copy's source replaced by fresh tokens, the prose shuffled), whatever its loss. The first row
-and its twin decide where they settle it (default-init models: one forward), else the first rows and their twins,
-before the rest of the material or any alternative runs (Gemma's scaled embeddings, large random weights). Also SKIP when no candidate beats the targets'
-unigram entropy. Masked LMs and encoder-decoders are not scored (a pseudo-likelihood costs a forward per masked
-set). Alternatives are made in memory and undone exactly (edits.py); the checkpoint on disk is never touched.
-Logits are reduced chunk by chunk (posdiag.model.logits): a forward never holds full-vocabulary logits for more
-rows than one chunk.
+destroyed twin of it (the copy's source replaced by fresh tokens, the prose shuffled), whatever its loss. The first
+row and its twin decide where they settle it (default-init models: one forward), else the first rows and their
+twins, before the rest of the material or any alternative runs (Gemma's scaled embeddings, large random weights).
+Also SKIP when no candidate beats the targets' unigram entropy. Masked LMs and encoder-decoders are not scored (a
+pseudo-likelihood costs a forward per masked set). Alternatives are made in memory and undone exactly (edits.py);
+the checkpoint on disk is never touched. Logits are reduced chunk by chunk (posdiag.model.logits): a forward never
+holds full-vocabulary logits for more rows than one chunk.
 """
 
 from __future__ import annotations
