@@ -79,3 +79,26 @@ def test_the_cached_checkpoint_is_untouched(smollm2_dir, broken):
     import json
 
     assert json.loads((smollm2_dir / "config.json").read_text())["rope_parameters"]["rope_theta"] == 100000.0
+
+
+def test_without_its_tokenizer_a_text_model_is_not_ranked_on_copies(smollm2_dir, tmp_path):
+    """Without tokenizer files the material is repeated random sequences, which a text model was not trained on: on
+    them the healthy SmolLM2 is beaten by rope_theta 10000 (0.72 nats over 688 copy targets, z = 15.7), a false FAIL.
+    They rank configurations only for a model trained to copy them (the rope-copy fixture, >= 90% copied): SKIP."""
+    bare = tmp_path / "no-tokenizer"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).symlink_to(smollm2_dir / name)
+    result = fit(bare)
+    assert result.status is Status.SKIP, result.summary
+    assert "rank configurations only for a model trained to copy them" in result.summary, result.summary
+    assert "repeated random sequences" in result.summary
+
+
+def test_a_gguf_file_is_scored_on_text_through_its_own_tokenizer(smollm2_gguf):
+    """transformers reads a .gguf file's tokenizer from its metadata: `fit` scores the shipped prose on it."""
+    from posdiag.checks.fit.material import plan_material
+
+    subject = load_subject(str(smollm2_gguf))
+    material = plan_material(subject, RunOptions(), {"text_tokens": 64})
+    assert material.source.startswith("text (shipped prose, 64 tokens)"), material.source

@@ -43,6 +43,7 @@ from posdiag.checks.fit.judging import (
     compare,
     copy_accuracy,
     learned_nothing,
+    not_its_task,
     score,
     settled_untrained,
 )
@@ -175,7 +176,7 @@ def _judge(subject: Subject, options: RunOptions, material: Material, configured
     if not comparisons:
         return SPEC.result(Status.SKIP, f"no alternative could be applied: {'; '.join(notes)}")
     best = min([configured] + [c.scored for c in comparisons], key=lambda s: s.loss)
-    why = below_unigram(best, material.unigram)
+    why = below_unigram(best, material.unigram) or not_its_task(best, material)
     if why:
         return SPEC.result(Status.SKIP, why, {"loss": configured.loss, "unigram": material.unigram})
     winners = [c for c in comparisons if c.beats]
