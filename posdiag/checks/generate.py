@@ -27,7 +27,7 @@ import torch
 
 from posdiag.checks import CheckSpec, Option
 from posdiag.checks._image_decode import generate_after_image, with_image_decode
-from posdiag.checks._reference import JITTER_SOURCE, jitter_floor, reference
+from posdiag.checks._reference import JITTER_SOURCE, jitter_floor, reference, right_padded
 from posdiag.model.arbitration import arbitrate
 from posdiag.model.caches import cache_layer_note, cache_support, generate_guarded, new_cache, static_cache_refusal
 from posdiag.model.subject import Subject
@@ -229,15 +229,14 @@ def _measure(subject: Subject, prompts: list[torch.Tensor], batch_rows: list[int
 
 def _padded_batch(prompts: list[torch.Tensor], pad: int, seq2seq: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
     """The prompts as one batch and its mask: left-padded (decoder-only generation needs it), or right-padded
-    (encoder inputs, by convention)."""
+    (encoder inputs, by convention: _reference.right_padded)."""
+    if seq2seq:
+        return right_padded(prompts, pad, device)
     width = max(len(p) for p in prompts)
     batch = torch.full((len(prompts), width), pad, dtype=torch.long, device=device)
     mask = torch.zeros_like(batch)
     for r, p in enumerate(prompts):
-        if seq2seq:
-            batch[r, :len(p)], mask[r, :len(p)] = p, 1
-        else:
-            batch[r, width - len(p):], mask[r, width - len(p):] = p, 1
+        batch[r, width - len(p):], mask[r, width - len(p):] = p, 1
     return batch, mask
 
 
