@@ -130,3 +130,25 @@ def test_a_gguf_file_is_a_model_for_check(tiny):
     assert "note: dequantised from F32 GGUF by transformers (tensors: F32 x21)" in out.output
     assert "shuffle  PASS" in out.output and "load     N/A" in out.output and "rope     PASS" in out.output
     assert not list(path.parent.glob("*.json"))  # nothing written next to the file
+
+
+def test_a_gguf_model_is_parsed_once_for_its_config_weights_and_tokenizer(tiny, monkeypatch):
+    """transformers opens the file for its config, again for the model's config and its tensors, and for its
+    tokenizer: each of those reads the reader posdiag validated, so the file is parsed once (the real SmolLM2 file,
+    3.4 s a parse: 31 s -> 10 s to load it with its tokenizer). The library's names are restored afterwards."""
+    from posdiag.model.loading import load_subject
+
+    parsed = []
+
+    class Counting(gguf.GGUFReader):
+        def __init__(self, path, mode="r"):
+            parsed.append(Path(path).name)
+            super().__init__(path, mode)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Counting)
+    name_map = gguf.get_tensor_name_map
+    subject = load_subject(str(tiny[1]))
+    assert parsed == ["llama.gguf"]
+    assert gguf.GGUFReader is Counting and gguf.get_tensor_name_map is name_map
+    assert subject.tokenizer is not None  # read while the file was open (or why it has none)
+    assert subject.model(input_ids=subject.sample_ids(1, 8, 0)).logits.isfinite().all()

@@ -237,37 +237,17 @@ def _load_gguf(path: Path, options: LoadOptions) -> Subject:
     """A .gguf file as a MODEL: validated (posdiag.model.gguf_file), then dequantised by transformers' GGUF
     support into its PyTorch class, tokenizer included. Nothing is written anywhere: transformers reads the
     file in place and keeps the dequantised weights in memory."""
-    from transformers import AutoConfig
-
-    from posdiag.model.gguf_file import inspect_file
+    from posdiag.model.gguf_file import inspect_file, parsed_once
+    from posdiag.model.tokenizer import gguf_tokenizer
 
     if options.device_map:
         raise PosdiagError("--device-map places checkpoint files; a .gguf file is dequantised into memory")
     info = inspect_file(str(path))
-    where = {"pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name}
-    try:
-        config = AutoConfig.from_pretrained(**where)
-    except Exception as exc:
-        text = one_line(exc)
-        if "not supported" in text or "Unrecognized" in text or "architecture" in text:
-            raise PosdiagError(f"'{path}': transformers cannot map GGUF architecture '{info.arch}' to a PyTorch "
-                               f"model ({text[:120]})") from None
-        raise PosdiagError(f"cannot read '{path}' as a GGUF model: {text[:200]}") from None
-    family = family_for(config)
     dtype = torch.float32 if options.dtype == "auto" else DTYPES[options.dtype]
-    torch.manual_seed(0)
-    import transformers.modeling_gguf_pytorch_utils as gguf_utils
-
-    bar = getattr(gguf_utils, "tqdm", None)
-    gguf_utils.tqdm = lambda items, **_: items  # its progress bar ignores transformers' own switch
-    try:
-        model, loading = auto_class(config, family).from_pretrained(
-            **where, dtype=dtype, attn_implementation=options.attn_implementation, output_loading_info=True)
-    except Exception as exc:
-        raise PosdiagError(f"cannot dequantise '{path}': {one_line(exc)}") from None
-    finally:
-        if bar is not None:
-            gguf_utils.tqdm = bar
+    with parsed_once(info.reader):  # config, model and tokenizer: one parse of the file, not six
+        config, model, loading = _dequantised(path, info, dtype, options)
+        tokenizer = gguf_tokenizer(path, options)
+    family = family_for(config)
     model.hf_quantizer = None  # the weights are plain tensors now; the GGUF marker only refuses copies
     model = model.to(resolve_device(options.device)).eval()
     inner, tested = text_route(model)
@@ -279,12 +259,42 @@ def _load_gguf(path: Path, options: LoadOptions) -> Subject:
         model=inner, config=language_config(inner.config), family=family, spec=str(path), kind=family.kind,
         position_kind=family.position_kind, dtype=dtype, load_dtype=dtype, device=input_device(inner),
         load_info=LoadInfo(checkpoint_keys=provided, missing_keys=missing, files=(str(path),), source=stored),
-        options=options, tested=tested,
+        options=options, tested=tested, tokenizer=tokenizer,
     )
     types = ", ".join(f"{t} x{n}" for t, n in sorted(info.type_counts.items()))
     subject.notes.append(f"{stored} by transformers (tensors: {types})")
     _detect_position_kind(subject)
     return subject
+
+
+def _dequantised(path: Path, info: Any, dtype: torch.dtype,
+                 options: LoadOptions) -> tuple[Any, torch.nn.Module, dict]:
+    """(config, model, loading info): transformers' GGUF support reading the file in place."""
+    from transformers import AutoConfig
+
+    where = {"pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name}
+    try:
+        config = AutoConfig.from_pretrained(**where)
+    except Exception as exc:
+        text = one_line(exc)
+        if "not supported" in text or "Unrecognized" in text or "architecture" in text:
+            raise PosdiagError(f"'{path}': transformers cannot map GGUF architecture '{info.arch}' to a PyTorch "
+                               f"model ({text[:120]})") from None
+        raise PosdiagError(f"cannot read '{path}' as a GGUF model: {text[:200]}") from None
+    torch.manual_seed(0)
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    bar = getattr(gguf_utils, "tqdm", None)
+    gguf_utils.tqdm = lambda items, **_: items  # its progress bar ignores transformers' own switch
+    try:
+        model, loading = auto_class(config, family_for(config)).from_pretrained(
+            **where, dtype=dtype, attn_implementation=options.attn_implementation, output_loading_info=True)
+    except Exception as exc:
+        raise PosdiagError(f"cannot dequantise '{path}': {one_line(exc)}") from None
+    finally:
+        if bar is not None:
+            gguf_utils.tqdm = bar
+    return config, model, loading
 
 
 def _detect_position_kind(subject: Subject) -> None:

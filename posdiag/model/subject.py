@@ -80,6 +80,7 @@ class Subject:
     tested: str = ""  # multimodal models: the tower the checks run on (towers.tested_tower)
     mask_refusals: dict[str, str] = field(default_factory=dict)  # stack -> why it refuses explicit masks ("": takes)
     cleanup: list[Any] = field(default_factory=list, repr=False)  # weakref.finalize: temporary offload folders
+    tokenizer: tuple[Any, str] | None = field(default=None, repr=False)  # (tokenizer, why none): a .gguf file's
 
     def close(self) -> None:
         """Release what loading created outside the model (the temporary offload folder).
@@ -165,16 +166,13 @@ class Subject:
         # The model's own config too: a multimodal model's image/video token ids live there, not in the
         # language model's config (Subject.config), and an image token without pixels makes it raise.
         model_config = getattr(self.model, "config", None) if self.is_hf else None
-        for obj in (self.config, getattr(self.config, "text_config", None), model_config):
-            if obj is None:
-                continue
-            for name in dir(obj):
-                if name.endswith("_token_id") and not name.startswith("_"):
-                    value = getattr(obj, name, None)
-                    if isinstance(value, int):
-                        ids.add(value)
-                    elif isinstance(value, (list, tuple)):
-                        ids.update(v for v in value if isinstance(v, int))
+        for obj in (o for o in (self.config, getattr(self.config, "text_config", None), model_config) if o is not None):
+            for name in (n for n in dir(obj) if n.endswith("_token_id") and not n.startswith("_")):
+                value = getattr(obj, name, None)
+                if isinstance(value, int):
+                    ids.add(value)
+                elif isinstance(value, (list, tuple)):
+                    ids.update(v for v in value if isinstance(v, int))
         return ids
 
     def sample_ids(self, batch: int, seq_len: int, seed: int) -> torch.Tensor:
@@ -184,8 +182,9 @@ class Subject:
         a padding id can be masked or position-shifted by the model itself (RoBERTa, OPT).
         """
         vocab = self.vocab_size
-        reserved = self.special_ids() | set(range(min(4, vocab)))
-        allowed = torch.tensor([i for i in range(vocab) if i not in reserved], dtype=torch.long)
+        keep = torch.ones(vocab, dtype=torch.bool)
+        keep[[i for i in self.special_ids() | set(range(min(4, vocab))) if 0 <= i < vocab]] = False
+        allowed = keep.nonzero()[:, 0]
         if allowed.numel() < 2:
             raise PosdiagError(f"vocabulary of {vocab} ids leaves no ordinary tokens to probe with")
         gen = torch.Generator().manual_seed(seed)

@@ -66,6 +66,7 @@ def load_gguf(path: str, *, kv_cache: str = "f32", threads: int | None = None, r
     return Engine(impl=LlamaCppRunner(process), name=path, settings=settings,
                   context_length=int(context) if context else None, boundaries=boundaries,
                   quantization="/".join(info.quantised_types) or None, tensor_types=dict(info.tensor_types),
+                  file=info.reader,
                   twin=lambda other: load_gguf(other, kv_cache=kv_cache, threads=threads, repack=repack,
                                                timeout=timeout),
                   approximations=("gelu_f16",))  # ggml-cpu/vec.h defines GGML_GELU_FP16: GELU by a float16 table

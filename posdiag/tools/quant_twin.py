@@ -53,12 +53,14 @@ class TwinSplit:
 def measure(reference: Subject, engine: Engine, ids: list[int], ref_logits: torch.Tensor, cand: torch.Tensor,
             workdir: str) -> TwinSplit | str:
     """The split of ENGINE's quantised file on IDS, or why it cannot be made (one line)."""
-    from posdiag.model.gguf_file import open_reader, rewrite
+    from posdiag.model.gguf_file import dequantised, open_reader, rewrite
 
     if engine.twin is None or not str(engine.name).lower().endswith(".gguf") or not os.path.isfile(engine.name):
         return "this engine cannot run another file"
-    reader = open_reader(engine.name)
-    twin_path = rewrite(engine.name, Path(workdir) / "posdiag-f32-twin.gguf", dequantise=True, reader=reader)
+    reader = engine.file if engine.file is not None else open_reader(engine.name)
+    arrays = dequantised(reader)  # dequantised once: for the twin and for the weights' part
+    twin_path = rewrite(engine.name, Path(workdir) / "posdiag-f32-twin.gguf", dequantise=True, reader=reader,
+                        arrays=arrays)
     twin_engine = engine.twin(str(twin_path))
     try:
         twin = twin_engine.run(ids)[:, : ref_logits.shape[1]]
@@ -67,18 +69,17 @@ def measure(reference: Subject, engine: Engine, ids: list[int], ref_logits: torc
         if callable(close):
             close()
     kind = engine.quantization or "?"
-    weights, source, foreign, same = weights_part(reference, reader, ids, ref_logits)
+    weights, source, foreign, same = weights_part(reference, reader, ids, ref_logits, arrays)
     if weights is None:
         return source
     return TwinSplit(twin, per_position_error(twin, cand), weights, source, kind, foreign, same)
 
 
-def weights_part(reference: Subject, reader, ids: list[int], ref_logits: torch.Tensor
+def weights_part(reference: Subject, reader, ids: list[int], ref_logits: torch.Tensor, tensors: dict[str, np.ndarray]
                  ) -> tuple[torch.Tensor | None, str, tuple[str, ...], torch.Tensor | None]:
-    """The reference with the file's dequantised weights (READER: the file, open) against itself, per
-    position (zeros when they are its own), why, the tensors that are no rounding of the reference's, and
-    the logits of that run (None when the weights are the reference's own)."""
-    from posdiag.model.gguf_file import dequantised
+    """The reference with the file's dequantised weights (READER: the file, open; TENSORS: its tensors as float32)
+    against itself, per position (zeros when they are its own), why, the tensors that are no rounding of the
+    reference's, and the logits of that run (None when the weights are the reference's own)."""
     from posdiag.tools import gguf_write
 
     zeros = torch.zeros(len(ids), dtype=torch.float64)
@@ -88,7 +89,6 @@ def weights_part(reference: Subject, reader, ids: list[int], ref_logits: torch.T
     if reason:
         return None, f"{reason}: the weights' rounding cannot be measured", (), None
     conv = gguf_write.convert(reference.model)
-    tensors = dequantised(reader)
     missing = sorted(set(tensors) - set(conv.sources))
     if missing:
         return None, (f"the file has tensors posdiag's conversion of the reference does not "
