@@ -43,7 +43,8 @@ def keeps_kv_cache(subject: Subject) -> bool:
             out = subject.model(input_ids=ids, use_cache=True, return_dict=True)
     except Exception:  # the checks' own cached paths will meet (and report) whatever this was
         return True
-    if any(getattr(out, name, None) is not None for name in ("past_key_values", "cache_params", "cache")):
+    # `cache` (transformers 5.x) first: the old names are properties that log a deprecation warning when read
+    if any(getattr(out, name, None) is not None for name in ("cache", "past_key_values", "cache_params")):
         return True
     # A state kept inside the model and advanced by cache_position (RecurrentGemma) returns no cache object.
     return any(name in _forward_parameters(subject.model) for name in ("cache_position", "cache_params", "cache"))
