@@ -2,9 +2,11 @@
 of it, each a one-line mistake every other check passes: rope_theta lost (10000 in config.json), q/k rows left in
 the interleaved pairing order, a spurious linear x4 scaling block. Copies are made in a tmp directory (symlinked
 weights and tokenizer, rewritten config; the layout copy writes its own permuted weights), never in the cached
-checkpoint. 512 tokens of the shipped prose (1024 for the lost rope_theta) and copy evidence at distances 64 and 256
-keep each run short; the verdicts hold there with margin (measured: healthy nearest z = -2.9; layout z = 22.1,
-scaling z = 19.8 over 511 tokens; lost theta z = 9.2 over 1023; docs/checks.md has the table)."""
+checkpoint. 512 tokens of the shipped prose for the healthy model, 256 for the layout and scaling copies, 1024 for the
+lost rope_theta, and copy evidence at distances 64 and 256 keep each run short; the verdicts hold there with margin
+(measured: healthy nearest z = -2.9 over 511 tokens; layout z = 14.1, scaling z = 12.4 over 255 (22.1 and 19.8 over
+511); lost theta z = 9.2 over 1023; docs/checks.md has the table). One xdist worker runs the module (its fixtures are
+built once; the group is scheduled first, beside the other real-model module)."""
 
 import pytest
 from plants_fit import interleaved_qk, spurious_scaling, theta_lost
@@ -14,7 +16,11 @@ from posdiag.model.loading import load_subject
 from posdiag.options import RunOptions
 from posdiag.results import Status
 
+pytestmark = pytest.mark.xdist_group("smollm2-fit")
+
 SHORT = RunOptions(check_options={"fit": {"text_tokens": 512, "copy_distances": [64, 256]}})
+# A q/k layout or a scaling block nobody trained with costs over a nat a token: 256 tokens give z >= 12.
+QUICK = RunOptions(check_options={"fit": {"text_tokens": 256, "copy_distances": [64, 256]}})
 # rope_theta lost is the subtle one: over 511 tokens its fix reaches z = 5.2 (gain 0.122 nats), too close to the
 # bound of 5 for a test; over 1023 tokens z = 9.2 (gain 0.159).
 FULL_TEXT = RunOptions(check_options={"fit": {"text_tokens": 1024, "copy_distances": [64, 256]}})
@@ -51,8 +57,8 @@ def test_every_other_check_keeps_its_verdict_on_the_healthy_model(report):
 def broken(smollm2_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("smollm2-broken")
     return {name: fit(plant(smollm2_dir, root / name), options)
-            for name, plant, options in (("theta", theta_lost, FULL_TEXT), ("layout", interleaved_qk, SHORT),
-                                         ("scaling", spurious_scaling, SHORT))}
+            for name, plant, options in (("theta", theta_lost, FULL_TEXT), ("layout", interleaved_qk, QUICK),
+                                         ("scaling", spurious_scaling, QUICK))}
 
 
 def test_healthy_model_fits_its_configuration(healthy):

@@ -18,6 +18,8 @@ import pytest
 from posdiag.options import RunOptions
 from posdiag.results import Status
 
+pytestmark = pytest.mark.xdist_group("smollm2-gguf")  # one worker: the reference and the reader are made once
+
 pytest.importorskip("gguf", reason="GGUF files need the gguf package: pip install 'posdiag[gguf]'")
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'posdiag[gguf]')")
 
