@@ -66,6 +66,8 @@ def test_healthy_model_fits_its_configuration(healthy):
     assert healthy.details["source"].startswith("text (shipped prose, 512 tokens)")
     assert healthy.metrics["z"] < 0 and healthy.metrics["margin"] > 0  # every alternative is worse
     assert healthy.metrics["loss"] < healthy.metrics["unigram"] - 1
+    # copy evidence is the configuration's alone on a PASS (the nearest alternative's is shown where it wins)
+    assert list(healthy.metrics["copy_accuracy"]) == ["configured"]
 
 
 @pytest.mark.parametrize("name, fits, configured", [
@@ -79,6 +81,7 @@ def test_each_broken_copy_fails_naming_its_mistake(broken, name, fits, configure
     assert result.summary.startswith(f"the weights fit {fits}, not {configured}: loss "), result.summary
     assert result.metrics["z"] >= 5 and -result.metrics["margin"] >= 0.03
     assert "copy accuracy at distance 256" in result.summary
+    assert set(result.metrics["copy_accuracy"]) == {"configured", result.metrics["nearest"]}
 
 
 def test_the_cached_checkpoint_is_untouched(smollm2_dir, broken):

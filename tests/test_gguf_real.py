@@ -18,8 +18,6 @@ import pytest
 from posdiag.options import RunOptions
 from posdiag.results import Status
 
-pytestmark = pytest.mark.xdist_group("smollm2-gguf")  # one worker: the reference and the reader are made once
-
 pytest.importorskip("gguf", reason="GGUF files need the gguf package: pip install 'posdiag[gguf]'")
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'posdiag[gguf]')")
 
@@ -28,6 +26,8 @@ from posdiag.model.loading import load_subject
 from posdiag.tools.gguf_engine import load_gguf
 from posdiag.tools.gguf_write import to_half_split
 from posdiag.tools.port_compare import compare_engine
+
+pytestmark = pytest.mark.xdist_group("smollm2-gguf")  # one worker: the reference and the reader are made once
 
 N = 64
 LINEAR = {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0}

@@ -15,7 +15,7 @@ Measured on SmolLM2-135M-Instruct (shipped prose; docs/checks.md has the table):
 worse (1023 tokens: nearest rope_theta x1/4, -0.049 nats, z = -4.8; x4 -0.063, z = -6.4); rope_theta 10000 in
 config.json is beaten by x10 (+0.159 nats, z = 9.2); q/k rows interleaved by their de-interleaving (511 tokens:
 +2.18 nats, z = 22.1); a spurious linear x4 scaling by its removal (+1.56 nats, z = 19.8). Copy accuracy at a
-few distances is shown for the configuration and the decisive alternative (evidence, not the decision: the
+few distances is shown for the configuration and, on a FAIL, the decisive alternative (evidence, not the decision: the
 θ-lost copy copies better than the healthy model at distances 64 and 256, worse only at 512).
 
 SKIP, cheaply, when the configured model predicts like an untrained one: no better on its material than on a
@@ -196,18 +196,23 @@ def _judge(subject: Subject, options: RunOptions, material: Material, configured
 
 def _copy_evidence(subject: Subject, options: RunOptions, material: Material, configured: Scored,
                    decisive: Comparison) -> dict[str, dict[int, float]]:
-    """Copy accuracy by distance for the configuration and the decisive alternative."""
+    """Copy accuracy by distance for the configuration and the decisive alternative: read off the material's own
+    forwards for repeated sequences; on copy rows of their own for text, the alternative's only where it beats the
+    configuration (the evidence of a FAIL: a PASS's nearest alternative would cost a forward per distance to show
+    what its loss already says, 17% of `fit` on SmolLM2)."""
     if material.distances:
         return {"configured": copy_accuracy(configured, material.distances, material),
                 decisive.alternative.label: copy_accuracy(decisive.scored, material.distances, material)}
     distances = SPEC.setting(options, "copy_distances")
     groups = copy_rows(subject, options.seed, tuple(int(n) for n in distances))
-    out: dict[str, dict[int, float]] = {"configured": {}, decisive.alternative.label: {}}
+    alternative = decisive.alternative if decisive.beats else None
+    out: dict[str, dict[int, float]] = {"configured": {}, **({alternative.label: {}} if alternative else {})}
     for group in groups:
         out["configured"].update(copy_accuracy(score(subject, group, "configured"), group.distances, group))
-        with decisive.alternative.apply(subject):
-            scored = score(subject, group, decisive.alternative.label, decisive.alternative.shift)
-        out[decisive.alternative.label].update(copy_accuracy(scored, group.distances, group))
+        if alternative is not None:
+            with alternative.apply(subject):
+                scored = score(subject, group, alternative.label, alternative.shift)
+            out[alternative.label].update(copy_accuracy(scored, group.distances, group))
     return out
 
 
