@@ -10,7 +10,7 @@ one PosdiagError line (exit 2).
 The file is parsed once: `parsed_once` hands that reader to every GGUFReader transformers opens on the same file
 (its config, the model's config, its tensors and its tokenizer each parse it again otherwise: 3.4 s a parse for
 SmolLM2-135M's 49k-token vocabulary), and builds gguf's tensor-name map once per architecture (transformers builds
-it again for every submodule: 397 times, 7 s). Loading that file with its tokenizer: 31 s -> 8 s.
+it again for every submodule: 397 times, 7 s). Loading that file with its tokenizer: 31 s -> 10 s.
 
 The same reader rewrites files (`rewrite`): metadata changed or dropped, tensors transformed, or every
 tensor dequantised to F32 (`gguf.quants.dequantize`, which reads K-quants too) with the metadata kept:

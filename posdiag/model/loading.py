@@ -245,9 +245,8 @@ def _load_gguf(path: Path, options: LoadOptions) -> Subject:
     info = inspect_file(str(path))
     dtype = torch.float32 if options.dtype == "auto" else DTYPES[options.dtype]
     with parsed_once(info.reader):  # config, model and tokenizer: one parse of the file, not six
-        config, model, loading = _dequantised(path, info, dtype, options)
+        family, model, loading = _dequantised(path, info, dtype, options)
         tokenizer = gguf_tokenizer(path, options)
-    family = family_for(config)
     model.hf_quantizer = None  # the weights are plain tensors now; the GGUF marker only refuses copies
     model = model.to(resolve_device(options.device)).eval()
     inner, tested = text_route(model)
@@ -268,8 +267,8 @@ def _load_gguf(path: Path, options: LoadOptions) -> Subject:
 
 
 def _dequantised(path: Path, info: Any, dtype: torch.dtype,
-                 options: LoadOptions) -> tuple[Any, torch.nn.Module, dict]:
-    """(config, model, loading info): transformers' GGUF support reading the file in place."""
+                 options: LoadOptions) -> tuple[Family, torch.nn.Module, dict]:
+    """(the config's family, model, loading info): transformers' GGUF support reading the file in place."""
     from transformers import AutoConfig
 
     where = {"pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name}
@@ -281,20 +280,21 @@ def _dequantised(path: Path, info: Any, dtype: torch.dtype,
             raise PosdiagError(f"'{path}': transformers cannot map GGUF architecture '{info.arch}' to a PyTorch "
                                f"model ({text[:120]})") from None
         raise PosdiagError(f"cannot read '{path}' as a GGUF model: {text[:200]}") from None
+    family = family_for(config)
     torch.manual_seed(0)
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
     bar = getattr(gguf_utils, "tqdm", None)
     gguf_utils.tqdm = lambda items, **_: items  # its progress bar ignores transformers' own switch
     try:
-        model, loading = auto_class(config, family_for(config)).from_pretrained(
+        model, loading = auto_class(config, family).from_pretrained(
             **where, dtype=dtype, attn_implementation=options.attn_implementation, output_loading_info=True)
     except Exception as exc:
         raise PosdiagError(f"cannot dequantise '{path}': {one_line(exc)}") from None
     finally:
         if bar is not None:
             gguf_utils.tqdm = bar
-    return config, model, loading
+    return family, model, loading
 
 
 def _detect_position_kind(subject: Subject) -> None:
