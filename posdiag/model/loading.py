@@ -258,7 +258,7 @@ def _load_gguf(path: Path, options: LoadOptions) -> Subject:
         model=inner, config=language_config(inner.config), family=family, spec=str(path), kind=family.kind,
         position_kind=family.position_kind, dtype=dtype, load_dtype=dtype, device=input_device(inner),
         load_info=LoadInfo(checkpoint_keys=provided, missing_keys=missing, files=(str(path),), source=stored),
-        options=options, tested=tested, tokenizer=tokenizer,
+        options=options, tested=tested, tokenizer=tokenizer, gguf=info,
     )
     types = ", ".join(f"{t} x{n}" for t, n in sorted(info.type_counts.items()))
     subject.notes.append(f"{stored} by transformers (tensors: {types})")
