@@ -132,40 +132,38 @@ def test_a_gguf_file_is_a_model_for_check(tiny):
     assert not list(path.parent.glob("*.json"))  # nothing written next to the file
 
 
-def test_a_gguf_model_is_parsed_once_for_its_config_weights_and_tokenizer(tiny, monkeypatch):
+@pytest.fixture
+def parsed(monkeypatch):
+    """The names of the files gguf.GGUFReader parses from here on (the class posdiag's loader meets is this one)."""
+    names = []
+
+    class Counting(gguf.GGUFReader):
+        def __init__(self, path, mode="r"):
+            names.append(Path(path).name)
+            super().__init__(path, mode)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Counting)
+    return names
+
+
+def test_a_gguf_model_is_parsed_once_for_its_config_weights_and_tokenizer(tiny, parsed):
     """transformers opens the file for its config, again for the model's config and its tensors, and for its
     tokenizer: each of those reads the reader posdiag validated, so the file is parsed once (the real SmolLM2 file,
     3.4 s a parse: 31 s -> 10 s to load it with its tokenizer). The library's names are restored afterwards."""
     from posdiag.model.loading import load_subject
 
-    parsed = []
-
-    class Counting(gguf.GGUFReader):
-        def __init__(self, path, mode="r"):
-            parsed.append(Path(path).name)
-            super().__init__(path, mode)
-
-    monkeypatch.setattr(gguf, "GGUFReader", Counting)
-    name_map = gguf.get_tensor_name_map
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     subject = load_subject(str(tiny[1]))
     assert parsed == ["llama.gguf"]
-    assert gguf.GGUFReader is Counting and gguf.get_tensor_name_map is name_map
+    assert gguf.GGUFReader is reader and gguf.get_tensor_name_map is name_map
     assert subject.tokenizer is not None  # read while the file was open (or why it has none)
     assert subject.model(input_ids=subject.sample_ids(1, 8, 0)).logits.isfinite().all()
 
 
-def test_compare_alone_parses_the_file_once_for_reference_and_engine(tiny, monkeypatch):
+def test_compare_alone_parses_the_file_once_for_reference_and_engine(tiny, parsed):
     """`compare model.gguf`: the engine is opened on the file the reference was loaded from, and reuses that
     validated parse (3.4 s for the real SmolLM2 vocabulary) instead of reading the file a second time."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
-    parsed = []
-
-    class Counting(gguf.GGUFReader):
-        def __init__(self, path, mode="r"):
-            parsed.append(Path(path).name)
-            super().__init__(path, mode)
-
-    monkeypatch.setattr(gguf, "GGUFReader", Counting)
     out = CliRunner().invoke(app, ["compare", str(tiny[1]), "--seq-len", "16"], env={"COLUMNS": "200"})
     assert out.exit_code == 0, out.output
     assert parsed == ["llama.gguf"], parsed
