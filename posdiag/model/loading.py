@@ -127,8 +127,9 @@ def _check_attn_implementation(model: torch.nn.Module, options: LoadOptions) -> 
             raise PosdiagError(f"cannot switch the model to eager attention: {exc}") from None
 
 
-def load_subject(spec: str, options: LoadOptions | None = None) -> Subject:
-    """MODEL -> Subject. Every failure becomes a PosdiagError with one line of advice."""
+def load_subject(spec: str, options: LoadOptions | None = None, *, checked: Any = None) -> Subject:
+    """MODEL -> Subject. Every failure becomes a PosdiagError with one line of advice. CHECKED: a .gguf MODEL's
+    validated parse (GGUFFile) when the caller made one (compare runs its engine on the same file)."""
     options = options or LoadOptions()
     if not options.device_map:
         for given, flag in ((options.max_memory, "--max-memory"), (options.offload_folder, "--offload-folder")):
@@ -138,7 +139,7 @@ def load_subject(spec: str, options: LoadOptions | None = None) -> Subject:
         parse_max_memory(options.max_memory)  # a malformed budget fails before anything is read
     if looks_like_factory(spec):
         return _load_factory(spec, options)
-    return _load_pretrained(spec, options)
+    return _load_pretrained(spec, options, checked)
 
 
 def looks_like_factory(spec: str) -> bool:
@@ -187,11 +188,11 @@ def from_factory_model(model: torch.nn.Module, spec: str, options: LoadOptions) 
     return subject
 
 
-def _load_pretrained(spec: str, options: LoadOptions) -> Subject:
+def _load_pretrained(spec: str, options: LoadOptions, checked: Any = None) -> Subject:
     """A checkpoint directory or hub id: config, weight files, from_pretrained, then the Subject with its notes."""
     local = Path(spec)
     if local.is_file() and local.suffix.lower() == ".gguf":
-        return _load_gguf(local, options)
+        return _load_gguf(local, options, checked)
     is_local = check_spec(spec, local)
     config = read_config(spec, options, is_local)
     family = family_for(config)
@@ -233,7 +234,7 @@ def _note_placement(subject: Subject, options: LoadOptions, plan: LoadPlan, note
                              f"float32 size, twice {name}'s; --no-upcast keeps {name})")
 
 
-def _load_gguf(path: Path, options: LoadOptions) -> Subject:
+def _load_gguf(path: Path, options: LoadOptions, checked: Any = None) -> Subject:
     """A .gguf file as a MODEL: validated (posdiag.model.gguf_file), then dequantised by transformers' GGUF
     support into its PyTorch class, tokenizer included. Nothing is written anywhere: transformers reads the
     file in place and keeps the dequantised weights in memory."""
@@ -242,7 +243,7 @@ def _load_gguf(path: Path, options: LoadOptions) -> Subject:
 
     if options.device_map:
         raise PosdiagError("--device-map places checkpoint files; a .gguf file is dequantised into memory")
-    info = inspect_file(str(path))
+    info = checked or inspect_file(str(path))
     dtype = torch.float32 if options.dtype == "auto" else DTYPES[options.dtype]
     with parsed_once(info.reader):  # config, model and tokenizer: one parse of the file, not six
         family, model, loading = _dequantised(path, info, dtype, options)
@@ -258,7 +259,7 @@ def _load_gguf(path: Path, options: LoadOptions) -> Subject:
         model=inner, config=language_config(inner.config), family=family, spec=str(path), kind=family.kind,
         position_kind=family.position_kind, dtype=dtype, load_dtype=dtype, device=input_device(inner),
         load_info=LoadInfo(checkpoint_keys=provided, missing_keys=missing, files=(str(path),), source=stored),
-        options=options, tested=tested, tokenizer=tokenizer, gguf=info,
+        options=options, tested=tested, tokenizer=tokenizer,
     )
     types = ", ".join(f"{t} x{n}" for t, n in sorted(info.type_counts.items()))
     subject.notes.append(f"{stored} by transformers (tensors: {types})")

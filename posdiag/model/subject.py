@@ -81,7 +81,6 @@ class Subject:
     mask_refusals: dict[str, str] = field(default_factory=dict)  # stack -> why it refuses explicit masks ("": takes)
     cleanup: list[Any] = field(default_factory=list, repr=False)  # weakref.finalize: temporary offload folders
     tokenizer: tuple[Any, str] | None = field(default=None, repr=False)  # (tokenizer, why none): a .gguf file's
-    gguf: Any = field(default=None, repr=False)  # a .gguf MODEL's validated file (GGUFFile): an engine reuses its parse
 
     def close(self) -> None:
         """Release what loading created outside the model (the temporary offload folder).
