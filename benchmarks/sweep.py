@@ -46,6 +46,23 @@ class Finding:
     test: str  # the test that reproduces it in plain transformers (path::name)
     message: str = ""  # for a crash: a fragment of the exception's message
     design: bool = False  # faithful to the published architecture: by design, not a bug
+    since: str = ""  # the first transformers release it holds on ("": every release tested before it)
+    fixed_in: str = ""  # the first release where upstream no longer shows it ("": holds on the newest tested)
+
+    def holds(self, version: str | None = None) -> bool:
+        """Whether this finding holds on transformers `version` (the installed one by default)."""
+        from packaging.version import Version
+
+        v = Version(version or _installed_transformers())
+        return (not self.since or v >= Version(self.since)) and (not self.fixed_in or v < Version(self.fixed_in))
+
+    def versions(self) -> str:
+        """The releases it holds on, as the page shows them."""
+        if self.since and self.fixed_in:
+            return f"{self.since} to before {self.fixed_in}"
+        if self.since:
+            return f"{self.since} and later"
+        return f"before {self.fixed_in}" if self.fixed_in else "every release tested"
 
     def matches(self, summary: str) -> bool:
         """The summary names this path first and fails it the way this finding does."""
@@ -57,12 +74,23 @@ class Finding:
         return f"{crashed}{self.kind}:" in summary and self.message in summary
 
 
-def _crash(path: str, kind: str, message: str, what: str, test: str) -> Finding:
-    return Finding(path, kind, what, test, message)
+def _crash(path: str, kind: str, message: str, what: str, test: str, **versions: str) -> Finding:
+    return Finding(path, kind, what, test, message, **versions)
 
 
-def _static_crash(path: str, what: str) -> Finding:
-    return _crash(path, "RuntimeError", "must match the size of tensor b", what, f"{PLAIN}::test_cached_path_crashes")
+def _static_crash(path: str, what: str, **versions: str) -> Finding:
+    return _crash(path, "RuntimeError", "must match the size of tensor b", what, f"{PLAIN}::test_cached_path_crashes",
+                  **versions)
+
+
+def _installed_transformers() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+# The transformers release the rows of benchmarks/sweep.jsonl without a "transformers" field were swept on.
+LEGACY_ROWS = "5.24.0"
 
 
 # batch's WARN for the caller's contract (only the left-padded row without position_ids differs; explicit ids right)
@@ -71,11 +99,12 @@ CONTINUATION = f"{PLAIN}::test_cached_continuation_differs_from_the_full_forward
 PADDED = f"{PLAIN}::test_padded_row_differs_from_itself_alone"
 LEFT_PADDED_GENERATE = f"{PLAIN}::test_left_padded_generate_differs_from_each_row_alone"
 INKLING_SLIDING = "static cache past the sliding window crashes (hybrid_sliding mask sized for the full layers)"
+INKLING_BIAS = "static cache: the relative bias reads the query offset after the update has grown it"
 # model type -> {check: Finding}: the verdicts on these healthy default-init models that are upstream findings (bugs in
 # stock transformers on paths it accepts, or by design), each reproduced in plain transformers by the test it names and
 # described under "Findings" in docs/support.md. Any other FAIL, or a FAIL of a listed check that does not match its
 # fingerprint, is a false verdict to fix (counted as unclassified).
-FINDINGS: dict[str, dict[str, Finding]] = {
+FINDINGS: dict[str, dict[str, Finding | tuple[Finding, ...]]] = {
     "gpt_neo": {"cache": _static_crash(
         "static/decode", "a StaticCache longer than max_position_embeddings crashes with every position in range: "
         "the hard-coded causal buffer is max_position_embeddings wide")},
@@ -123,8 +152,13 @@ FINDINGS: dict[str, dict[str, Finding]] = {
                               "padding runs through it", PADDED, design=True)},
     "recurrent_gemma": {"batch": Finding(DEFAULTS_ROW, WRONG, "without position_ids a left-padded row reads its pads "
                                          "into the recurrence", PADDED),
-                        "cache": Finding("dynamic/chunks", WRONG, "a multi-token cache continuation restarts the "
-                                         "convolution state", CONTINUATION)},
+                        "cache": (Finding("dynamic/chunks", WRONG, "a multi-token cache continuation restarts the "
+                                          "convolution state", CONTINUATION, fixed_in="5.25.0"),
+                                  Finding("dynamic/decode", WRONG, "a cached forward without position_ids numbers the "
+                                          "new tokens from 0 (the cache's length is read from a recurrent layer); "
+                                          "multi-token continuations restart the convolution state as before",
+                                          f"{PLAIN}::test_recurrent_gemma_cached_step_without_ids_restarts_at_0",
+                                          since="5.25.0"))},
     "trocr": {"generate": Finding("dynamic/batch", WRONG, "positions from the first padding column: the position_ids "
                                   "generate() derives are dropped", LEFT_PADDED_GENERATE)},
     "yoso": {"batch": Finding("row 'a right-padded'", WRONG, "its padding mask is a no-op (a 0/1 mask read as "
@@ -145,12 +179,19 @@ FINDINGS: dict[str, dict[str, Finding]] = {
     "kosmos-2.5": {"generate": Finding("dynamic/batch", WRONG, "cached steps number a left-padded row from its first "
                                        "padding column", "tests/test_sweep_kosmos25.py::"
                                        "test_kosmos25_decode_positions_count_the_padding_plain_transformers")},
-    **{t: {"generate": _static_crash("static/single", INKLING_SLIDING)}
+    **{t: {"generate": (_static_crash("static/single", INKLING_SLIDING, fixed_in="5.25.0"),)}
        for t in ("inkling2", "inkling2_loop", "inkling2_loop_text", "inkling2_text")},
-    **{t: {"generate": _static_crash("static/single", INKLING_SLIDING),
-           "cache": Finding("static/decode", WRONG, "static cache: the relative bias reads the query offset after the "
-                            "update has grown it", CONTINUATION)}
+    **{t: {"generate": (_static_crash("static/single", INKLING_SLIDING, fixed_in="5.25.0"),
+                        Finding("static/single", WRONG, INKLING_BIAS, f"{PLAIN}::test_static_cache_generate_differs_"
+                                "from_the_dynamic_one", since="5.25.0")),
+           "cache": Finding("static/decode", WRONG, INKLING_BIAS, CONTINUATION)}
        for t in ("inkling_text", "inkling_mm_model")},
+    # Falcon with ALiBi (the zoo's falcon_alibi: the sweep's falcon type is built with RoPE)
+    "falcon_alibi": {"kernels": Finding("", WRONG, "eager adds ALiBi twice (once folded into the mask, once in the "
+                                        "attention): eager and SDPA disagree", "tests/test_kernels.py::"
+                                        "test_falcon_alibi_eager_adds_alibi_twice", fixed_in="5.25.0"),
+                     "shift": Finding("", WRONG, "the ALiBi bias is computed in bfloat16: positions past 256 round",
+                                      "tests/test_shift.py::test_falcon_alibi_bias_is_computed_in_bfloat16")},
 }
 
 
@@ -273,9 +314,24 @@ def _limit_memory() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
 
 
+def finding(model_type: str, check: str, version: str | None = None) -> Finding | None:
+    """The entry of FINDINGS for (model_type, check) that holds on transformers `version` (installed by default);
+    None where there is none, or upstream fixed it by then."""
+    entry = FINDINGS.get(model_type, {}).get(check)
+    entries = entry if isinstance(entry, tuple) else (entry,) if entry else ()
+    return next((f for f in entries if f.holds(version)), None)
+
+
+def every_finding() -> list[tuple[str, str, Finding]]:
+    """(model type, check, finding) for every entry, each version range apart."""
+    return [(t, n, f) for t, by_check in sorted(FINDINGS.items()) for n, entry in sorted(by_check.items())
+            for f in (entry if isinstance(entry, tuple) else (entry,))]
+
+
 def finding_of(row: dict, name: str) -> Finding | None:
-    """The listed finding a row's verdict of check `name` is: a FAIL or WARN matching the entry's fingerprint."""
-    found = FINDINGS.get(row["type"], {}).get(name)
+    """The listed finding a row's verdict of check `name` is: a FAIL or WARN matching the entry's fingerprint (the
+    entry that holds on the transformers the row was swept on)."""
+    found = finding(row["type"], name, row.get("transformers", LEGACY_ROWS))
     status, summary = row.get("checks", {}).get(name, ("skip", ""))
     return found if found and status in ("fail", "warn") and found.matches(summary) else None
 
@@ -284,7 +340,8 @@ def stale_findings() -> list[str]:
     """FINDINGS entries the committed rows do not show (the row passes, or fails some other way)."""
     rows = done()
     return [f"{t} {n}" for t, by_check in FINDINGS.items() for n in by_check
-            if t in rows and finding_of(rows[t], n) is None]
+            if t in rows and finding(t, n, rows[t].get("transformers", LEGACY_ROWS))
+            and finding_of(rows[t], n) is None]
 
 
 def counts() -> dict[str, int]:
@@ -377,10 +434,10 @@ def _findings_table() -> list[str]:
     """FINDINGS as the page shows it: what each entry fails, how (its fingerprint), and the plain reproduction."""
     lines = ["The fingerprint a verdict must match to count as the finding (anything else is unclassified): the path "
              "the check's summary names first, and how it fails there.", "",
-             "| model type | check | path | fails as | what | bug or by design | reproduced in |", "|---" * 7 + "|"]
-    for model_type, by_check in sorted(FINDINGS.items()):
-        for name, f in sorted(by_check.items()):
-            how = "wrong values" if f.kind == WRONG else f"crash: {f.kind} (`{f.message}`)"
-            lines.append(f"| {model_type} | {name} | `{f.path}` | {how} | {f.what} | "
-                         f"{'by design' if f.design else 'bug'} | `{f.test}` |")
+             "| model type | check | path | fails as | what | bug or by design | transformers | reproduced in |",
+             "|---" * 8 + "|"]
+    for model_type, name, f in every_finding():
+        how = "wrong values" if f.kind == WRONG else f"crash: {f.kind} (`{f.message}`)"
+        lines.append(f"| {model_type} | {name} | `{f.path}` | {how} | {f.what} | "
+                     f"{'by design' if f.design else 'bug'} | {f.versions()} | `{f.test}` |")
     return lines

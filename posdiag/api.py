@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from posdiag import checks
-from posdiag.errors import MaskRefused, PosdiagError, describe_error
+from posdiag.errors import InternalsChanged, MaskRefused, PosdiagError, describe_error
 from posdiag.options import RunOptions
 from posdiag.results import GATEABLE, CheckResult, GatePolicy, Report, Status
 
@@ -102,6 +102,8 @@ def _run_one(subject: Any, name: str, options: RunOptions) -> CheckResult:
         raise
     except MaskRefused as exc:  # the model takes no form of the pattern a probe needs: nothing to judge
         result = CheckResult(name, Status.SKIP, str(exc), details={"mask_refused": str(exc)})
+    except InternalsChanged as exc:  # a hook's transformers internal moved: no verdict, never an ERROR
+        result = CheckResult(name, Status.SKIP, str(exc), details={"internals_changed": exc.what})
     except Exception as exc:  # a crash is posdiag's bug: an ERROR (exit 3), never a pass, never a finding
         error = describe_error(exc)
         where = traceback.extract_tb(exc.__traceback__)[-1]

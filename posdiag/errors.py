@@ -65,6 +65,23 @@ def _raised_at(exc: BaseException) -> str | None:
     return outside_torch[-1] if outside_torch else None
 
 
+class InternalsChanged(Exception):
+    """A transformers internal that a family hook reads (a kwarg a block is handed, a module attribute, a function of
+    a modeling module) is not there in the installed transformers. Not a finding about the model and not a crash to
+    report as posdiag's bug: the check SKIPs, naming what changed and the versions posdiag was tested on, so a healthy
+    model is never an ERROR because a release renamed something."""
+
+    def __init__(self, what: str):
+        import transformers
+
+        from posdiag._version import TRANSFORMERS_TESTED, __version__
+
+        self.what = what
+        low, high = TRANSFORMERS_TESTED
+        super().__init__(f"this transformers version ({transformers.__version__}) changed {what}; "
+                         f"posdiag {__version__} knows transformers {low} to {high}")
+
+
 class MaskRefused(Exception):
     """The model refuses the explicit attention-mask form a probe needs, and no form it accepts expresses the
     probe's pattern (a permuted or edited pattern has no 2D padding-mask form). Not a finding about the model and

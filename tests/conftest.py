@@ -1,6 +1,4 @@
-import datetime
 import os
-import zlib
 from pathlib import Path
 
 import pytest
@@ -15,39 +13,12 @@ ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures"
 
 
-# Rotating sweep rows. A test (or one parameter of it) marked `sweep` is exhaustive repetition over model types: the
-# same assertion on one more family. Each run keeps the rows whose stable hash falls on today's slot of
-# SWEEP_DAYS (every row runs at least once a week of daily CI runs) and deselects the others, which pytest counts
-# in its summary ("N deselected"). `-m sweep` (or any -m naming sweep), POSDIAG_SWEEP=all, or naming a test by its
-# id runs every row; POSDIAG_SWEEP=<n> runs slot n. Real-bug regressions and planted twins are never marked: they
-# run every time.
-SWEEP_DAYS = 7
-
-
 def pytest_configure(config):
-    config.addinivalue_line("markers", "sweep: one row of an exhaustive per-model-type repetition; CI runs a rotating "
-                                       "seventh of these rows (every row with -m sweep or POSDIAG_SWEEP=all)")
-    # Fixed once in the controlling process: xdist workers inherit it, so every worker deselects the same rows.
-    os.environ.setdefault("POSDIAG_SWEEP", str(datetime.date.today().toordinal() % SWEEP_DAYS))
-
-
-def sweep_slot(nodeid: str) -> int:
-    """The day slot of one sweep row: stable across runs, machines and Python hash seeds."""
-    return zlib.crc32(nodeid.encode()) % SWEEP_DAYS
-
-
-def pytest_collection_modifyitems(config, items):
-    chosen = os.environ["POSDIAG_SWEEP"]
-    if chosen == "all" or "sweep" in (config.getoption("markexpr") or ""):
-        return
-    if any("::" in arg for arg in config.args):  # a test asked for by its id runs whatever the day
-        return
-    today = int(chosen) % SWEEP_DAYS
-    resting = [i for i in items if i.get_closest_marker("sweep") and sweep_slot(i.nodeid) != today]
-    if resting:
-        config.hook.pytest_deselected(items=resting)
-        rest = set(map(id, resting))
-        items[:] = [i for i in items if id(i) not in rest]
+    # `sweep` marks one row of an exhaustive per-model-type repetition (the same assertion on one more family). Every
+    # row runs in every run (all of them cost ~20 s of one core): the same commit runs the same tests on any day.
+    # `-m sweep` runs those rows alone, `-m "not sweep"` everything else.
+    config.addinivalue_line("markers", "sweep: one row of an exhaustive per-model-type repetition (`-m sweep` runs "
+                                       "them alone)")
 
 
 @pytest.fixture(autouse=True, scope="session")

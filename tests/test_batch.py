@@ -9,7 +9,7 @@ restart positions, since a constant offset is invisible; and a path that drops t
 import plants_order
 import pytest
 import torch
-from sweep_rows import CORE_FAMILIES, rotating
+from sweep_rows import CORE_FAMILIES, exhaustive
 
 from posdiag.api import _run_one, run_checks
 from posdiag.model.loading import from_module
@@ -46,7 +46,7 @@ def assert_healthy(result, family):
     assert {r for r, e in result.details["error_per_row"].items() if e > tolerance} == {LEFT_DEFAULTS}
 
 
-@pytest.mark.parametrize("family", rotating(zoo.FAMILIES, CORE_FAMILIES | set(DEFAULT_PATH_BUGS)))
+@pytest.mark.parametrize("family", exhaustive(zoo.FAMILIES, CORE_FAMILIES | set(DEFAULT_PATH_BUGS)))
 def test_every_family_passes(family):
     result = batch(zoo.tiny_model(family))
     assert_healthy(result, family)

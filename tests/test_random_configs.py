@@ -19,7 +19,7 @@ import os
 import random
 
 import pytest
-from sweep_rows import rotating
+from sweep_rows import exhaustive
 
 from posdiag.api import run_checks
 from posdiag.model.loading import from_module
@@ -81,7 +81,7 @@ SEEDS = list(range(SAMPLE)) + [s for s in REGRESSIONS if s >= SAMPLE]
 
 # The sample rotates (a seventh of it per run, tests/sweep_rows.py); the regression seeds run every time.
 @pytest.mark.parametrize("seed", [pytest.param(s, marks=pytest.mark.slow) for s in SEEDS] if FULL
-                         else rotating(SEEDS, always=REGRESSIONS))
+                         else exhaustive(SEEDS, always=REGRESSIONS))
 def test_healthy_random_config_never_fails(seed):
     model_type, config = random_config(seed)
     try:

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from sweep_rows import rotating
+from sweep_rows import exhaustive
 
 from posdiag import api
 from posdiag.model.loading import from_module
@@ -25,7 +25,7 @@ def rope(model, **check_options):
     return report.check("rope")
 
 
-@pytest.mark.parametrize("family", rotating(zoo.FAMILIES))
+@pytest.mark.parametrize("family", exhaustive(zoo.FAMILIES))
 def test_every_zoo_family_passes_or_skips(family):
     result = rope(zoo.tiny_model(family))
     if zoo.position_kind(family) == "rope":

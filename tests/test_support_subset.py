@@ -12,7 +12,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from sweep_rows import rotating
+from sweep_rows import exhaustive
 from sweep_support import sweep_module
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,7 +23,7 @@ def _sweep():
     return sweep_module()
 
 
-@pytest.mark.parametrize("model_type", rotating(SUBSET, always=("llama", "qwen2_vl")))
+@pytest.mark.parametrize("model_type", exhaustive(SUBSET, always=("llama", "qwen2_vl")))
 def test_sweep_row(model_type):
     warnings.filterwarnings("ignore")
     sweep = _sweep()
@@ -73,7 +73,6 @@ def test_a_fail_that_does_not_match_its_fingerprint_is_unclassified():
 
 def test_every_finding_names_a_test_that_exists():
     sweep = _sweep()
-    for model_type, by_check in sweep.FINDINGS.items():
-        for name, finding in by_check.items():
-            path, _, function = finding.test.partition("::")
-            assert f"def {function}(" in (ROOT / path).read_text(), (model_type, name, finding.test)
+    for model_type, name, finding in sweep.every_finding():
+        path, _, function = finding.test.partition("::")
+        assert f"def {function}(" in (ROOT / path).read_text(), (model_type, name, finding.test)

@@ -17,6 +17,7 @@ import warnings
 import pytest
 import torch
 import transformers
+from sweep_support import WRONG, sweep_module
 
 from posdiag.api import run_checks
 from posdiag.model.loading import from_module
@@ -73,12 +74,19 @@ def test_inkling_static_cache_query_offset_is_read_before_the_update_grows_it():
 
 @pytest.mark.parametrize("model_type", ["inkling_text", "inkling2_text", "inkling2_loop_text"])
 def test_inkling_static_generate_past_the_sliding_window_crashes(model_type):
-    """generate(cache_implementation="static") past the sliding window raises in every Inkling model (the mask
-    generate builds for a "hybrid_sliding" layer is as long as the full layers' cache): a FAIL naming the exception."""
+    """Up to transformers 5.24, generate(cache_implementation="static") past the sliding window raises in every
+    Inkling model (the mask generate builds for a "hybrid_sliding" layer is as long as the full layers' cache): a
+    FAIL naming the exception. 5.25 fixed the crash: Inkling2 then PASSes, and Inkling (v1) FAILs with wrong values,
+    its static cache's relative bias one step off (the `cache` finding, now reached by generate too)."""
     result = _run(model_type, "generate")
-    assert result.status is Status.FAIL, result.summary
-    assert "static/single crashed: RuntimeError" in result.summary, result.summary
-    assert "must match the size of tensor b" in result.summary, result.summary
+    found = sweep_module().finding(model_type, "generate")
+    if found is None:
+        assert result.status is Status.PASS, result.summary
+        return
+    assert result.status is Status.FAIL and found.matches(result.summary), result.summary
+    if found.kind != WRONG:
+        assert "static/single crashed: RuntimeError" in result.summary, result.summary
+        assert "must match the size of tensor b" in result.summary, result.summary
 
 
 def test_inkling2_static_generate_with_only_full_hybrid_layers_passes():
@@ -95,7 +103,7 @@ def test_inkling_static_generate_crash_shows_with_a_probe_the_window_holds():
     options = RunOptions(seq_len=4, check_options={"generate": {"new_tokens": 3}})
     result = run_checks(subject, ["generate"], options).check("generate")
     assert result.status is Status.FAIL, result.summary
-    assert "static/single crashed: RuntimeError" in result.summary, result.summary
+    assert sweep_module().finding("inkling_text", "generate").matches(result.summary), result.summary
     assert result.details["alone_prompt_length"] == 12 and result.details["prompt_lengths"] == [4, 3, 2]
     runs = result.details["runs"]
     assert runs["dynamic/single"]["status"] is Status.PASS and runs["dynamic/batch"]["status"] is Status.PASS

@@ -14,6 +14,7 @@ import warnings
 
 import torch
 import transformers
+from sweep_support import sweep_module
 
 from posdiag.api import run_checks
 from posdiag.model.loading import from_module
@@ -88,10 +89,15 @@ def test_recurrent_gemma_findings_left_padding_without_ids_and_chunked_continuat
     failing = [r for r, e in batch.details["error_per_row"].items() if e > 1e-3]
     assert failing == [LEFT_DEFAULTS], batch.details["error_per_row"]  # explicit position_ids reset the recurrence
     cache = report.check("cache")
-    assert cache.status is Status.FAIL and "chunks" in cache.summary, cache.summary
+    assert cache.status is Status.FAIL and sweep_module().finding("recurrent_gemma", "cache").matches(cache.summary)
     paths = cache.details["paths"]
-    assert all((p["status"] is Status.PASS) == ("decode" in name) for name, p in paths.items()), paths
-    # one token at a time agrees; every multi-token chunk restarts the convolution state
+    # every multi-token chunk restarts the convolution state; one token at a time agrees up to transformers 5.24,
+    # and from 5.25 (the state moved into Cache layers) only where the step's position_ids are given: a cached step
+    # without them is numbered from 0 (test_findings_plain's reproduction)
+    numbered_from_0 = sweep_module().finding("recurrent_gemma", "cache").path == "dynamic/decode"
+    agrees = {name for name, p in paths.items() if p["status"] is Status.PASS}
+    decode = {name for name in paths if "decode" in name}
+    assert agrees == ({n for n in decode if "position_ids" in n} if numbered_from_0 else decode), paths
 
 
 def test_deberta_v3_relative_positions_from_storage_order_and_a_twin_without_positions():

@@ -48,6 +48,7 @@ from posdiag.model.caches import (
     cache_refusal,
     cache_support,
     copied_cache,
+    held_tensors,
     keeps_kv_cache,
     new_cache,
     static_cache_refusal,
@@ -251,11 +252,11 @@ def _run_path(feed: Feed, path: PathResult, cache: Any, reference: torch.Tensor,
     """Feed the path's steps from `first` on through its cache, each step's error against the reference taken as it
     comes out. Returns a copy of the cache after its first `branch` steps and their errors (for the paths continuing
     it), or None where it has none (no branch, a crash before it, a cache that cannot be copied)."""
-    snapshot = None
+    snapshot, held = None, held_tensors(feed.subject.model) if branch else {}
     try:
         for index, (start, end) in enumerate(path.steps[first:], first):
             path.errors.append(relative_l2(feed(start, end, cache, path.explicit_ids), reference[start:end]))
-            if index + 1 == branch:
+            if index + 1 == branch and held_tensors(feed.subject.model) == held:  # no state kept outside the cache
                 copied = copied_cache(cache)
                 snapshot = None if copied is None else (copied, list(path.errors))
     except StateMissing:

@@ -138,6 +138,17 @@ def copied_cache(cache: Any) -> Any | None:
     return copied
 
 
+def held_tensors(model: Any) -> dict[str, tuple[int, tuple[int, ...], float]]:
+    """Tensors modules hold as plain attributes (not parameters, not buffers), by name: (storage, shape, sum; inference
+    tensors keep no version counter, so an in-place write shows in the sum). A forward
+    that changes them keeps call state outside its cache object, so a copy of the cache is not a snapshot of the
+    model (RecurrentGemma from transformers 5.25 keeps its convolution state on the modules: a path continuing a
+    copied cache read another path's state, 0.03 off)."""
+    return {f"{name}.{key}": (value.untyped_storage().data_ptr(), tuple(value.shape), float(value.double().sum()))
+            for name, module in model.named_modules() for key, value in vars(module).items()
+            if isinstance(value, torch.Tensor) and not key.startswith("_")}
+
+
 def _reachable(obj: Any, seen: set[int] | None = None, depth: int = 0) -> list[Any]:
     """obj and what it holds through attributes, lists, tuples and dicts (a cache's own state), modules not entered."""
     seen = set() if seen is None else seen

@@ -54,14 +54,31 @@ def bloom_mask(subject: Any, patterns: dict, kwargs: dict) -> Any:
 
 
 def falcon_alibi_mask(subject: Any, patterns: dict, kwargs: dict) -> Any:
-    """FalconModel folds alibi/sqrt(head_dim) into the float mask it hands the layers; rebuild that."""
+    """FalconModel folds alibi/sqrt(head_dim) into the float mask it hands the blocks; rebuild that with our pattern.
+
+    The model's own bias is read, never recomputed (a model whose ALiBi is broken must show it): the block's `alibi`
+    kwarg where FalconModel passes it (transformers <= 5.24), else the mask FalconModel hands the block (5.25
+    stopped passing `alibi`: the mask carries it). Called without padding, that mask's last query row sees every
+    key, so it is the bias by key, [B, H, Tk]."""
+    import torch
+    full = patterns["full"]  # [B, Tq, Tk]
+    bias = _falcon_bias_by_key(subject, kwargs)  # [B, H, 1, Tk]
+    bias = bias.expand(full.shape[0], -1, full.shape[1], -1).to(subject.dtype)
+    return bias.masked_fill(~full[:, None], torch.finfo(subject.dtype).min)
+
+
+def _falcon_bias_by_key(subject: Any, kwargs: dict) -> Any:
     import math
 
-    import torch
-    alibi = kwargs["alibi"]
-    head_dim = subject.config.hidden_size // subject.config.num_attention_heads
-    if alibi.ndim == 3:  # [B*H, 1, T] as built; FalconModel hands the blocks [B, H, 1, T]
-        alibi = alibi.reshape(-1, subject.config.num_attention_heads, *alibi.shape[1:])
-    bias = alibi / math.sqrt(head_dim)
-    bias = bias.expand(patterns["full"].shape[0], -1, patterns["full"].shape[1], -1).to(subject.dtype)
-    return bias.masked_fill(~patterns["full"][:, None], torch.finfo(subject.dtype).min)
+    from posdiag.errors import InternalsChanged
+    heads = subject.config.num_attention_heads
+    alibi = kwargs.get("alibi")
+    if alibi is not None:
+        if alibi.ndim == 3:  # [B*H, 1, Tk] as built; FalconModel <= 5.24 hands the blocks [B, H, 1, Tk]
+            alibi = alibi.reshape(-1, heads, *alibi.shape[1:])
+        return alibi / math.sqrt(subject.config.hidden_size // heads)
+    mask = kwargs.get("attention_mask")
+    if mask is None or not mask.is_floating_point() or mask.ndim != 4 or mask.shape[1] != heads:
+        raise InternalsChanged("how Falcon-ALiBi hands its bias to the blocks (no `alibi` kwarg, and the block's "
+                               "attention_mask is not the float [B, heads, Tq, Tk] bias)")
+    return mask[:, :, -1:, :]

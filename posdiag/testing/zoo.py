@@ -359,11 +359,11 @@ def _zero_alibi(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     import torch
 
     alibi = kwargs.get("alibi")
-    if alibi is None:
-        return args, kwargs
-    kwargs["alibi"] = torch.zeros_like(alibi)
+    if alibi is not None:
+        kwargs["alibi"] = torch.zeros_like(alibi)
     mask = kwargs.get("attention_mask")
     if type(module).__name__ == "FalconDecoderLayer" and mask is not None and mask.is_floating_point():
-        # FalconModel.forward folds alibi / sqrt(head_dim) into the mask it passes down; keep only blocking.
+        # FalconModel.forward folds alibi / sqrt(head_dim) into the mask it passes down (from transformers 5.25 the
+        # only place the blocks get it); keep only blocking.
         kwargs["attention_mask"] = torch.where(mask < -1, torch.finfo(mask.dtype).min, 0.0).to(mask.dtype)
     return args, kwargs
