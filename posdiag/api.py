@@ -54,9 +54,11 @@ def _names(value: str | Iterable[str] | None) -> list[str]:
 
 
 def run_checks(subject: Any, names: Iterable[str] | None = None, options: RunOptions | None = None,
-               on_progress: Callable[[str], None] | None = None, policy: GatePolicy | None = None) -> Report:
+               on_progress: Callable[[str], None] | None = None, policy: GatePolicy | None = None,
+               on_result: Callable[[CheckResult], None] | None = None) -> Report:
     """Run the named checks (default: all) on one loaded subject; the model is reused across them.
-    The report is judged by `policy` (default: only a FAIL fails the gate)."""
+    The report is judged by `policy` (default: only a FAIL fails the gate). `on_progress(name)` is called as a
+    check starts, `on_result(result)` as it finishes."""
     import torch
 
     options = options or RunOptions()
@@ -77,6 +79,8 @@ def run_checks(subject: Any, names: Iterable[str] | None = None, options: RunOpt
             if on_progress:
                 on_progress(name)
             results.append(_run_one(subject, name, options))
+            if on_result:
+                on_result(results[-1])
             _forget_call_state(subject.model)
             if large:
                 gc.collect()

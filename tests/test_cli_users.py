@@ -324,3 +324,20 @@ def test_junit_is_written_when_the_run_ends_before_any_check(fixtures_dir, tmp_p
     assert result.exit_code == 2, result.output
     text = junit.read_text()
     assert 'name="load"' in text and "UsageOrLoadError" in text and "exceeds the model's declared context" in text
+
+
+def test_a_log_without_a_terminal_gets_one_line_per_finished_check(fixtures_dir):
+    """In a CI log (stderr no terminal) the spinner shows nothing: each finished check is one plain line on stderr
+    with its verdict and seconds; -q keeps stderr silent."""
+    result = invoke("check", fixtures_dir / "llama-tiny", "--only", "shuffle,causal")
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.stderr.splitlines() if line.startswith("posdiag: ")]
+    assert [line.split()[1:3] for line in lines] == [["shuffle", "PASS"], ["causal", "PASS"]], result.stderr
+    assert all(line.endswith(" s)") for line in lines)
+    quiet = invoke("check", fixtures_dir / "llama-tiny", "--only", "shuffle", "-q")
+    assert "posdiag: shuffle" not in quiet.stderr
+
+
+def test_format_json_points_to_the_json_option(fixtures_dir):
+    result = invoke("check", fixtures_dir / "llama-tiny", "--format", "json")
+    assert result.exit_code == 2 and "--json -" in result.output, result.output

@@ -264,8 +264,12 @@ def test_every_page_is_scanned():
 def test_quick_start_is_the_two_commands():
     readme = (ROOT / "README.md").read_text()
     assert "```bash\npip install -e . && posdiag shuffle fixtures/llama-tiny\n```" in readme
-    assert '```bash\npip install -e ".[dev]" && python -m pytest -n 2 -q\n```' in readme
-    assert "python -m pytest -n 2 -q" in (ROOT / ".ci" / "run").read_text()
+    assert '```bash\npip install -e ".[dev]" -c constraints.txt && python -m pytest -n 2 -q\n```' in readme
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "python -m pytest -n 2 -q" in ci and "-c constraints.txt" in ci
+    pinned = dict(line.split("==") for line in (ROOT / "constraints.txt").read_text().splitlines()
+                  if "==" in line and not line.startswith("#"))
+    assert {"transformers", "huggingface_hub", "tokenizers", "accelerate", "safetensors", "gguf", "torch"} <= set(pinned)
 
 
 def slug(heading: str) -> str:

@@ -10,6 +10,7 @@ Heavy imports (torch, transformers) happen inside commands so `posdiag --help` i
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -18,6 +19,25 @@ import typer
 from posdiag._version import __version__
 from posdiag.cli import check, compare, kernels, rope
 from posdiag.cli._io import interrupted
+
+
+def _threads_before_torch(env: dict[str, str] = os.environ) -> None:  # type: ignore[assignment]
+    """How OpenMP threads wait, set before torch loads (its OpenMP runtime reads the environment once).
+
+    posdiag runs many small forwards (one-token cache steps, per-row probes); beside another busy process OpenMP's
+    idle threads spinning for work cost more than the work: measured on 2 cores, `check --only shuffle,cache` on the
+    real SmolLM2 took 144 s as is and 24 s with one thread (benchmarks/threads.py). Passive waiting keeps every core
+    for a quiet machine and stops spinning on a busy one. POSDIAG_THREADS=N runs N threads (OMP_NUM_THREADS, unless
+    that is set); POSDIAG_THREADS=omp leaves OpenMP's own defaults; an OMP_WAIT_POLICY you set is kept."""
+    chosen = env.get("POSDIAG_THREADS", "").strip().lower()
+    if chosen == "omp":
+        return
+    if chosen.isdigit() and int(chosen) > 0:
+        env.setdefault("OMP_NUM_THREADS", chosen)
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+_threads_before_torch()
 
 EXIT_CODES = (
     "Exit codes: 0 no check failed (warnings and skips allowed unless --fail-on refuses them); "

@@ -72,9 +72,12 @@ def run_command(ctx: typer.Context, given: Settings, fixed_checks: list[str] | N
         subject = guarded(lambda: _junit_if_aborted(settings, lambda: load_model(settings)), debug)
     try:
         options = guarded(lambda: _junit_if_aborted(settings, lambda: run_options(settings, subject)), debug)
+        # Where stderr is no terminal (a CI log), the spinner shows nothing: one plain line per finished check instead.
+        finished = None if settings.quiet or err.is_terminal else _finished_line
         with err.status("running checks…") as status:
             progress = _Progress(names, status.update)
-            report = guarded(lambda: run_checks(subject, names, options, on_progress=progress, policy=policy), debug)
+            report = guarded(lambda: run_checks(subject, names, options, on_progress=progress, policy=policy,
+                                                on_result=finished), debug)
     finally:
         subject.close()  # the temporary offload folder of a --device-map run
     first_baseline = None
@@ -104,6 +107,13 @@ class _Progress:
         import time
 
         return f"check {self.index}/{self.total} {self.name} · {time.perf_counter() - self.start:.1f} s"
+
+
+def _finished_line(result) -> None:
+    """`posdiag: cache FAIL (4.8 s)`: a long run's log says where it is."""
+    import sys
+
+    print(f"posdiag: {result.name} {result.status.value.upper()} ({result.seconds:.1f} s)", file=sys.stderr, flush=True)
 
 
 def _list_checks() -> None:

@@ -49,9 +49,14 @@ def _did_you_mean(spec: str) -> str:
 
 def output_format(settings: Settings) -> None:
     """--format names one of the registry's stream formats."""
+    from posdiag.report.formats import FORMATS
+
     names = stream_names()
     if settings.format is not None and settings.format not in names:
-        fail(f"--format {settings.format}: use {' or '.join(names)}")
+        files = [f for f in FORMATS.values() if f.name == settings.format and f.paths]
+        hint = f"; for {settings.format} use --{files[0].paths[0]} - (stdout) or --{files[0].paths[0]} PATH" \
+            if files else ""
+        fail(f"--format {settings.format}: use {' or '.join(names)}{hint}")
 
 
 def outputs(**paths: str | None) -> None:
