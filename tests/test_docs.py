@@ -269,7 +269,8 @@ def test_quick_start_is_the_two_commands():
     assert "python -m pytest -n 2 -q" in ci and "-c constraints.txt" in ci
     pinned = dict(line.split("==") for line in (ROOT / "constraints.txt").read_text().splitlines()
                   if "==" in line and not line.startswith("#"))
-    assert {"transformers", "huggingface_hub", "tokenizers", "accelerate", "safetensors", "gguf", "torch"} <= set(pinned)
+    needed = {"transformers", "huggingface_hub", "tokenizers", "accelerate", "safetensors", "gguf", "torch"}
+    assert needed <= set(pinned), needed - set(pinned)
 
 
 def slug(heading: str) -> str:
