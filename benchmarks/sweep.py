@@ -14,6 +14,7 @@ import resource
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -227,7 +228,8 @@ def check_one(model_type: str, seq_len: int = 16, threads: int = 1) -> dict:
     from posdiag.options import RunOptions
     from posdiag.testing.multimodal import small_model
 
-    row: dict = {"type": model_type, "kind": model_types().get(model_type, "?"), "statuses": ROW_STATUSES}
+    row: dict = {"type": model_type, "kind": model_types().get(model_type, "?"), "statuses": ROW_STATUSES,
+                 "transformers": transformers.__version__}
     try:
         subject = from_module(small_model(model_type), name=model_type)
     except Exception as exc:  # not instantiable from a small config on CPU: listed with the reason
@@ -356,7 +358,9 @@ def counts() -> dict[str, int]:
             "errors": sum(s == "error" for *_, s in statuses), "fails": len(fails),
             "not_applicable": sum(s == "n/a" for *_, s in statuses),
             "current": sum(r.get("statuses") == ROW_STATUSES for r in rows.values()),
-            "unclassified": sum(f is None for f in fails), "by_design": sum(bool(f and f.design) for f in fails)}
+            "unclassified": sum(f is None for f in fails), "by_design": sum(bool(f and f.design) for f in fails),
+            **{f"on {v}": n for v, n in sorted(Counter(r.get("transformers", LEGACY_ROWS) for r in rows.values())
+                                               .items())}}
 
 
 def readme_sentence(c: dict[str, int]) -> str:
@@ -368,7 +372,8 @@ def readme_sentence(c: dict[str, int]) -> str:
     return (f"Swept over {swept} of transformers' causal-LM, seq2seq, masked-LM and image-text-to-text mappings, a "
             f"tiny default-init model each ([the table](docs/support.md#every-model-type-the-sweep)"
             + (f"; {c['current']} rows re-swept on the current code, the others from the previous full sweep"
-               if c["current"] < c["swept"] else "") + "): "
+               if c["current"] < c["swept"] else "")
+            + "; transformers " + ", ".join(f"{k[3:]}: {n} rows" for k, n in c.items() if k.startswith("on ")) + "): "
             f"**{c['judged']} of {c['total']} model types judged**, {c['skips']} check results skipped with their "
             f"reasons, {c['not_applicable']} not applicable by design, {c['errors']} errors, {fails}; "
             f"{c['not_built']} cannot be built from a small config on CPU (listed with the reason).")

@@ -4,7 +4,7 @@ attention layer).
 
 Models are built as the sweep builds them (posdiag.testing.multimodal.small_config, transformers' default init,
 float32, CPU). Every FAIL here was decided in float64 (the same figure: not rounding) and reproduced with plain
-transformers calls (figures in docs/support.md, "Findings on stock transformers 5.24").
+transformers calls (figures in docs/support.md, "Findings on stock transformers").
 """
 
 from __future__ import annotations
