@@ -43,9 +43,19 @@ def layer_mask_hook(build: Callable[[Any, dict, dict], Any]) -> Callable[[Any, d
         def hook(module, args, kwargs):
             kwargs["attention_mask"] = build(subject, patterns, kwargs)
             return args, kwargs
-        handles = [layer.register_forward_pre_hook(hook, with_kwargs=True) for layer in subject.model.transformer.h]
+        handles = [layer.register_forward_pre_hook(hook, with_kwargs=True) for layer in _blocks(subject.model)]
         return lambda: [h.remove() for h in handles]
     return inject
+
+
+def _blocks(model: Any) -> Any:
+    """Bloom's and Falcon's decoder blocks (`transformer.h`), or a SKIP naming what moved."""
+    from posdiag.errors import InternalsChanged
+
+    blocks = getattr(getattr(model, "transformer", None), "h", None)
+    if blocks is None:
+        raise InternalsChanged(f"where {type(model).__name__} keeps its decoder blocks (no transformer.h)")
+    return blocks
 
 
 def bloom_mask(subject: Any, patterns: dict, kwargs: dict) -> Any:
