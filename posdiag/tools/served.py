@@ -83,7 +83,7 @@ class ServedEngine:
         servers); the one generated token is dropped."""
         reply = self.complete({"prompt": text, "max_tokens": 1, "echo": True, "logprobs": k,
                                "prompt_logprobs": k, **GREEDY}, "scoring the prompt")
-        return _prompt_part(reply, text, k)
+        return prompt_part(reply, text, k)
 
     def generate(self, text: str, n: int, k: int) -> Reply:
         """N tokens greedily after TEXT, each with its top-K log-probs."""
@@ -169,6 +169,8 @@ _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedire
 
 
 def _error_text(exc: urllib.error.HTTPError) -> str:
+    if 300 <= exc.code < 400:
+        return str(exc.reason)
     try:
         body = exc.read().decode(errors="replace")
         message = json.loads(body).get("error", body)
@@ -201,7 +203,7 @@ def _scored(choice: dict[str, Any], what: str) -> list[Scored]:
             for i, t in enumerate(tokens)]
 
 
-def _prompt_part(reply: dict[str, Any], text: str, k: int) -> Reply:
+def prompt_part(reply: dict[str, Any], text: str, k: int) -> Reply:
     what = "scoring the prompt"
     choice = _choice(reply, what)
     usage = reply.get("usage") or {}
