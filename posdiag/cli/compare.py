@@ -95,12 +95,10 @@ def compare(reference: ReferenceArg, candidate: CandidateArg = None, long: LongO
     cannot write that conversion). By default the probe runs past the reference's sliding window;
     --long runs past the original context of scaled RoPE.
 
-    http://HOST:PORT/v1 (an OpenAI-compatible server: llama.cpp, llama-cpp-python, vLLM, SGLang) is
-    compared on the top-k log-probs it returns, by text through the reference's tokenizer: the prompt
-    route (echo + logprobs, checked for alignment first: a shifted route FAILs, never realigned) and the
-    generation route (greedy from a one-token prompt; --seq-len tokens, default 64; the reference
-    teacher-forces them). Requests go to that address only. A .onnx file runs in ONNX Runtime (CPU) on
-    the graph's own inputs (pip install 'posdiag[onnx]'), judged on its logits like any engine.
+    http://HOST:PORT/v1 (an OpenAI-compatible server) is compared on its top-k log-probs, by text through
+    the reference's tokenizer: the prompt route (echo + logprobs; a shifted route FAILs, never realigned)
+    and the generation route (greedy from one token, --seq-len tokens, default 64), to that address only.
+    A .onnx file runs in ONNX Runtime on the graph's own inputs (pip install 'posdiag[onnx]').
 
     posdiag compare model.gguf (one file): llama.cpp runs the file against PyTorch running the same
     weights, dequantised by transformers. A quantised file is also written as an F32 twin (every tensor
