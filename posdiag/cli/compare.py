@@ -119,8 +119,7 @@ def compare(reference: ReferenceArg, candidate: CandidateArg = None, long: LongO
         settings, model=candidate, dtype=candidate_dtype.value if candidate_dtype else load.dtype,
         attn_implementation=candidate_attn or load.attn_implementation, upcast=load.upcast and candidate_dtype is None,
     )
-    served = dict(served_model=served_model, api_key=api_key, route=route.value, top_k=top_k,
-                  served_dtype=served_dtype.value if served_dtype else None)
+    served = _served(candidate, served_model, api_key, served_dtype, route, top_k)
     ref, cand = _load_both(settings, candidate_settings, served)
     comparison = _compare(ref, cand, settings, long, mapping, served)
     _emit(comparison, ref, policy, settings, plot, f"posdiag compare {Path(reference).name} vs {Path(candidate).name}")
@@ -137,6 +136,17 @@ def _candidate_spec(reference: str, candidate: str | None) -> str:
     if not candidate.lower().startswith(("http://", "https://")):
         validate.model_spec(candidate)
     return candidate
+
+
+def _served(candidate: str, model: str | None, api_key: str | None, dtype: DType | None, route: Route,
+            top_k: int) -> dict:
+    """The server options, refused in one line for a candidate that is not a server."""
+    given = [name for name, value in (("--served-model", model), ("--api-key", api_key), ("--served-dtype", dtype),
+                                      ("--route", route is not Route.both or None)) if value]
+    if given and not candidate.lower().startswith(("http://", "https://")):
+        fail(f"{', '.join(given)}: for a server candidate (http://HOST:PORT/v1), not '{candidate}'")
+    return dict(served_model=model, api_key=api_key, route=route.value, top_k=top_k,
+                served_dtype=dtype.value if dtype and dtype is not DType.auto else None)
 
 
 def _emit(comparison, ref, policy, settings: Settings, plot: str | None, title: str) -> NoReturn:
