@@ -63,7 +63,8 @@ def compare_served(reference: Subject, engine: ServedEngine, *, route: str = "bo
         routes["prompt"] = _prompt_route(reference, engine, vocab, text, top_k, served_dtype, profiles, floor_sources)
     if route in ("both", "generation"):
         n = new_tokens or DEFAULT_NEW_TOKENS
-        routes["generation"] = _generation_route(reference, engine, vocab, text.split()[0], n, top_k, served_dtype,
+        start_from = prompt if prompt else text.split()[0]  # --text: from the end of a long prompt
+        routes["generation"] = _generation_route(reference, engine, vocab, start_from, n, top_k, served_dtype,
                                                  profiles, floor_sources)
     details: dict[str, Any] = {
         "reference": reference.info.to_dict(), "candidate": _candidate(engine), "routes": routes,
@@ -132,6 +133,13 @@ def _judged(name: str, m: dict[str, list[float]], start: int, profiles: list[Lay
     shape = classify(d, FAIL_RATIO * floor, {})
     if shape.get("onset_position") is not None:
         shape["onset_position"] += start
+    if start and shape["pattern"] != "none":  # classify reads index 0 as position 0; here it is position START
+        late = float(d[-max(1, d.numel() // 4):].mean())
+        shape["pattern"] = "from the first compared position" if shape["onset_position"] == start else \
+            "step at a length"
+        shape["why"] = (f"{float(d[0]):.2g} at position {start} (the first compared: the prompt before it is not), "
+                        f"{late:.2g} late; above the floor from position {shape['onset_position']}: compare from a "
+                        "one-token prompt (no --text) to see whether it starts at position 1")
     ratio = d / floor
     per = [math.nan] * start + d.tolist()
     profiles.append(LayerProfile(f"{name} route |Δ log-prob|", None, None, float(d.max()), float(floor.median()),
@@ -175,6 +183,7 @@ def _verdict(routes: dict[str, dict[str, Any]], details: dict[str, Any], k: int,
         elif r["status"] == "fail":
             lead = {"grows with position": f"error grows with position from {r['onset_position']}",
                     "step at a length": f"error starts at position {r['onset_position']}",
+                    "from the first compared position": f"error from position {r['onset_position']} on",
                     "uniform from position 0": "error uniform from position 0"}[r["pattern"]]
             parts.append(f"{name} route: {lead}: {r['why']}; worst |Δ log-prob| {r['worst_ratio']:.3g}x its floor at "
                          f"position {r['worst_position']}")
