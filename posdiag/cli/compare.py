@@ -5,6 +5,7 @@ by position. Exit codes: 0 the same model within rounding (or inconclusive), 1 t
 
 from __future__ import annotations
 
+import enum
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -41,13 +42,33 @@ CandidateDtypeOpt = Annotated[DType | None, typer.Option(
                               "(e.g. 'is my bf16 deployment the same model?').")]
 CandidateAttnOpt = Annotated[str | None, typer.Option(
     "--candidate-attn-implementation", help="Attention implementation for the candidate (default: as the reference).")]
+ServedModelOpt = Annotated[str | None, typer.Option(
+    "--served-model", help="A server candidate (http://HOST:PORT/v1): the model to ask for (default: the one it "
+                           "serves).")]
+ApiKeyOpt = Annotated[str | None, typer.Option(
+    "--api-key", help="A server candidate: its API key (default: the POSDIAG_API_KEY environment variable).")]
+ServedDtypeOpt = Annotated[DType | None, typer.Option(
+    "--served-dtype", help="A server candidate: the dtype it serves in; the reference run at that dtype joins the "
+                           "noise floor (e.g. bfloat16 for a bf16 vLLM deployment).")]
+class Route(str, enum.Enum):
+    both = "both"
+    prompt = "prompt"
+    generation = "generation"
+
+
+RouteOpt = Annotated[Route, typer.Option(
+    "--route", help="A server candidate: prompt (echo + logprobs), generation (greedy, top-k log-probs per token) "
+                    "or both.")]
+TopKOpt = Annotated[int, typer.Option("--top-k", min=1, max=20, help="A server candidate: log-probs asked per token.")]
 
 
 @takes(load=LOAD, run=RUN.only("seq_len", "seed", "text").but(seq_len=Opt(CompareSeqLenOpt)),
        gate=GATE.only("fail_on", "require"), output=OUTPUT.only("json", "quiet", "debug"))
 def compare(reference: ReferenceArg, candidate: CandidateArg = None, long: LongOpt = False,
             layer_map: LayerMapOpt = None, plot: ComparePlotOpt = None, candidate_dtype: CandidateDtypeOpt = None,
-            candidate_attn: CandidateAttnOpt = None, *, load: Given, run: Given, gate: Given, output: Given) -> None:
+            candidate_attn: CandidateAttnOpt = None, served_model: ServedModelOpt = None, api_key: ApiKeyOpt = None,
+            served_dtype: ServedDtypeOpt = None, route: RouteOpt = Route.both, top_k: TopKOpt = 5, *, load: Given,
+            run: Given, gate: Given, output: Given) -> None:
     """Compare a port with its reference, layer by layer and position by position.
 
     Same token ids, same dtype (unless --candidate-dtype). A position bug shows as error that is
@@ -74,6 +95,11 @@ def compare(reference: ReferenceArg, candidate: CandidateArg = None, long: LongO
     cannot write that conversion). By default the probe runs past the reference's sliding window;
     --long runs past the original context of scaled RoPE.
 
+    http://HOST:PORT/v1 (an OpenAI-compatible server) is compared on its top-k log-probs, by text through
+    the reference's tokenizer: the prompt route (echo + logprobs; a shifted route FAILs, never realigned)
+    and the generation route (greedy from one token, --seq-len tokens, default 64), to that address only.
+    A .onnx file runs in ONNX Runtime on the graph's own inputs (pip install 'posdiag[onnx]').
+
     posdiag compare model.gguf (one file): llama.cpp runs the file against PyTorch running the same
     weights, dequantised by transformers. A quantised file is also written as an F32 twin (every tensor
     dequantised, the metadata kept) and run through llama.cpp: the twin against PyTorch is position
@@ -93,8 +119,9 @@ def compare(reference: ReferenceArg, candidate: CandidateArg = None, long: LongO
         settings, model=candidate, dtype=candidate_dtype.value if candidate_dtype else load.dtype,
         attn_implementation=candidate_attn or load.attn_implementation, upcast=load.upcast and candidate_dtype is None,
     )
-    ref, cand = _load_both(settings, candidate_settings)
-    comparison = _compare(ref, cand, settings, long, mapping)
+    served = _served(candidate, served_model, api_key, served_dtype, route, top_k)
+    ref, cand = _load_both(settings, candidate_settings, served)
+    comparison = _compare(ref, cand, settings, long, mapping, served)
     _emit(comparison, ref, policy, settings, plot, f"posdiag compare {Path(reference).name} vs {Path(candidate).name}")
 
 
@@ -106,8 +133,20 @@ def _candidate_spec(reference: str, candidate: str | None) -> str:
             fail("compare needs REFERENCE and CANDIDATE; only a .gguf file is compared alone (with itself, "
                  "dequantised)")
         candidate = reference
-    validate.model_spec(candidate)
+    if not candidate.lower().startswith(("http://", "https://")):
+        validate.model_spec(candidate)
     return candidate
+
+
+def _served(candidate: str, model: str | None, api_key: str | None, dtype: DType | None, route: Route,
+            top_k: int) -> dict:
+    """The server options, refused in one line for a candidate that is not a server."""
+    given = [name for name, value in (("--served-model", model), ("--api-key", api_key), ("--served-dtype", dtype),
+                                      ("--route", route is not Route.both or None)) if value]
+    if given and not candidate.lower().startswith(("http://", "https://")):
+        fail(f"{', '.join(given)}: for a server candidate (http://HOST:PORT/v1), not '{candidate}'")
+    return dict(served_model=model, api_key=api_key, route=route.value, top_k=top_k,
+                served_dtype=dtype.value if dtype and dtype is not DType.auto else None)
 
 
 def _emit(comparison, ref, policy, settings: Settings, plot: str | None, title: str) -> NoReturn:
@@ -141,7 +180,7 @@ def _layer_map(text: str):
     return parse_layer_map(text)
 
 
-def _load_both(reference: Settings, candidate: Settings):
+def _load_both(reference: Settings, candidate: Settings, served: dict):
     from rich.console import Console
 
     from posdiag.model.loading import load_subject
@@ -153,7 +192,7 @@ def _load_both(reference: Settings, candidate: Settings):
         checked = guarded(lambda: _one_gguf_file(reference.model, candidate.model), reference.debug)
         ref = guarded(lambda: load_subject(reference.model, ref_opts, checked=checked), reference.debug)
     with err.status(f"loading {candidate.model}…"):
-        cand = guarded(lambda: _load_candidate(candidate.model, cand_opts, checked), reference.debug)
+        cand = guarded(lambda: _load_candidate(candidate.model, cand_opts, checked, served), reference.debug)
     return ref, cand
 
 
@@ -170,16 +209,17 @@ def _one_gguf_file(reference: str, candidate: str):
     return inspect_file(reference)
 
 
-def _load_candidate(spec: str, options, checked=None):
-    """A .gguf file -> llama.cpp engine (CHECKED: its validated parse, when the reference is the same file);
-    module:factory -> engine or PyTorch model by what it returns."""
+def _load_candidate(spec: str, options, checked=None, served: dict | None = None):
+    """A runtime's port (.gguf, .onnx, http://...: posdiag/tools/engines.RUNTIMES; CHECKED: the .gguf file's
+    validated parse, when the reference is the same file); module:factory -> engine or PyTorch model by what it
+    returns."""
     from posdiag.model.loading import call_factory, from_factory_model, load_subject, looks_like_factory
-    from posdiag.tools.engines import as_engine, is_engine, is_gguf
+    from posdiag.tools.engines import PortOptions, as_engine, is_engine, open_port, runtime_for
 
-    if is_gguf(spec):
-        from posdiag.tools.gguf_engine import load_gguf
-
-        return load_gguf(spec, checked=checked)
+    if runtime_for(spec):
+        served = served or {}
+        return open_port(spec, PortOptions(served_model=served.get("served_model"), api_key=served.get("api_key"),
+                                           checked=checked))
     if looks_like_factory(spec) and not options.device_map:
         import torch
 
@@ -192,7 +232,7 @@ def _load_candidate(spec: str, options, checked=None):
     return load_subject(spec, options)
 
 
-def _compare(ref, cand, settings: Settings, long: bool, mapping):
+def _compare(ref, cand, settings: Settings, long: bool, mapping, served: dict):
     """The comparison itself, under a status line; --text tokenized with the reference's tokenizer."""
     from rich.console import Console
 
@@ -201,13 +241,18 @@ def _compare(ref, cand, settings: Settings, long: bool, mapping):
     from posdiag.tools.compare import compare_subjects
     from posdiag.tools.engines import Engine
     from posdiag.tools.port_compare import compare_engine
+    from posdiag.tools.served import ServedEngine
+    from posdiag.tools.served_routes import compare_served
 
     def run():
         token_ids = None
-        if settings.text:
+        if settings.text and not isinstance(cand, ServedEngine):
             token_ids = tokenize(settings.model, settings.text, settings.revision, settings.trust_remote_code)
             if max(token_ids) >= min(ref.vocab_size, getattr(cand, "vocab_size", ref.vocab_size)):
                 raise PosdiagError("the tokenizer produced ids outside a model's vocabulary")
+        if isinstance(cand, ServedEngine):
+            return compare_served(ref, cand, route=served["route"], top_k=served["top_k"], new_tokens=settings.seq_len,
+                                  prompt=settings.text, served_dtype=served["served_dtype"])
         options = RunOptions(seq_len=settings.seq_len, seed=settings.seed, token_ids=token_ids)
         if isinstance(cand, Engine):
             if mapping:

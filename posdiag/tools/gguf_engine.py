@@ -43,6 +43,11 @@ class LlamaCppRunner:
         self.process.close()
 
 
+def open_port(spec: str, options: Any) -> Engine:
+    """The runtime entry (posdiag/tools/engines.RUNTIMES): a .gguf file in llama.cpp."""
+    return load_gguf(spec, checked=options.checked)
+
+
 def load_gguf(path: str, *, kv_cache: str = "f32", threads: int | None = None, repack: bool = False,
               timeout: float = DEFAULT_TIMEOUT, checked: GGUFFile | None = None) -> Engine:
     """Open PATH with llama.cpp in a child process. PosdiagError (one line) when the file is unsound or the

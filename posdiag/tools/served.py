@@ -1,0 +1,243 @@
+"""A served model as a candidate: an OpenAI-compatible completions endpoint (`http://HOST:PORT/v1`).
+
+llama.cpp's server, llama-cpp-python's server, vLLM and SGLang all serve `POST {base}/completions`. What comes
+back is top-k log-probs per token, never logits, and tokens as text. Two routes (posdiag/tools/served_compare.py
+judges both):
+
+- prompt: `echo` with `logprobs=k` and `max_tokens=1`: the log-probs of the prompt's own tokens, teacher-forced
+  (vLLM: its `prompt_logprobs=k`, read when the reply carries it). Where the server offers them at all.
+- generation: a greedy continuation (`temperature 0`, penalties off) with `logprobs=k` per generated token.
+
+Requests go to the base URL the user named and nowhere else: redirects are refused and proxy settings from the
+environment are not used (a proxy is another host). The API key comes from `--api-key` or POSDIAG_API_KEY (not
+OPENAI_API_KEY: a key meant for one service is never sent to a server the user only named). Every failure is one
+line: a refused connection, a timeout or a dropped connection is the server failing (EngineCrash, exit 3); an HTTP
+error status or a reply without what was asked is a PosdiagError naming it (exit 2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+from posdiag.errors import EngineCrash, PosdiagError
+
+API_KEY_ENV = "POSDIAG_API_KEY"
+DEFAULT_TIMEOUT = float(os.environ.get("POSDIAG_SERVER_TIMEOUT", "300"))
+"""Seconds one request may take before the server is called unresponsive."""
+
+GREEDY = {"temperature": 0.0, "top_p": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "seed": 0,
+          "repeat_penalty": 1.0}
+"""Greedy decoding with every penalty off. `repeat_penalty` is llama.cpp's name (its default 1.1 changes which
+token is chosen, measured: '-' after '\\n' where '\\n' had the top log-prob); servers that do not know a field
+ignore it (llama-cpp-python, vLLM). The log-probs a server reports are before any penalty either way."""
+
+
+def is_url(spec: str) -> bool:
+    return spec.lower().startswith(("http://", "https://"))
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One token as a server scored it: its text, its log-prob, and the top-k log-probs by token text."""
+
+    token: str
+    logprob: float | None
+    top: dict[str, float]
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The tokens of one completion request, as scored: the prompt's (echo) or the generated ones."""
+
+    scored: tuple[Scored, ...]
+    text: str
+    prompt_tokens: int | None
+    finish_reason: str | None
+    prompt_logprobs: bool = False
+    """True when the scores came from vLLM's `prompt_logprobs` (token ids known), not from echo."""
+
+
+@dataclass
+class ServedEngine:
+    """An OpenAI-compatible server at BASE (`http://HOST:PORT/v1`)."""
+
+    base: str
+    model: str | None = None
+    api_key: str | None = None
+    timeout: float = DEFAULT_TIMEOUT
+    requests: int = 0
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.base + (f" ({self.model})" if self.model else "")
+
+    def prompt_logprobs(self, text: str, k: int) -> Reply:
+        """The prompt's own tokens, teacher-forced: echo + logprobs (max_tokens 1: 0 means 'no limit' to some
+        servers); the one generated token is dropped."""
+        reply = self.complete({"prompt": text, "max_tokens": 1, "echo": True, "logprobs": k,
+                               "prompt_logprobs": k, **GREEDY}, "scoring the prompt")
+        return prompt_part(reply, text, k)
+
+    def generate(self, text: str, n: int, k: int) -> Reply:
+        """N tokens greedily after TEXT, each with its top-K log-probs."""
+        reply = self.complete({"prompt": text, "max_tokens": n, "logprobs": k, **GREEDY},
+                              f"generating {n} tokens")
+        return _generated_part(reply, k)
+
+    def complete(self, payload: dict[str, Any], doing: str) -> dict[str, Any]:
+        if self.model:
+            payload = {"model": self.model, **payload}
+        return self.post("/completions", payload, doing)
+
+    def discover(self) -> None:
+        """GET /models: the server is there, and the model it serves (named in the report; the one to ask for
+        when it serves several and none was named)."""
+        answer = self.call("GET", "/models", None, "listing its models")
+        names = [str(m.get("id")) for m in answer.get("data", []) if isinstance(m, dict)]
+        self.settings["served models"] = ", ".join(names) or "none listed"
+        if self.model is None and len(names) > 1:
+            raise PosdiagError(f"the server at {self.base} serves {len(names)} models ({', '.join(names[:4])}): "
+                               "name one with --served-model")
+
+    def post(self, path: str, payload: dict[str, Any], doing: str) -> dict[str, Any]:
+        return self.call("POST", path, payload, doing)
+
+    def call(self, method: str, path: str, payload: dict[str, Any] | None, doing: str) -> dict[str, Any]:
+        url = self.base.rstrip("/") + path
+        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        data = json.dumps(payload).encode() if payload is not None else None
+        request = urllib.request.Request(url, data=data, headers=headers, method=method)
+        self.requests += 1
+        where = f"the server at {self.base}"
+        try:
+            with _OPENER.open(request, timeout=self.timeout) as response:
+                body = response.read()
+        except urllib.error.HTTPError as exc:
+            raise PosdiagError(f"{where} answered HTTP {exc.code} while {doing}: {_error_text(exc)}") from None
+        except TimeoutError:
+            raise EngineCrash(f"{where} did not answer within {self.timeout:g} s while {doing} "
+                              "(POSDIAG_SERVER_TIMEOUT sets the limit)") from None
+        except urllib.error.URLError as exc:
+            raise EngineCrash(f"{where} could not be reached while {doing}: {_reason(exc.reason)}") from None
+        except (ConnectionError, OSError) as exc:  # reset or closed mid-answer: the server died
+            raise EngineCrash(f"{where} dropped the connection while {doing}: {_reason(exc)}") from None
+        try:
+            answer = json.loads(body)
+        except ValueError:
+            raise PosdiagError(f"{where} answered something other than JSON while {doing}: {body[:120]!r}") from None
+        if not isinstance(answer, dict):
+            raise PosdiagError(f"{where} answered {type(answer).__name__} JSON while {doing}, not an object")
+        return answer
+
+
+def open_port(spec: str, options: Any) -> ServedEngine:
+    """The runtime entry (posdiag/tools/engines.RUNTIMES): an OpenAI-compatible server at SPEC."""
+    return open_served(spec, model=options.served_model, api_key=options.api_key)
+
+
+def open_served(url: str, *, model: str | None = None, api_key: str | None = None,
+                timeout: float = DEFAULT_TIMEOUT) -> ServedEngine:
+    """A ServedEngine for URL, checked: http(s), a host, no credentials or query in it; the server answers."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise PosdiagError(f"'{url}' is not a server address: use http://HOST:PORT/v1")
+    if parts.username or parts.password or parts.query or parts.fragment:
+        raise PosdiagError(f"'{url}': give the base URL only (http://HOST:PORT/v1); the key goes in --api-key or "
+                           f"{API_KEY_ENV}")
+    engine = ServedEngine(url.rstrip("/"), model=model, api_key=api_key or os.environ.get(API_KEY_ENV) or None,
+                          timeout=timeout)
+    engine.discover()
+    return engine
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        raise urllib.error.HTTPError(req.full_url, code, f"redirect to {newurl} refused (posdiag asks only the "
+                                                         "address it was given)", headers, fp)
+
+
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect())
+
+
+def _error_text(exc: urllib.error.HTTPError) -> str:
+    if 300 <= exc.code < 400:
+        return str(exc.reason)
+    try:
+        body = exc.read().decode(errors="replace")
+        message = json.loads(body).get("error", body)
+        if isinstance(message, dict):
+            message = message.get("message", message)
+    except Exception:
+        message = exc.reason
+    return " ".join(str(message).split())[:200]
+
+
+def _reason(reason: Any) -> str:
+    return " ".join(str(reason).split())[:160] or type(reason).__name__
+
+
+def _choice(reply: dict[str, Any], what: str) -> dict[str, Any]:
+    choices = reply.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise PosdiagError(f"the server's reply has no choices while {what}")
+    return choices[0]
+
+
+def _scored(choice: dict[str, Any], what: str) -> list[Scored]:
+    logprobs = choice.get("logprobs")
+    if not isinstance(logprobs, dict) or not isinstance(logprobs.get("tokens"), list):
+        raise PosdiagError(f"the server returned no log-probs while {what} (it may not support `logprobs`)")
+    tokens, lps = logprobs["tokens"], logprobs.get("token_logprobs") or []
+    tops = logprobs.get("top_logprobs") or []
+    return [Scored(str(t), lps[i] if i < len(lps) else None,
+                   {str(s): float(v) for s, v in (tops[i] or {}).items()} if i < len(tops) and tops[i] else {})
+            for i, t in enumerate(tokens)]
+
+
+def prompt_part(reply: dict[str, Any], text: str, k: int) -> Reply:
+    what = "scoring the prompt"
+    choice = _choice(reply, what)
+    usage = reply.get("usage") or {}
+    prompt_tokens = usage.get("prompt_tokens")
+    vllm = choice.get("prompt_logprobs") or reply.get("prompt_logprobs")
+    if isinstance(vllm, list):
+        return Reply(tuple(_from_prompt_logprobs(vllm)), text, prompt_tokens, choice.get("finish_reason"), True)
+    scored = _scored(choice, what)
+    offsets = (choice.get("logprobs") or {}).get("text_offset") or []
+    if len(offsets) == len(scored):  # the echoed prompt: the tokens that start inside it
+        scored = [s for s, o in zip(scored, offsets, strict=True) if o < len(text)]
+    elif isinstance(prompt_tokens, int):
+        scored = scored[:prompt_tokens]
+    return Reply(tuple(scored), text, prompt_tokens, choice.get("finish_reason"))
+
+
+def _from_prompt_logprobs(entries: list[Any]) -> list[Scored]:
+    """vLLM's prompt_logprobs: per prompt token (the first None) {token_id: {logprob, rank, decoded_token}}, the
+    top-k and the prompt's own token; which entry is the prompt's own is known only by its text (logprob None:
+    looked up in `top` by the reference's token)."""
+    return [Scored("", None, {str(v.get("decoded_token", tid)): float(v["logprob"]) for tid, v in entry.items()})
+            if entry else Scored("", None, {}) for entry in entries]
+
+
+def _generated_part(reply: dict[str, Any], k: int) -> Reply:
+    what = "generating"
+    choice = _choice(reply, what)
+    scored = _scored(choice, what)
+    short = [i for i, s in enumerate(scored) if len(s.top) < min(k, 1) or s.logprob is None]
+    if short:
+        raise PosdiagError(f"the server returned no log-probs for generated token {short[0]} (asked for {k})")
+    few = [i for i, s in enumerate(scored) if len(s.top) < k]
+    if few and all(len(s.top) < k for s in scored):
+        raise PosdiagError(f"the server returned {len(scored[few[0]].top)} log-probs per token, fewer than the {k} "
+                           "asked (its limit on `logprobs`?): ask fewer with --top-k")
+    usage = reply.get("usage") or {}
+    return Reply(tuple(scored), str(choice.get("text", "")), usage.get("prompt_tokens"), choice.get("finish_reason"))

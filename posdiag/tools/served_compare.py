@@ -1,0 +1,215 @@
+"""compare against a served model: top-k log-probs from an OpenAI-compatible server, judged position by position.
+
+A server answers with the top-k log-probs of each token, never logits, so the metrics are per position t:
+
+    d(t) = |log p_served(x_t) - log p_ref(x_t)|    (x_t: the actual next token)
+    top-1 agreement, and top-k overlap (|S ∩ R| / k, by token text)
+
+with the reference's answer computed from its full logits the same way (log-softmax, its top-k by text).
+Noise floor, measured in the same run, per position: the reference's own rounding (its float32 run against its
+float64 run, at the compared tokens), the reference against itself at the served precision when the user names
+it (`--served-dtype`), and the spread of the same request sent twice; never below float32's rounding of a
+log-prob of that size. The floor of a position is at least the median floor (one scalar per position is noisy).
+The profile of d / floor is judged by the shape `compare` gives every port (posdiag/tools/port_shapes.py): flat,
+growing with position from its onset, or a step at a length.
+
+Two routes (posdiag/tools/served.py): the prompt route (echo + logprobs) is checked for alignment first: the
+server's top_logprobs[i] must be the distribution *over* token i (given tokens < i). A server whose numbers fit
+another alignment better (llama-cpp-python 0.3.36: the distribution *after* token i) is a FAIL naming the shift and
+the evidence, never realigned. The generation route has the server decode greedily with top-k log-probs per token;
+the reference teacher-forces the same tokens. It starts from a one-token prompt, so its profile starts at position
+0, where a token sees only itself and no relative position can act.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from posdiag.errors import PosdiagError
+from posdiag.model.subject import Subject
+from posdiag.model.tokenizer import load_tokenizer
+from posdiag.tools.compare.running import finer_run, run_stack
+from posdiag.tools.served import Reply, ServedEngine
+from posdiag.verdict import MACHINE_EPSILON
+
+OFFSETS = (0, 1, -1)
+"""Alignments tried for the prompt route: top_logprobs[i] against the reference's distribution over token
+i + offset (0 is the API's meaning)."""
+
+
+@dataclass
+class Vocabulary:
+    """The reference tokenizer's pieces: each id's text as a server prints it, and back."""
+
+    tokenizer: Any
+    pieces: list[str]
+    ids_of: dict[str, list[int]]
+
+    @classmethod
+    def of(cls, reference: Subject) -> Vocabulary:
+        tokenizer, why = load_tokenizer(reference)
+        if tokenizer is None:
+            raise PosdiagError(f"comparing with a server needs the reference's tokenizer (servers take text): {why}")
+        pieces = tokenizer.batch_decode([[i] for i in range(reference.vocab_size)])
+        ids_of: dict[str, list[int]] = {}
+        for i, piece in enumerate(pieces):
+            ids_of.setdefault(piece, []).append(i)
+        return cls(tokenizer, pieces, ids_of)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text)["input_ids"])
+
+    def ids(self, reply: Reply, what: str) -> list[int]:
+        """The ids of the tokens a server returned as text: each must be one piece of the reference's vocabulary."""
+        out = []
+        for i, s in enumerate(reply.scored):
+            found = self.ids_of.get(s.token, [])
+            if len(found) != 1:
+                how = "is no token" if not found else f"is {len(found)} tokens ({found[:3]})"
+                raise PosdiagError(f"tokenisation mismatch {what}: token {i} {s.token!r} {how} of the reference's "
+                                   "tokenizer: the server runs another tokenizer")
+            out.append(found[0])
+        return out
+
+
+@dataclass
+class Scores:
+    """The reference's log-probs over a sequence: float32 (as run), its finer run, and the served-dtype run."""
+
+    ids: list[int]
+    lp: torch.Tensor  # [T, V] float64, log-softmax of the reference's logits as run
+    rounding: torch.Tensor  # [T, V] |lp - lp of the finer run| (zeros when no finer run)
+    served: torch.Tensor | None  # [T, V] |lp - lp at --served-dtype|
+    floor_source: str
+
+
+def reference_scores(reference: Subject, ids: list[int], served_dtype: str | None) -> Scores:
+    stack = reference.stacks[-1]
+    t = torch.tensor(ids, dtype=torch.long)
+    out = run_stack(reference, t, stack, "reference").logits
+    if out is None:
+        raise PosdiagError("the reference gives no logits (a language-model head is needed to compare with a server)")
+    lp = out[0].double().cpu().log_softmax(-1)
+    fine, source = finer_run(reference, t, stack)
+    rounding = (fine.logits[0].double().cpu().log_softmax(-1) - lp).abs() if fine is not None else torch.zeros_like(lp)
+    served = None
+    if served_dtype:
+        served = (_at_dtype(reference, t, stack, served_dtype) - lp).abs()
+        source += f"; the reference at {served_dtype} (--served-dtype)"
+    return Scores(ids, lp, rounding, served, source)
+
+
+def _at_dtype(reference: Subject, ids: torch.Tensor, stack: str, dtype: str) -> torch.Tensor:
+    """The reference's log-probs with its floating weights and buffers cast to DTYPE, restored exactly after."""
+    from posdiag.model.tensors import DTYPES
+
+    tensors = [*reference.model.parameters(), *reference.model.buffers()]
+    saved = [(t, t.data) for t in tensors if t.is_floating_point()]
+    try:
+        for t, data in saved:
+            t.data = data.to(DTYPES[dtype])
+        return run_stack(reference, ids, stack, "reference").logits[0].double().cpu().log_softmax(-1)
+    finally:
+        for t, data in saved:
+            t.data = data
+
+
+def position_metrics(scores: Scores, scored: list[Any], targets: list[int], rows: list[int], vocab: Vocabulary,
+                     k: int, spread: list[float]) -> dict[str, list[float]]:
+    """Per compared position j: the reference's row rows[j] against the server's scores scored[j] of targets[j]."""
+    d, floor, top1, overlap = [], [], [], []
+    eps = MACHINE_EPSILON["float32"]
+    for j, (s, target, row) in enumerate(zip(scored, targets, rows, strict=True)):
+        ref = scores.lp[row]
+        served_lp = s.logprob if s.logprob is not None else s.top.get(vocab.pieces[target])
+        if served_lp is None:
+            raise PosdiagError(f"the server gave no log-prob for the token at position {row + 1}")
+        d.append(abs(float(served_lp) - float(ref[target])))
+        ref_top = ref.topk(k).indices.tolist()
+        entries = [*ref_top, target]
+        f = float(scores.rounding[row, entries].max())
+        if scores.served is not None:
+            f = max(f, float(scores.served[row, entries].max()))
+        f = max(f, spread[j] if j < len(spread) else 0.0, eps * (1.0 + abs(float(ref[target]))))
+        floor.append(f)
+        served_top = sorted(s.top, key=s.top.get, reverse=True)[:k]
+        top1.append(float(bool(served_top) and served_top[0] == vocab.pieces[ref_top[0]]))
+        overlap.append(len(set(served_top) & {vocab.pieces[i] for i in ref_top}) / k)
+    median = statistics.median(floor) if floor else 0.0
+    return {"d": d, "floor": [max(f, median) for f in floor], "top1": top1, "overlap": overlap}
+
+
+def alignment(scores: Scores, reply: Reply, vocab: Vocabulary, k: int) -> dict[str, Any]:
+    """Which distribution the prompt route's top_logprobs[i] is: for each offset, the median over positions of
+    the largest |Δ log-prob| over the server's top-k entries and the top-1 agreement; the best fit, and an
+    example of the token scored."""
+    n = len(scores.ids)
+    fits = {}
+    for off in OFFSETS:
+        errors, agree = [], []
+        for i in range(1, n):
+            row = i - 1 + off
+            top = reply.scored[i].top
+            if not (0 <= row < n) or not top:
+                continue
+            ref = scores.lp[row]
+            diffs = [abs(v - _lp_of(ref, vocab, piece)) for piece, v in top.items()]
+            errors.append(max(diffs))
+            agree.append(max(top, key=top.get) == vocab.pieces[int(ref.argmax())])
+        if errors:
+            fits[off] = {"median_max_dlogprob": statistics.median(errors), "top1_agreement": sum(agree) / len(agree),
+                         "positions": len(errors)}
+    best = min(fits, key=lambda o: fits[o]["median_max_dlogprob"])
+    out: dict[str, Any] = {"fits": {str(o): f for o, f in fits.items()}, "best_offset": best}
+    i = 1 if n > 1 else 0
+    example = reply.scored[i]
+    if example.logprob is not None and n > 2:
+        tok = scores.ids[i]
+        out["example"] = {"position": i, "token": vocab.pieces[tok], "after": vocab.pieces[scores.ids[i - 1]],
+                          "served": float(example.logprob), "reference": float(scores.lp[i - 1, tok]),
+                          "reference_one_later": float(scores.lp[i, tok])}
+    return out
+
+
+def _lp_of(ref: torch.Tensor, vocab: Vocabulary, piece: str) -> float:
+    ids = vocab.ids_of.get(piece)
+    if not ids:
+        return float("-inf")
+    return float(torch.logsumexp(ref[ids], 0)) if len(ids) > 1 else float(ref[ids[0]])
+
+
+def check_prompt_tokens(reply: Reply, ids: list[int], vocab: Vocabulary, what: str, echoed: bool = True) -> None:
+    """The server's count (and ECHOED texts) of the prompt's tokens against the reference tokenizer's."""
+    if isinstance(reply.prompt_tokens, int) and reply.prompt_tokens != len(ids):
+        raise PosdiagError(f"tokenisation mismatch {what}: the server counts {reply.prompt_tokens} prompt tokens, the "
+                           f"reference's tokenizer {len(ids)}: the server runs another tokenizer (or adds BOS)")
+    if not echoed or reply.prompt_logprobs or not reply.scored:
+        return
+    texts = [s.token for s in reply.scored]
+    mine = [vocab.pieces[i] for i in ids]
+    if texts != mine:
+        at = next((i for i, (a, b) in enumerate(zip(texts, mine, strict=False)) if a != b), min(len(texts), len(mine)))
+        raise PosdiagError(f"tokenisation mismatch {what}: the server's token {at} is "
+                           f"{texts[at] if at < len(texts) else 'missing'!r}, the reference's "
+                           f"{mine[at] if at < len(mine) else 'missing'!r}")
+
+
+def generation_spread(first: Reply, again: Reply) -> tuple[list[float], int | None]:
+    """|Δ log-prob| between two identical requests, per position where both chose the same tokens so far; the
+    first position where the tokens differ (None when they never do)."""
+    spread, diverged = [], None
+    for j, (a, b) in enumerate(zip(first.scored, again.scored, strict=False)):
+        if a.token != b.token:
+            diverged = j
+            break
+        spread.append(abs(float(a.logprob) - float(b.logprob)))
+    return spread, diverged
+
+
+def served_engine_settings(engine: ServedEngine, k: int, route: str) -> dict[str, Any]:
+    return {"server": engine.base, **({"served model": engine.model} if engine.model else {}),
+            **engine.settings, "top-k": k, "routes": route, "decoding": "greedy (temperature 0, penalties off)"}

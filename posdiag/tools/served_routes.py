@@ -1,0 +1,232 @@
+"""compare against a served model: the two routes run, each judged by position, and the one verdict.
+
+The measuring is posdiag/tools/served_compare.py; the HTTP is posdiag/tools/served.py. A route's profile is the
+|Δ log-prob| of the actual next token at each position against FAIL_RATIO x that position's floor, classified as
+every port's error is (posdiag/tools/port_shapes.classify): none, grows with position (from its onset), a step at
+a length, or uniform from position 0 (weights or quantisation, not positions).
+"""
+
+from __future__ import annotations
+
+import math
+from importlib import resources
+from typing import Any
+
+import torch
+
+from posdiag.errors import PosdiagError
+from posdiag.model.subject import Subject
+from posdiag.results import CheckResult, Status, Table
+from posdiag.tools.compare.measuring import LayerProfile
+from posdiag.tools.compare.verdict import Comparison
+from posdiag.tools.port_shapes import classify
+from posdiag.tools.served import ServedEngine
+from posdiag.tools.served_compare import (
+    Vocabulary,
+    alignment,
+    check_prompt_tokens,
+    generation_spread,
+    position_metrics,
+    reference_scores,
+    served_engine_settings,
+)
+from posdiag.verdict import FAIL_RATIO
+
+ROUTES = ("both", "prompt", "generation")
+DEFAULT_NEW_TOKENS = 64
+PROMPT_WORDS = 48
+"""The prompt route's default text: the first words of posdiag's prose (about 60 tokens)."""
+
+NOT_SHOWN = ("logits beyond the top-k: the actual token's log-prob and the top-k by text are compared, not whole "
+             "distributions", "hidden states: no layer is located, only the output", "token ids: tokens come back "
+             "as text, matched to the reference's tokenizer piece by piece",
+             "the server's cache reuse: each request is scored as the server ran it (prefix caching may serve a "
+             "prefix from an earlier request)")
+
+
+def compare_served(reference: Subject, engine: ServedEngine, *, route: str = "both", top_k: int = 5,
+                   new_tokens: int | None = None, prompt: str | None = None,
+                   served_dtype: str | None = None) -> Comparison:
+    """Judge the server ENGINE against REFERENCE on the ROUTE(s). Never prints; PosdiagError (one line) on inputs
+    that cannot be compared, EngineCrash when the server fails."""
+    if reference.kind != "causal":
+        raise PosdiagError(f"a server is compared with a causal (decoder-only) reference, not a {reference.kind} one")
+    if route not in ROUTES:
+        raise PosdiagError(f"--route {route!r}: one of {', '.join(ROUTES)}")
+    before = reference.forward_count
+    vocab = Vocabulary.of(reference)
+    text = prompt or " ".join(_prose().split()[:PROMPT_WORDS])
+    routes: dict[str, dict[str, Any]] = {}
+    profiles: list[LayerProfile] = []
+    floor_sources: set[str] = set()
+    if route in ("both", "prompt"):
+        routes["prompt"] = _prompt_route(reference, engine, vocab, text, top_k, served_dtype, profiles, floor_sources)
+    if route in ("both", "generation"):
+        n = new_tokens or DEFAULT_NEW_TOKENS
+        start_from = prompt if prompt else text.split()[0]  # --text: from the end of a long prompt
+        routes["generation"] = _generation_route(reference, engine, vocab, start_from, n, top_k, served_dtype,
+                                                 profiles, floor_sources)
+    details: dict[str, Any] = {
+        "reference": reference.info.to_dict(), "candidate": _candidate(engine), "routes": routes,
+        "engine": {"name": engine.name, **served_engine_settings(engine, top_k, route)},
+        "floor_source": "; ".join(sorted(floor_sources)) or "none measured", "requests": engine.requests,
+        "not_shown": list(NOT_SHOWN), "notes": [f"not shown by the API: {x}" for x in NOT_SHOWN],
+    }
+    result = _verdict(routes, details, top_k, reference.forward_count - before)
+    length = max((len(p.per_position) for p in profiles), default=0)
+    return Comparison(result, tuple(profiles), length)
+
+
+def _prompt_route(reference: Subject, engine: ServedEngine, vocab: Vocabulary, text: str, k: int,
+                  served_dtype: str | None, profiles: list[LayerProfile], sources: set[str]) -> dict[str, Any]:
+    ids = vocab.encode(text)
+    reply = engine.prompt_logprobs(text, k)
+    if len(reply.scored) < 2 or not any(s.top for s in reply.scored[1:]):
+        return {"status": "skip", "why": "the server returns no prompt log-probs (llama.cpp's own server: none; vLLM: "
+                                         "prompt_logprobs)"}
+    check_prompt_tokens(reply, ids, vocab, "on the prompt route")
+    scores = reference_scores(reference, ids, served_dtype)
+    sources.add(scores.floor_source)
+    fit = alignment(scores, reply, vocab, k)
+    best, fits = fit["best_offset"], fit["fits"]
+    aligned = fits.get("0", {}).get("median_max_dlogprob", math.inf)
+    if best != 0:  # never realigned: a shifted route is a finding about the server, and cannot be judged by position
+        clear = fits[str(best)]["median_max_dlogprob"] * FAIL_RATIO < aligned
+        return {"status": "fail", "pattern": "misaligned", "offset": best, "clear": clear, "alignment": fit,
+                "tokens": len(ids), "why": _shift_words(best, fit, clear)}
+    rows = list(range(len(ids) - 1))
+    metrics = position_metrics(scores, list(reply.scored[1:]), ids[1:], rows, vocab, k, [])
+    return {"alignment": fit, "tokens": len(ids),
+            **_judged("prompt", metrics, 0, profiles)}
+
+
+def _generation_route(reference: Subject, engine: ServedEngine, vocab: Vocabulary, text: str, n: int, k: int,
+                      served_dtype: str | None, profiles: list[LayerProfile], sources: set[str]) -> dict[str, Any]:
+    prompt_ids = vocab.encode(text)
+    reply = engine.generate(text, n, k)
+    again = engine.generate(text, n, k)
+    check_prompt_tokens(reply, prompt_ids, vocab, "on the generation route", echoed=False)
+    gen = vocab.ids(reply, "on the generation route")
+    if reply.text and "".join(vocab.pieces[i] for i in gen) != reply.text:
+        raise PosdiagError("tokenisation mismatch on the generation route: the generated tokens, decoded one by one "
+                           "with the reference's tokenizer, do not give the text the server returned")
+    if len(gen) < 4:
+        raise PosdiagError(f"the server generated {len(gen)} tokens ({reply.finish_reason}); at least 4 are needed")
+    spread, diverged = generation_spread(reply, again)
+    ids = prompt_ids + gen
+    scores = reference_scores(reference, ids[:-1], served_dtype)
+    sources.add(scores.floor_source)
+    sources.add("the spread of the same request sent twice")
+    start = len(prompt_ids) - 1
+    rows = list(range(start, start + len(gen)))
+    metrics = position_metrics(scores, list(reply.scored), gen, rows, vocab, k, spread)
+    out = {"prompt": text, "prompt_tokens": len(prompt_ids), "generated": len(gen),
+           "finish_reason": reply.finish_reason, "repeat_diverged_at": None if diverged is None else start + diverged,
+           "repeat_max_spread": max(spread, default=0.0)}
+    return {**out, **_judged("generation", metrics, start, profiles)}
+
+
+def _judged(name: str, m: dict[str, list[float]], start: int, profiles: list[LayerProfile]) -> dict[str, Any]:
+    """The route's profile classified: positions start, start+1, ... (a profile from position 0 when start is 0)."""
+    d = torch.tensor(m["d"], dtype=torch.float64)
+    floor = torch.tensor(m["floor"], dtype=torch.float64)
+    shape = classify(d, FAIL_RATIO * floor, {})
+    if shape.get("onset_position") is not None:
+        shape["onset_position"] += start
+    if start and shape["pattern"] != "none":  # classify reads index 0 as position 0; here it is position START
+        late = float(d[-max(1, d.numel() // 4):].mean())
+        shape["pattern"] = "from the first compared position" if shape["onset_position"] == start else \
+            "step at a length"
+        shape["why"] = (f"{float(d[0]):.2g} at position {start} (the first compared: the prompt before it is not), "
+                        f"{late:.2g} late; above the floor from position {shape['onset_position']}: compare from a "
+                        "one-token prompt (no --text) to see whether it starts at position 1")
+    ratio = d / floor
+    per = [math.nan] * start + d.tolist()
+    profiles.append(LayerProfile(f"{name} route |Δ log-prob|", None, None, float(d.max()), float(floor.median()),
+                                 FAIL_RATIO * float(floor.median()), float(ratio.max()), tuple(per), shape))
+    return {"status": "pass" if shape["pattern"] == "none" else "fail", "pattern": shape["pattern"],
+            "why": shape.get("why"), "onset_position": shape.get("onset_position"), "first_position": start,
+            "positions": len(m["d"]), "max_dlogprob": float(d.max()), "median_dlogprob": float(d.median()),
+            "noise_floor_median": float(floor.median()), "worst_ratio": float(ratio.max()),
+            "worst_position": start + int(ratio.argmax()), "top1_agreement": sum(m["top1"]) / len(m["top1"]),
+            "topk_overlap": sum(m["overlap"]) / len(m["overlap"]), "dlogprob": m["d"], "floor": m["floor"]}
+
+
+def _shift_words(offset: int, fit: dict[str, Any], clear: bool) -> str:
+    fits, aligned = fit["fits"], fit["fits"].get("0", {})
+    shifted = fits[str(offset)]
+    which = "next" if offset > 0 else "previous"
+    lead = (f"top_logprobs[i] is the reference's distribution for token i{offset:+d} (the {which} token's), not "
+            "token i's" if clear else f"top_logprobs[i] fits the reference's distribution for token i{offset:+d} "
+            f"better than token i's, though not by {FAIL_RATIO:g}x (shifted, and the model differs too?)")
+    words = (f"{lead}: median largest |Δ log-prob| over the top-k {shifted['median_max_dlogprob']:.2g} shifted "
+             f"vs {aligned.get('median_max_dlogprob', math.nan):.2g} as the API defines it, top-1 agreement "
+             f"{100 * shifted['top1_agreement']:.0f}% vs {100 * aligned.get('top1_agreement', math.nan):.0f}%")
+    ex = fit.get("example")
+    if ex:
+        words += (f"; token_logprobs[{ex['position']}] scores {ex['token']!r} after {ex['after']!r} at "
+                  f"{ex['served']:.2f}, the reference {ex['reference']:.2f} ({ex['reference_one_later']:.2f} one "
+                  "token later)")
+    return words
+
+
+def _verdict(routes: dict[str, dict[str, Any]], details: dict[str, Any], k: int, passes: int) -> CheckResult:
+    failed = {n: r for n, r in routes.items() if r["status"] == "fail"}
+    judged = {n: r for n, r in routes.items() if r["status"] != "skip"}
+    parts = []
+    for name, r in routes.items():
+        if r["status"] == "skip":
+            parts.append(f"{name} route: not run, {r['why']}")
+        elif r.get("pattern") == "misaligned":
+            how = "shifted by" if r["clear"] else "misaligned, best fit at"
+            parts.append(f"prompt route: log-probs {how} {r['offset']:+d} position (never realigned): {r['why']}")
+        elif r["status"] == "fail":
+            lead = {"grows with position": f"error grows with position from {r['onset_position']}",
+                    "step at a length": f"error starts at position {r['onset_position']}",
+                    "from the first compared position": f"error from position {r['onset_position']} on",
+                    "uniform from position 0": "error uniform from position 0"}[r["pattern"]]
+            parts.append(f"{name} route: {lead}: {r['why']}; worst |Δ log-prob| {r['worst_ratio']:.3g}x its floor at "
+                         f"position {r['worst_position']}")
+        else:
+            parts.append(f"{name} route: same function within its floor at every position "
+                         f"{r['first_position']}-{r['first_position'] + r['positions'] - 1} (worst "
+                         f"{r['worst_ratio']:.3g}x, tolerance {FAIL_RATIO:g}x; |Δ log-prob| max "
+                         f"{r['max_dlogprob']:.2g}, "
+                         f"top-1 {100 * r['top1_agreement']:.0f}%, top-{k} overlap {100 * r['topk_overlap']:.0f}%)")
+    status = Status.SKIP if not judged else Status.FAIL if failed else Status.PASS
+    if failed:
+        parts.sort(key=lambda p: not any(p.startswith(n) for n in failed))
+    main = next((r for r in routes.values() if "worst_ratio" in r), {})
+    metrics = {"ratio": main.get("worst_ratio"), "error": main.get("max_dlogprob"),
+               "noise_floor": main.get("noise_floor_median"), "onset_position": main.get("onset_position"),
+               "top1_agreement": main.get("top1_agreement"), "topk_overlap": main.get("topk_overlap"),
+               "misaligned_offset": routes.get("prompt", {}).get("offset")}
+    if failed:
+        first = next(iter(failed.values()))
+        details.update({"pattern": first.get("pattern"), "onset_position": first.get("onset_position")})
+    return CheckResult("compare", status, "; ".join(parts), metrics, details, (_table(routes, k),),
+                       forward_passes=passes)
+
+
+def _table(routes: dict[str, dict[str, Any]], k: int) -> Table:
+    rows = []
+    for name, r in routes.items():
+        if "positions" not in r:
+            rows.append((name, "", "", "", "", "", "", r.get("pattern") or r["status"]))
+            continue
+        first = r["first_position"]
+        rows.append((name, f"{first}-{first + r['positions'] - 1}", f"{r['max_dlogprob']:.2e}",
+                     f"{r['noise_floor_median']:.2e}", f"{r['worst_ratio']:.3g}", f"{100 * r['top1_agreement']:.0f}%",
+                     f"{100 * r['topk_overlap']:.0f}%", "" if r["pattern"] == "none" else r["pattern"]))
+    return Table("served log-probs against the reference's, by route (|Δ log-prob| of the actual next token)",
+                 ("route", "positions", "max |Δ log-prob|", "floor (median)", "worst ratio", "top-1",
+                  f"top-{k} overlap", "pattern"), tuple(rows))
+
+
+def _candidate(engine: ServedEngine) -> dict[str, Any]:
+    return {"id": engine.name, "family": "served", "kind": "causal", "position_kind": "top-k log-probs only",
+            "dtype": "as served", "device": "the server's", "notes": []}
+
+
+def _prose() -> str:
+    return resources.files("posdiag.data").joinpath("prose.txt").read_text(encoding="utf-8")
