@@ -54,9 +54,9 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     reference = reference_runs(subject, scenarios)
     if not reference.ran:
         return SPEC.result(Status.SKIP, f"{reference.reason}; FlashAttention's rule needs one")
-    runs, notes = _run_implementations(subject, names, scenarios)
+    runs, notes, refused = _run_implementations(subject, names, scenarios)
     evidence = Evidence(subject, scenarios, eager, reference.value, reference.dtype, reference.how,
-                        {"eager": eager, **runs}, notes, skipped)
+                        {"eager": eager, **runs}, notes, skipped, not_applicable=refused)
     result = judge(evidence)
     # A layer where eager's error is a degenerate floor (below one unit of the run dtype) decides nothing:
     # the implementation re-run in the reference dtype does (rounding shrinks there, a bug stays).
@@ -111,17 +111,21 @@ def _implementations(subject: Subject, settings: dict[str, Any]) -> tuple[list[s
     return names, skipped
 
 
-def _run_implementations(subject: Subject, names: list[str],
-                         scenarios: list[Scenario]) -> tuple[dict[str, list[Run] | str], dict[str, str]]:
-    """({implementation: its runs, or why it did not run}, {implementation: note}); the note
-    "crash" marks an implementation that crashed on these inputs: that is a finding."""
-    runs: dict[str, list[Run] | str] = {}
+def _run_implementations(subject: Subject, names: list[str], scenarios: list[Scenario]
+                         ) -> tuple[dict[str, list[Run | None] | str], dict[str, str], dict[str, dict[str, str]]]:
+    """({implementation: its runs, or why it did not run}, {implementation: note}, {implementation: {input: why a
+    pinned SDPA backend refused it}}); the note "crash" marks an implementation that crashed on these inputs: that is
+    a finding."""
+    runs: dict[str, list[Run | None] | str] = {}
     notes: dict[str, str] = {}
+    refused: dict[str, dict[str, str]] = {}
     for name in names:
         outcome = run_isolated(subject, name, scenarios) if name in ISOLATED else run_here(subject, name, scenarios)
         runs[name] = outcome.runs if outcome.runs is not None else outcome.reason
+        if outcome.refused:
+            refused[name] = outcome.refused
         if outcome.kind == "crashed":
             notes[name] = "crash"
         elif outcome.note:
             notes[name] = outcome.note
-    return runs, notes
+    return runs, notes, refused
