@@ -228,6 +228,14 @@ def _measure(subject: Subject, prompts: list[torch.Tensor], batch_rows: list[int
     return Measurement(runs, floor_measured, first_step_error, pad_note, cache_note, refused, source, compiled)
 
 
+def _compile_note(subject: Subject, compiled: bool) -> str:
+    """Which path was judged, where it is not the plain one of a CPU run."""
+    if compiled:
+        return "; the compiled path judged (torch.compile of the static-cache forward)"
+    return ("; run without torch.compile (transformers compiles the static-cache forward here by default; --compile "
+            "judges that path)" if subject.device.type != "cpu" else "")
+
+
 def compile_kwargs(compiled: bool) -> dict[str, Any]:
     """generate() keywords that fix whether the static-cache forward is compiled, instead of transformers deciding
     (it compiles on CUDA and other accelerators whenever the cache is compileable: 94 s of a 1B model's generate on
@@ -334,9 +342,7 @@ def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict],
                                    "first_difference": where, "notes": r.notes, "reason": verdicts[r.name].reason}
     table = Table("generate() vs teacher-forced forward", ("run", "rows", "max step error", "noise floor", "ratio",
                                                            "first row/step that differs"), tuple(rows))
-    tail = ("; the compiled path judged (torch.compile of the static-cache forward)" if m.compiled else
-            "; run without torch.compile (transformers compiles the static-cache forward here by default; --compile "
-            "judges that path)" if subject.device.type != "cpu" else "")
+    tail = _compile_note(subject, m.compiled)
     refused = [f"{r.name} refused by transformers ({r.refused})" for r in m.runs if r.refused]
     for key, note in (("pad_note", m.pad_note), ("cache_note", m.cache_note), ("static_not_run", m.static_note),
                       ("refused_note", "; ".join(refused))):
