@@ -27,9 +27,9 @@ def test_generate_hands_its_choice_to_generate_and_reports_it(monkeypatch):
     original = model.generate
 
     def spy(*args, **kwargs):
-        seen.append({k: kwargs.get(k) for k in ("disable_compile", "compile_config")})
-        kwargs.pop("compile_config", None)  # the compiled path itself is not run here (minutes on CPU)
-        return original(*args, **kwargs)
+        seen.append({k: kwargs.get(k) for k in ("cache_implementation", "disable_compile", "compile_config")})
+        kwargs.pop("compile_config", None)  # the compiled path itself is not run here (a minute on CPU)
+        return original(*args, **{**kwargs, "disable_compile": True})
 
     monkeypatch.setattr(model, "generate", spy)
     subject = from_module(model)
@@ -39,4 +39,6 @@ def test_generate_hands_its_choice_to_generate_and_reports_it(monkeypatch):
     seen.clear()
     asked = run_checks(subject, ["generate"], replace(RunOptions(), compile=True)).check("generate")
     assert asked.details["compiled"] is True and "the compiled path judged" in asked.summary
-    assert seen and all(s["compile_config"] is not None and not s["disable_compile"] for s in seen)
+    static = [s for s in seen if s["cache_implementation"] == "static"]
+    assert static and all(s["compile_config"] is not None and not s["disable_compile"] for s in static)
+    assert all(s["disable_compile"] for s in seen if s not in static)  # a dynamic cache is never compiled

@@ -184,11 +184,12 @@ def _measure(subject: Subject, prompts: list[torch.Tensor], batch_rows: list[int
     batch, mask = _padded_batch([prompts[r] for r in batch_rows], pad, seq2seq, subject.device)
     gen_kwargs = dict(do_sample=False, num_beams=1, max_new_tokens=new_tokens, output_logits=True,
                       return_dict_in_generate=True, pad_token_id=pad, eos_token_id=None, forced_eos_token_id=None,
-                      forced_bos_token_id=None, **compile_kwargs(compiled))
+                      forced_bos_token_id=None)
     decoder_start: list[int] = []  # what generate() put before the first decoder step (seq2seq)
 
     def generate(ids: torch.Tensor, attn: torch.Tensor, impl: str | None) -> tuple[torch.Tensor, torch.Tensor]:
-        extra: dict[str, Any] = {"cache_implementation": impl}
+        # only a static cache is compiled (transformers compiles no dynamic-cache generate)
+        extra: dict[str, Any] = {"cache_implementation": impl, **compile_kwargs(compiled and impl == "static")}
         if cache_note:  # generate() would size its cache from the wrong layer count: hand it ours
             extra = {"cache": new_cache(subject, impl or "dynamic", max_len=ids.shape[1] + new_tokens + 1,
                                         encoder_len=ids.shape[1])}
