@@ -250,12 +250,12 @@ def test_implementation_killing_its_process_fails_and_report_is_written(saved_ll
 
     monkeypatch.setattr(isolated, "CHILD_COMMAND",
                         (sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"))
-    monkeypatch.setattr(isolated, "ISOLATED", frozenset({"sdpa"}))
-    monkeypatch.setattr(kernels, "ISOLATED", frozenset({"sdpa"}))
+    monkeypatch.setattr(isolated, "ISOLATED", frozenset({"sdpa[math]"}))
+    monkeypatch.setattr(kernels, "ISOLATED", frozenset({"sdpa[math]"}))
     subject = load_subject(str(saved_llama), LoadOptions())
     result = run_checks(subject, ["kernels"], RunOptions(seq_len=16)).check("kernels")
     assert result.status is Status.FAIL
-    assert "SIGSEGV" in result.summary and "sdpa" in result.summary
+    assert "SIGSEGV" in result.summary and "sdpa[math]" in result.summary
 
 
 def test_toolchain_failure_is_a_skip_and_other_exceptions_fail(monkeypatch):
