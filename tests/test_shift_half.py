@@ -85,3 +85,25 @@ def test_positions_rounded_to_bfloat16_still_break_past_256(family):
     result = shift_bf16(bf16_positions(zoo.tiny_model(family, **CONTEXT[family])))
     assert result.status is Status.FAIL, result.summary
     assert 128 <= result.details["holds_up_to"] < result.details["breaks_at"] <= 256
+
+
+def test_the_matmul_form_of_older_transformers_gets_float64_angles_too(monkeypatch):
+    """transformers 5.17 (the GPU image's) builds the angles as inv_freq.to(dtype=float) @ position_ids.float()
+    under autocast off: float64 @ float64 inside float64_angles (a float32 operand would make the matmul raise)."""
+    from transformers.models.llama import modeling_llama
+
+    def older_forward(self, x, position_ids):
+        inv = self.inv_freq[None, :, None].expand(position_ids.shape[0], -1, 1).to(dtype=torch.float, device=x.device)
+        freqs = (inv @ position_ids[:, None, :].float()).transpose(1, 2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+    monkeypatch.setattr(modeling_llama.LlamaRotaryEmbedding, "forward", older_forward)
+    model = long_context_llama().double()
+    (name, rotary), = rotary_modules(model).items()
+    pos = torch.arange(131008, 131072)[None]
+    exact = (pos[..., None].double() * rotary.inv_freq.double()).cos()
+    with float64_angles(model) as angles:
+        cos, _ = rotary(torch.zeros(1, dtype=torch.float64), pos)
+    assert angles.computed == {name}
+    assert (cos[..., : exact.shape[-1]] - exact).abs().max() < 1e-12
