@@ -73,3 +73,19 @@ def test_forward_each_runs_every_input_when_nothing_refuses():
     with implementation(subject, "sdpa[math]"):
         runs, refused = forward_each(subject, scenarios, pinned=True)
     assert not refused and all(r is not None for r in runs) and len(runs) == len(scenarios)
+
+
+def test_a_default_flex_run_this_machine_cannot_compile_is_not_run_never_a_skip(monkeypatch):
+    """On CUDA flex_attention is in the default set; when its compiler fails there it is listed as not run, and the
+    check keeps the verdict of what ran (asked for with --impl, the same failure is a skip)."""
+    import posdiag.checks.kernels as kernels_check
+    from posdiag.checks.kernels.running import Outcome
+
+    monkeypatch.setattr(kernels_check, "run_isolated", lambda *a: Outcome(kind="unavailable", reason="no compiler"))
+    subject = from_module(zoo.tiny_model("llama"))
+    scenarios = build_scenarios(subject, RunOptions())
+    not_run: dict[str, str] = {}
+    runs, _, _ = kernels_check._run_implementations(subject, ["sdpa[math]", "flex_attention"], scenarios, not_run)
+    assert not_run == {"flex_attention": "no compiler"} and set(runs) == {"sdpa[math]"}
+    runs, _, _ = kernels_check._run_implementations(subject, ["flex_attention"], scenarios, None)
+    assert runs == {"flex_attention": "no compiler"}  # asked for: judged as not run (a skip)

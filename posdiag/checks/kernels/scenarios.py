@@ -23,7 +23,10 @@ from posdiag.options import RunOptions, probe_ids
 # padded batches differ. "sdpa[NAME]" runs SDPA pinned to backend NAME; plain "sdpa" lets torch choose.
 SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION",
                  "math": "MATH"}
-CPU_BACKENDS = ("flash", "math")  # the CPU build has a flash kernel and math; efficient and cuDNN are CUDA kernels
+CPU_BACKENDS = ("flash", "math")
+# Run by default where they may (flex_attention on CUDA): they compile first, so a compiler this machine lacks makes
+# them not run, never the check a skip.
+COMPILED_EXTRAS = ("flex_attention",)  # the CPU build has a flash kernel and math; efficient and cuDNN are CUDA kernels
 
 
 def split_name(name: str) -> tuple[str, str | None]:
@@ -50,12 +53,15 @@ def default_implementations(subject: Subject) -> tuple[list[str], dict[str, str]
             skipped[name] = f"package {module} is not installed"
         else:
             run.append(name)
-    if cuda and getattr(subject.model, "_supports_flex_attn", False):
+    reloadable = subject.is_hf and subject.load_info.checkpoint_keys is not None  # flex runs in a child process
+    if cuda and reloadable and getattr(subject.model, "_supports_flex_attn", False):
         run.append("flex_attention")
-    else:
+    elif not cuda:
         skipped["flex_attention"] = ("not run by default on CPU (it compiles its kernels first: minutes); "
-                                     "`--impl sdpa,flex_attention` runs it in a separate process"
-                                     if not cuda else f"{subject.family.name} does not support flex_attention")
+                                     "`--impl sdpa,flex_attention` runs it in a separate process")
+    else:
+        skipped["flex_attention"] = (f"{subject.family.name} does not support flex_attention" if reloadable else
+                                     "runs in a separate process, which must load the model from a checkpoint")
     return run, skipped
 
 
