@@ -5,6 +5,7 @@ H200, 22 s without): posdiag decides instead, and the result says which path it 
 (torch.compile + a C compiler) takes ~100 s on the tiny Llama, so this suite checks what is handed to generate()."""
 
 from dataclasses import replace
+from pathlib import Path
 
 from posdiag.api import run_checks
 from posdiag.checks import generate
@@ -42,3 +43,19 @@ def test_generate_hands_its_choice_to_generate_and_reports_it(monkeypatch):
     static = [s for s in seen if s["cache_implementation"] == "static"]
     assert static and all(s["compile_config"] is not None and not s["disable_compile"] for s in static)
     assert all(s["disable_compile"] for s in seen if s not in static)  # a dynamic cache is never compiled
+
+
+def test_compile_from_the_command_line_and_the_config_file(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from posdiag.cli import app
+
+    runner = CliRunner()
+    model = str(Path(__file__).parent.parent / "fixtures" / "llama-tiny")
+    monkeypatch.chdir(tmp_path)
+    row = lambda out: next(line for line in out.splitlines() if "│ compile" in line)  # noqa: E731
+    assert "False" in row(runner.invoke(app, ["check", model, "--show-config"]).output)
+    assert "True" in row(runner.invoke(app, ["check", model, "--compile", "--show-config"]).output)
+    (tmp_path / "posdiag.toml").write_text("compile = true\n")
+    assert "True" in row(runner.invoke(app, ["check", model, "--show-config"]).output)
+    assert "--compile" not in runner.invoke(app, ["shuffle", "--help"]).output  # only generate reads it
