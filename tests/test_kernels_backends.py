@@ -19,9 +19,8 @@ def kernels(model):
     return run_checks(from_module(model), ["kernels"]).check("kernels")
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_each_cpu_backend_is_judged(family):
-    result = kernels(zoo.tiny_model(family))
+def test_each_cpu_backend_is_judged():
+    result = kernels(zoo.tiny_model("qwen2"))  # GQA and a sliding window; llama runs in the planted tests below
     assert result.status is Status.PASS, result.summary
     judged = result.details["implementations"]
     assert judged["sdpa[flash]"]["status"] == judged["sdpa[math]"]["status"] == "pass"
