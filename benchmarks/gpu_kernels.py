@@ -76,7 +76,10 @@ def model_part(device: str, dtypes: list[str], seq_lens: list[int], families: li
     from posdiag.testing import zoo
 
     transformers.utils.logging.set_verbosity_error()
-    impls = ["sdpa"]
+    from posdiag.checks.kernels.scenarios import CPU_BACKENDS, SDPA_BACKENDS
+
+    # every SDPA backend pinned and judged on its own (a refused input is listed as not applicable)
+    impls = [f"sdpa[{b}]" for b in SDPA_BACKENDS if device == "cuda" or b in CPU_BACKENDS]
     for name, module in (("flash_attention_2", "flash_attn"), ("flash_attention_3", "flash_attn_interface")):
         if importlib.util.find_spec(module) is not None:
             impls.append(name)
@@ -103,6 +106,8 @@ def model_part(device: str, dtypes: list[str], seq_lens: list[int], families: li
                             say(f"      {impl:18s} {sc:20s} err {s['error']:.2e} eager {s['eager_error']:.2e} "
                                 f"ratio {s['ratio']:.3g} worst {s['worst_layer']} pad-rows {s['padding_rows'] or '-'} "
                                 f"top1 {s['top1_agreement']} kl {s['kl']}")
+                        for sc, why in (info.get("not_applicable") or {}).items():
+                            say(f"      {impl:18s} {sc:20s} n/a: {why[:160]}")
                         if info.get("reason"):
                             say(f"      {impl:18s} {info['status']}: {info['reason']}")
                     records.append({"family": family, "dtype": dtype, "seq_len": seq, "result": result.to_dict()})

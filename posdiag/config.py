@@ -8,6 +8,7 @@ user typed (it knows which ones were typed); this module only reads and merges.
     skip = ["kernels"]                 # or only = [...]
     seq-len = 64
     seed = 0
+    compile = true                     # judge generate()'s compiled path (default: automatic compile off)
     dtype = "float32"
     baseline-margin = 10.0
     fail-on = ["warn", "skip"]         # also fail the gate on these statuses (a FAIL always does)
@@ -32,7 +33,7 @@ KEYS = {
     "max-memory": "max_memory", "offload-folder": "offload_folder",
     "attn-implementation": "attn_implementation", "upcast": "upcast", "max-batch": "max_batch",
     "trust-remote-code": "trust_remote_code", "revision": "revision", "baseline-margin": "baseline_margin",
-    "fail-on": "fail_on", "require": "require",
+    "fail-on": "fail_on", "require": "require", "compile": "compile",
 }
 
 

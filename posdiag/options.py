@@ -30,6 +30,8 @@ class RunOptions:
     permutations:  random permutations per equivariance test (each gets its consistent twin).
     token_ids:     fixed probe tokens (from --text); None = random ids from the vocabulary.
     check_options: per-check settings by check name (e.g. {"rope": {"target_length": 32768}}).
+    compile:       judge generate()'s compiled path (torch.compile of the static-cache forward) on purpose; False
+                   (default): transformers' automatic compile is turned off, so the eager path is judged.
     """
 
     seq_len: int | None = None
@@ -37,6 +39,7 @@ class RunOptions:
     permutations: int = 3
     token_ids: tuple[int, ...] | None = None
     check_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    compile: bool = False
 
     def for_check(self, name: str) -> dict[str, Any]:
         return dict(self.check_options.get(name, {}))

@@ -104,3 +104,26 @@ def register_rounding() -> str:
 
     _register(ROUNDING, rounding)
     return ROUNDING
+
+
+def perturb_one_backend(backend: str = "math", scale: float = 1e-3):
+    """A context manager: SDPA's `backend` ("math" or "flash", as pinned by torch.nn.attention.sdpa_kernel) returns
+    its output off by `scale` (relative) whenever it is handed an explicit mask (the left-padded inputs); every other
+    backend, and the same backend without a mask, stays right. One backend wrong in one scenario."""
+    import contextlib
+    from unittest import mock
+
+    enabled = {"math": torch.backends.cuda.math_sdp_enabled, "flash": torch.backends.cuda.flash_sdp_enabled}
+    others = [f for name, f in enabled.items() if name != backend]
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def sdpa(query, key, value, attn_mask=None, *args, **kwargs):
+        out = real(query, key, value, attn_mask, *args, **kwargs)
+        alone = enabled[backend]() and not any(f() for f in others)
+        return out * (1 + scale) if alone and attn_mask is not None else out
+
+    @contextlib.contextmanager
+    def planted():
+        with mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", sdpa):
+            yield
+    return planted()

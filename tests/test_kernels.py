@@ -64,7 +64,9 @@ def test_sdpa_without_padding_mask_fails(family):
     assert result.metrics["ratio"] > 100
     # the unpadded input alone would not have caught it (qwen2: the dropped mask also carried the window)
     if family != "qwen2":
-        assert result.details["implementations"]["sdpa"]["scenarios"]["unpadded"]["first_layer_over_tolerance"] is None
+        for backend in ("sdpa[flash]", "sdpa[math]"):  # each pinned SDPA backend, judged on its own
+            assert result.details["implementations"][backend]["scenarios"]["unpadded"][
+                "first_layer_over_tolerance"] is None
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
@@ -92,7 +94,7 @@ def test_nan_in_fully_masked_rows_that_leaks_fails(family):
 
 def test_padding_rows_are_reported_as_information():
     result = kernels(zoo.tiny_model("llama"))
-    padded = result.details["implementations"]["sdpa"]["scenarios"]["left-padded"]
+    padded = result.details["implementations"]["sdpa[flash]"]["scenarios"]["left-padded"]
     assert padded["padding_rows"] == "finite"  # measured: SDPA leaves finite values in Llama's padding rows
     assert padded["top1_agreement"] == 1.0 and padded["kl"] < 1e-9
 
@@ -254,12 +256,12 @@ def test_implementation_killing_its_process_fails_and_report_is_written(saved_ll
 
     monkeypatch.setattr(isolated, "CHILD_COMMAND",
                         (sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"))
-    monkeypatch.setattr(isolated, "ISOLATED", frozenset({"sdpa"}))
-    monkeypatch.setattr(kernels, "ISOLATED", frozenset({"sdpa"}))
+    monkeypatch.setattr(isolated, "ISOLATED", frozenset({"sdpa[math]"}))
+    monkeypatch.setattr(kernels, "ISOLATED", frozenset({"sdpa[math]"}))
     subject = load_subject(str(saved_llama), LoadOptions())
     result = run_checks(subject, ["kernels"], RunOptions(seq_len=16)).check("kernels")
     assert result.status is Status.FAIL
-    assert "SIGSEGV" in result.summary and "sdpa" in result.summary
+    assert "SIGSEGV" in result.summary and "sdpa[math]" in result.summary
 
 
 def test_toolchain_failure_is_a_skip_and_other_exceptions_fail(monkeypatch):

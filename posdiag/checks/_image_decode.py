@@ -216,7 +216,8 @@ def generate_after_image(subject: Subject, prompt: ImagePrompt, new_tokens: int,
         with torch.inference_mode(), watching(subject) as watch:
             out = model.generate(**prompt.inputs(), attention_mask=torch.ones_like(prompt.ids),
                                  max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                                 output_logits=True, return_dict_in_generate=True, pad_token_id=pad)
+                                 output_logits=True, return_dict_in_generate=True, pad_token_id=pad,
+                                 disable_compile=True)  # never transformers' automatic compile (generate's --compile)
         subject.forward_count += new_tokens
     except Exception as exc:
         if refused_by_generation(exc):  # refused before running: nothing was probed

@@ -137,9 +137,9 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     dtype = subject.dtype_name
 
     def measure(names: set[str]) -> Measurement:  # float64: only the runs that differ
-        return _measure(subject, prompts, batch_rows, new_tokens, only=names)
+        return _measure(subject, prompts, batch_rows, new_tokens, only=names, compiled=options.compile)
 
-    first = _measure(subject, prompts, batch_rows, new_tokens, jitter=options.seed)
+    first = _measure(subject, prompts, batch_rows, new_tokens, jitter=options.seed, compiled=options.compile)
     if first.runs and all(r.refused for r in first.runs):  # transformers' own configuration error: nothing ran
         return SPEC.result(Status.SKIP, f"transformers refuses generate() for this model before running "
                            f"it: {first.runs[0].refused}", details={"refused": {r.name: r.refused for r in first.runs}})
@@ -166,6 +166,7 @@ class Measurement:
     cache_note: str
     static_note: str = ""  # why no static-cache run (transformers cannot build the cache)
     floor_source: str = ""  # what measured the floor, where not the default of the model's kind
+    compiled: bool = False  # generate() ran with transformers' compile of the static-cache forward (--compile)
 
     @property
     def done(self) -> list[Run]:
@@ -173,7 +174,7 @@ class Measurement:
 
 
 def _measure(subject: Subject, prompts: list[torch.Tensor], batch_rows: list[int], new_tokens: int,
-             only: set[str] | None = None, jitter: int | None = None) -> Measurement:
+             only: set[str] | None = None, jitter: int | None = None, compiled: bool = False) -> Measurement:
     """Every generate() run (those named in `only`: the float64 re-run) against the teacher-forced forward: prompt 0
     alone, the prompts `batch_rows` as a padded batch; `jitter` (the seed) re-measures a degenerate floor in the run
     dtype (_reference.jitter_floor)."""
@@ -187,7 +188,8 @@ def _measure(subject: Subject, prompts: list[torch.Tensor], batch_rows: list[int
     decoder_start: list[int] = []  # what generate() put before the first decoder step (seq2seq)
 
     def generate(ids: torch.Tensor, attn: torch.Tensor, impl: str | None) -> tuple[torch.Tensor, torch.Tensor]:
-        extra: dict[str, Any] = {"cache_implementation": impl}
+        # only a static cache is compiled (transformers compiles no dynamic-cache generate)
+        extra: dict[str, Any] = {"cache_implementation": impl, **compile_kwargs(compiled and impl == "static")}
         if cache_note:  # generate() would size its cache from the wrong layer count: hand it ours
             extra = {"cache": new_cache(subject, impl or "dynamic", max_len=ids.shape[1] + new_tokens + 1,
                                         encoder_len=ids.shape[1])}
@@ -203,7 +205,7 @@ def _measure(subject: Subject, prompts: list[torch.Tensor], batch_rows: list[int
     runs = _generated(model, generate, prompts[0], (batch, mask, batch_rows), refused, only)
     done = [r for r in runs if not r.crashed and not r.refused]
     if not done:
-        return Measurement(runs, 0.0, 0.0, pad_note, cache_note, refused)
+        return Measurement(runs, 0.0, 0.0, pad_note, cache_note, refused, compiled=compiled)
     # Teacher-forced forward of every generated row *alone* (unpadded prompt + its tokens), with the
     # decoder start generate() used (the config may not say: T5Gemma keeps it in generation_config).
     start_id = decoder_start[0] if decoder_start else None
@@ -224,7 +226,30 @@ def _measure(subject: Subject, prompts: list[torch.Tensor], batch_rows: list[int
             first_step_error = max(first_step_error, relative_l2(run_.logits[i, 0], prompt_logits[row]))
             run_.errors[i] = _compare_row(run_, i, refs[(run_.name, i)], tolerance)
         run_.logits = run_.tokens = None  # judged: only the figures are kept
-    return Measurement(runs, floor_measured, first_step_error, pad_note, cache_note, refused, source)
+    return Measurement(runs, floor_measured, first_step_error, pad_note, cache_note, refused, source, compiled)
+
+
+def _compile_note(subject: Subject, compiled: bool) -> str:
+    """Which path was judged, where it is not the plain one of a CPU run."""
+    if compiled:
+        return "; the compiled path judged (torch.compile of the static-cache forward)"
+    return ("; run without torch.compile (transformers compiles the static-cache forward here by default; --compile "
+            "judges that path)" if subject.device.type != "cpu" else "")
+
+
+def compile_kwargs(compiled: bool) -> dict[str, Any]:
+    """generate() keywords that fix whether the static-cache forward is compiled, instead of transformers deciding
+    (it compiles on CUDA and other accelerators whenever the cache is compileable: 94 s of a 1B model's generate on
+    an H200, 22 s without). compiled=False: disable_compile. compiled=True: a CompileConfig that compiles on every
+    device, CPU included (torch.compile then needs a C compiler); torch compiles once per shape (the single prompt's
+    and the padded batch's caches), not once per prompt."""
+    if not compiled:
+        return {"disable_compile": True}
+    from transformers import CompileConfig
+
+    config = CompileConfig()
+    config._compile_all_devices = True  # transformers' own switch for compiling off-accelerator (its docstring)
+    return {"compile_config": config}
 
 
 def _padded_batch(prompts: list[torch.Tensor], pad: int, seq2seq: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -298,7 +323,8 @@ def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict],
     status = Status.worst(list(status_of.values()))
     rows = []
     alone, lens = lengths
-    details: dict[str, Any] = {"prompt_lengths": lens, "alone_prompt_length": alone, "new_tokens": new_tokens,
+    details: dict[str, Any] = {"compiled": m.compiled, "prompt_lengths": lens, "alone_prompt_length": alone,
+                               "new_tokens": new_tokens,
                                "padding": "right (encoder input)" if seq2seq else "left",
                                "floor_source": m.floor_source or (
                                    ("padded encoder batch vs each encoder alone" if seq2seq else
@@ -317,7 +343,7 @@ def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict],
                                    "first_difference": where, "notes": r.notes, "reason": verdicts[r.name].reason}
     table = Table("generate() vs teacher-forced forward", ("run", "rows", "max step error", "noise floor", "ratio",
                                                            "first row/step that differs"), tuple(rows))
-    tail = ""
+    tail = _compile_note(subject, m.compiled)
     refused = [f"{r.name} refused by transformers ({r.refused})" for r in m.runs if r.refused]
     for key, note in (("pad_note", m.pad_note), ("cache_note", m.cache_note), ("static_not_run", m.static_note),
                       ("refused_note", "; ".join(refused))):

@@ -45,7 +45,8 @@ def run_options(settings: Settings, subject: Any):
         token_ids = tokenize(settings.model, text_of(settings.text), settings.revision,
                              bool(settings.trust_remote_code))
     options = RunOptions(seq_len=settings.seq_len, seed=settings.seed, permutations=settings.permutations,
-                         token_ids=token_ids, check_options=dict(settings.check_options))
+                         token_ids=token_ids, check_options=dict(settings.check_options),
+                         compile=bool(settings.compile))
     probe_length(subject, options)  # validate the length against the declared context now, before any check
     if token_ids is not None and any(t >= subject.vocab_size for t in token_ids):
         raise PosdiagError("the tokenizer produced ids outside the model's vocabulary")

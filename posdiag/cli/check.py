@@ -24,7 +24,7 @@ SkipOpt = Annotated[str | None, typer.Option("--skip", metavar="NAMES", help="Co
 ListOpt = Annotated[bool, typer.Option("--list", help="List every check (name, title, what a PASS proves) and exit.")]
 
 
-@takes(load=LOAD, run=RUN, output=OUTPUT, gate=GATE.only("fail_on"), config=CONFIG)
+@takes(load=LOAD, run=RUN.without("compile"), output=OUTPUT, gate=GATE.only("fail_on"), config=CONFIG)
 def shuffle(ctx: typer.Context, model: OptionalModelArg = None, *, load: Given, run: Given, output: Given,
             gate: Given, config: Given) -> None:
     """Permutation test (the headline): do outputs merely permute when the tokens do?"""

@@ -1,5 +1,5 @@
-"""`posdiag kernels MODEL`: the `kernels` check alone — eager vs sdpa (and FlashAttention where
-installed on a GPU) on unpadded, left-padded and decode-with-cache inputs, per layer, against a
+"""`posdiag kernels MODEL`: the `kernels` check alone — eager vs each SDPA backend, pinned (and
+FlashAttention where installed on a GPU) on unpadded, left-padded and decode-with-cache inputs, per layer, against a
 higher-precision eager reference. Half-precision models stay in their dtype here (--upcast to
 compare in float32): kernels are compared at the precision they run in.
 
@@ -26,8 +26,10 @@ from posdiag.cli.options import LOAD, OUTPUT, RUN, DType, Settings
 SyntheticOpt = Annotated[bool, typer.Option("--synthetic", help="No model: random q/k/v of the shape below.")]
 ImplOpt = Annotated[str | None,
                     typer.Option("--impl",
-                                 help="Comma-separated implementations to compare with eager (default: sdpa, and "
-                                      "flash_attention_2/3 where installed on a GPU).")]
+                                 help="Comma-separated implementations to compare with eager (default: each SDPA "
+                                      "backend pinned, sdpa[flash] sdpa[math] on CPU, also sdpa[efficient] "
+                                      "sdpa[cudnn] and flex_attention on CUDA, flash_attention_2/3 where installed; "
+                                      "plain sdpa lets torch choose).")]
 KUpcastOpt = Annotated[bool,
                        typer.Option("--upcast/--no-upcast",
                                     help="Compare a half-precision model in float32 (default: in its own dtype).")]

@@ -70,6 +70,10 @@ SeedOpt = Annotated[int, typer.Option("--seed", metavar="N", help="Seed for prob
 PermsOpt = Annotated[int,
                      typer.Option("--permutations", metavar="N", min=1, max=64,
                                   help="Random permutations per equivariance test.")]
+CompileOpt = Annotated[bool,
+                       typer.Option("--compile/--no-compile",
+                                    help="Judge generate()'s compiled path (torch.compile of the static-cache forward, "
+                                         "once per shape); default: transformers' automatic compile off.")]
 TextOpt = Annotated[str | None,
                     typer.Option("--text", metavar="TEXT",
                                  help="Probe with this text (or the text of this file) through the model's tokenizer "
@@ -112,6 +116,7 @@ LOAD = Group("load", {
 })
 RUN = Group("run", {
     "seq_len": Opt(SeqLenOpt), "seed": Opt(SeedOpt, 0), "permutations": Opt(PermsOpt, 3), "text": Opt(TextOpt),
+    "compile": Opt(CompileOpt, False),
 })
 OUTPUT = Group("output", {
     "json": Opt(JsonOpt), "junit": Opt(JunitOpt), "format": Opt(FormatOpt), "quiet": Opt(QuietOpt, False),
@@ -150,6 +155,7 @@ class Settings:
     seed: int = 0
     permutations: int = 3
     text: str | None = None
+    compile: bool = False
     check_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # per check: the config file's [checks.NAME]
     # the gate (api.gate_policy turns these into posdiag.results.GatePolicy)
     fail_on: str | list[str] | None = None  # warn and/or skip: comma-separated when typed, a list from a config file

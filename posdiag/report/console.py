@@ -55,7 +55,7 @@ def render(report: Report, console: Console, *, quiet: bool = False, verbose_tab
     overview.add_column("status")
     overview.add_column("summary", overflow="fold")
     for check in report.checks:
-        overview.add_row(check.name, status_text(check.status), check.summary)
+        overview.add_row(check.name, status_text(check.status), Text(check.summary))  # text, never markup
     print_table(console, overview, prose=True)
 
     if verbose_tables:
@@ -70,7 +70,7 @@ def _table(check: CheckResult, table) -> RichTable:
     for col in table.columns:
         out.add_column(col, justify="right" if col not in ("layer", "parameter", "state", "step", "where") else "left")
     for row in table.rows:
-        out.add_row(*[str(v) for v in row])
+        out.add_row(*[Text(str(v)) for v in row])  # "sdpa[flash]" is a name, not markup
     return out
 
 

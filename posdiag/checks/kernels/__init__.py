@@ -25,7 +25,7 @@ from typing import Any
 from posdiag.checks.kernels.isolated import ISOLATED, run_isolated
 from posdiag.checks.kernels.judging import Evidence, judge, needs_arbitration
 from posdiag.checks.kernels.running import finer_runs, forward, forward_all, reference_runs, run_here
-from posdiag.checks.kernels.scenarios import Run, Scenario, build_scenarios, default_implementations
+from posdiag.checks.kernels.scenarios import COMPILED_EXTRAS, Run, Scenario, build_scenarios, default_implementations
 from posdiag.checks.kernels.spec import SPEC
 from posdiag.errors import describe_error
 from posdiag.model.introspect import attention_free, recurrent_reason
@@ -54,9 +54,10 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     reference = reference_runs(subject, scenarios)
     if not reference.ran:
         return SPEC.result(Status.SKIP, f"{reference.reason}; FlashAttention's rule needs one")
-    runs, notes = _run_implementations(subject, names, scenarios)
+    asked = bool(options.for_check("kernels").get("implementations"))
+    runs, notes, refused = _run_implementations(subject, names, scenarios, skipped if not asked else None)
     evidence = Evidence(subject, scenarios, eager, reference.value, reference.dtype, reference.how,
-                        {"eager": eager, **runs}, notes, skipped)
+                        {"eager": eager, **runs}, notes, skipped, not_applicable=refused)
     result = judge(evidence)
     # A layer where eager's error is a degenerate floor (below one unit of the run dtype) decides nothing:
     # the implementation re-run in the reference dtype does (rounding shrinks there, a bug stays).
@@ -111,17 +112,26 @@ def _implementations(subject: Subject, settings: dict[str, Any]) -> tuple[list[s
     return names, skipped
 
 
-def _run_implementations(subject: Subject, names: list[str],
-                         scenarios: list[Scenario]) -> tuple[dict[str, list[Run] | str], dict[str, str]]:
-    """({implementation: its runs, or why it did not run}, {implementation: note}); the note
-    "crash" marks an implementation that crashed on these inputs: that is a finding."""
-    runs: dict[str, list[Run] | str] = {}
+def _run_implementations(subject: Subject, names: list[str], scenarios: list[Scenario],
+                         not_run: dict[str, str] | None = None
+                         ) -> tuple[dict[str, list[Run | None] | str], dict[str, str], dict[str, dict[str, str]]]:
+    """({implementation: its runs, or why it did not run}, {implementation: note}, {implementation: {input: why a
+    pinned SDPA backend refused it}}); the note "crash" marks an implementation that crashed on these inputs: that is
+    a finding. With `not_run` (the default set, nothing asked for), a COMPILED_EXTRAS implementation this machine cannot
+    run (its compiler failing) goes there, as not run by default, instead of making the check a skip."""
+    runs: dict[str, list[Run | None] | str] = {}
     notes: dict[str, str] = {}
+    refused: dict[str, dict[str, str]] = {}
     for name in names:
         outcome = run_isolated(subject, name, scenarios) if name in ISOLATED else run_here(subject, name, scenarios)
+        if not_run is not None and outcome.kind == "unavailable" and name in COMPILED_EXTRAS:
+            not_run[name] = outcome.reason
+            continue
         runs[name] = outcome.runs if outcome.runs is not None else outcome.reason
+        if outcome.refused:
+            refused[name] = outcome.refused
         if outcome.kind == "crashed":
             notes[name] = "crash"
         elif outcome.note:
             notes[name] = outcome.note
-    return runs, notes
+    return runs, notes, refused

@@ -47,7 +47,9 @@ class Evidence:
     notes: dict[str, str]  # implementation -> note ("crash": it crashed on these inputs)
     skipped: dict[str, str]  # implementations not run by default, and why
     # implementation -> its runs in ref_dtype (None: it cannot run there), for layers whose floor is degenerate
-    finer: dict[str, list[Run] | None] = field(default_factory=dict)
+    finer: dict[str, list[Run | None] | None] = field(default_factory=dict)
+    # implementation -> {input: why it does not apply}: a pinned SDPA backend that refuses an input (its run is None)
+    not_applicable: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -79,7 +81,7 @@ def judge(ev: Evidence) -> CheckResult:
     for name, got in ev.runs.items():
         results[name], status = _judge_implementation(ev, name, got, untrusted, atol, rows)
         statuses.append(status)
-    compared = [n for n in ev.runs if n != "eager" and not isinstance(ev.runs[n], str)]
+    compared = [n for n in ev.runs if n != "eager" and results[n].get("scenarios")]
     status = Status.worst(statuses)
     metrics, decided = _deciding_metrics(results, compared, ref_name, atol)
     floor_note = f"reference eager in {ref_name} (converted {ev.built})"
@@ -123,11 +125,20 @@ def _judge_implementation(ev: Evidence, name: str, got: list[Run] | str, untrust
         return {"status": "fail" if crashed else "skip", "reason": got}, Status.FAIL if crashed else Status.SKIP
     result: dict[str, Any] = {"status": "pass", "scenarios": {}}
     status = Status.PASS
+    refused = ev.not_applicable.get(name, {})
     for si, sc in enumerate(ev.scenarios):
         if sc.name in untrusted:
             continue
+        if got[si] is None:  # a pinned backend that cannot run this input: listed, never a pass
+            why = refused.get(sc.name, "no kernel for this input")
+            result.setdefault("not_applicable", {})[sc.name] = why
+            rows.summary.append((name, sc.name, "-", "-", "-", "-", "-", "n/a", why[:80]))
+            continue
         result["scenarios"][sc.name], sc_status = _judge_input(ev, name, si, got[si], atol, rows)
         status = Status.worst([status, sc_status])
+    if not result["scenarios"]:
+        result["status"] = "n/a"
+        return result, Status.NA
     result["status"] = status.value
     if name in ev.notes:
         result["note"] = ev.notes[name]
@@ -184,7 +195,7 @@ def _arbitrate(ev: Evidence, name: str, si: int, over: list[int], errs: list[flo
     decided: dict[int, FloorVerdict | None] = {}
     for i in over:
         if degenerate_floor(base[i], dname):
-            decided[i] = None if g is None else judge_arbitrated(
+            decided[i] = None if g is None or g[si] is None else judge_arbitrated(
                 errs[i], base[i], dname, rel(g[si].hidden[i], r.hidden[i], valid_for(g[si], sc, i)), 0.0,
                 dtype_name(ev.ref_dtype))
     return decided
@@ -245,7 +256,14 @@ def _summary(ev: Evidence, results: dict[str, dict[str, Any]], compared: list[st
                f"in {dname} ({s['ratio']:.2g}x the tolerance, {name}, {sc_name}, {s['worst_layer']})")
     if refused:  # asked for and not run: the check as asked is not complete (skip, never pass)
         summary = "not compared: " + "; ".join(f"{n} ({ev.runs[n]})" for n in refused) + ". " + summary
-    return summary
+    return summary + not_applicable_note(results)
+
+
+def not_applicable_note(results: dict[str, dict[str, Any]]) -> str:
+    """"; not applicable: sdpa[flash] on left-padded (why)" for the inputs a pinned SDPA backend refused."""
+    parts = [f"{n} on {', '.join(na)} ({next(iter(na.values()))[:100]})"
+             for n, res in results.items() if (na := res.get("not_applicable"))]
+    return f"; not applicable: {'; '.join(parts)}" if parts else ""
 
 
 # ------------------------------------------------------------------------------ measures

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from posdiag.checks.kernels.scenarios import Run, Scenario
+from posdiag.checks.kernels.scenarios import SDPA_BACKENDS, Run, Scenario, split_name
 from posdiag.model.precision import REFERENCE_FRACTION, FinerRun, reference_dtype, run_finer, streamed_bytes
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import token_states
@@ -27,12 +27,19 @@ class Refused(Exception):
     """The model does not support an attention implementation (the message says why)."""
 
 
-class Outcome:
-    """What one implementation gave: runs (one Run per scenario), or a reason with a kind:
-    refused (the model does not support it), unavailable (cannot run on this machine), crashed."""
+# How torch says that the pinned SDPA backend cannot run an input (its UserWarnings say why).
+NO_BACKEND = ("No viable backend", "No available kernel")
 
-    def __init__(self, runs: list[Run] | None = None, note: str = "", kind: str = "", reason: str = ""):
+
+class Outcome:
+    """What one implementation gave: runs (one Run per scenario; None where a pinned SDPA backend refuses that input,
+    the reason in `refused`), or a reason with a kind: refused (the model does not support it), unavailable (cannot
+    run on this machine), crashed."""
+
+    def __init__(self, runs: list[Run | None] | None = None, note: str = "", kind: str = "", reason: str = "",
+                 refused: dict[str, str] | None = None):
         self.runs, self.note, self.kind, self.reason = runs, note, kind, reason
+        self.refused = refused or {}
 
 
 def describe_exception(name: str, exc: BaseException) -> tuple[str, str]:
@@ -50,7 +57,8 @@ def run_here(subject: Subject, name: str, scenarios: list[Scenario]) -> Outcome:
     """Every scenario under implementation `name`, in this process."""
     try:
         with implementation(subject, name) as note:
-            return Outcome(runs=forward_all(subject, scenarios), note=note)
+            runs, refused = forward_each(subject, scenarios, split_name(name)[1] is not None)
+        return Outcome(runs=runs, note=note, refused=refused)
     except Refused as exc:
         return Outcome(kind="refused", reason=str(exc))
     except Exception as exc:
@@ -78,10 +86,11 @@ def reference_runs(subject: Subject, scenarios: list[Scenario]) -> FinerRun[list
 def finer_runs(subject: Subject, name: str, scenarios: list[Scenario], dtype: torch.dtype) -> list[Run] | None:
     """Implementation `name` on every scenario in `dtype` (the reference's), converted as the reference was;
     None where it cannot run there (no kernel in that dtype, a refusal): its rounding cannot be measured."""
+    pinned = split_name(name)[1] is not None
     try:
         with implementation(subject, name):
-            got = run_finer(subject, lambda: forward_all(subject, scenarios), dtype,
-                            reached=lambda runs, d: all(r.hidden[-1].dtype == d for r in runs))
+            got = run_finer(subject, lambda: forward_each(subject, scenarios, pinned)[0], dtype,
+                            reached=lambda runs, d: all(r is None or r.hidden[-1].dtype == d for r in runs))
     except Exception:  # refused or crashed in the finer dtype: undecided, the judgement says so
         return None
     return got.value if got.ran and got.dtype == dtype else None
@@ -99,6 +108,32 @@ def forward_all(subject: Subject, scenarios: list[Scenario]) -> list[Run]:
         if sc.prefill_as in names and first is not None:
             runs[sc.prefill_as] = first
     return [runs[sc.name] for sc in scenarios]
+
+
+def forward_each(subject: Subject, scenarios: list[Scenario], pinned: bool) -> tuple[list[Run | None],
+                                                                                 dict[str, str]]:
+    """forward_all, or, where a pinned SDPA backend refuses an input, each input alone: (runs, None for a refused
+    input; {input: the backend's reason}). Any other exception propagates."""
+    try:
+        return list(forward_all(subject, scenarios)), {}
+    except RuntimeError as exc:
+        if not (pinned and any(t in str(exc) for t in NO_BACKEND)):
+            raise
+    runs: list[Run | None] = []
+    refused: dict[str, str] = {}
+    for sc in scenarios:
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always", UserWarning)
+            try:
+                runs.append(forward(subject, sc))
+                continue
+            except RuntimeError as exc:
+                if not any(t in str(exc) for t in NO_BACKEND):
+                    raise
+        reasons = [" ".join(str(w.message).split())[:160] for w in said if issubclass(w.category, UserWarning)]
+        refused[sc.name] = "; ".join(dict.fromkeys(r for r in reasons if r)) or "no kernel for this input"
+        runs.append(None)
+    return runs, refused
 
 
 def forward(subject: Subject, sc: Scenario) -> Run:
@@ -169,6 +204,7 @@ def implementation(subject: Subject, name: str) -> Iterator[str]:
     configs = _configs(model)
     saved = [(c, c._attn_implementation_internal) for c in configs]
     note = ""
+    name, backend = split_name(name)
     try:
         if name != "eager" and name == "sdpa" and subject.family.eager_only:
             raise Refused(f"{subject.family.name} refuses sdpa in transformers 5.x (eager only)")
@@ -187,10 +223,23 @@ def implementation(subject: Subject, name: str) -> Iterator[str]:
                 note = "set on the config (this class cannot switch implementations after loading)"
             else:
                 raise Refused(f"{type(model).__name__} does not support {name}")
-        yield note
+        with pinned_backend(backend):
+            yield note
     finally:
         for c, value in saved:
             c._attn_implementation_internal = value
+
+
+@contextlib.contextmanager
+def pinned_backend(backend: str | None) -> Iterator[None]:
+    """SDPA pinned to one backend (a key of SDPA_BACKENDS) within the block; None: torch chooses."""
+    if backend is None:
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[backend])):
+        yield
 
 
 def _language_model_only(model: torch.nn.Module, text_config: Any, name: str, refusal: str) -> str:

@@ -18,11 +18,34 @@ from posdiag.model.caches import keeps_kv_cache
 from posdiag.model.subject import Subject
 from posdiag.options import RunOptions, probe_ids
 
+# SDPA's backends, each judged on its own (pinned with torch.nn.attention.sdpa_kernel): with a padding mask SDPA
+# silently leaves flash for efficient or math, so the kernel users get for unpadded prefill and the one they get for
+# padded batches differ. "sdpa[NAME]" runs SDPA pinned to backend NAME; plain "sdpa" lets torch choose.
+SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION",
+                 "math": "MATH"}
+CPU_BACKENDS = ("flash", "math")
+# Run by default where they may (flex_attention on CUDA): they compile first, so a compiler this machine lacks makes
+# them not run, never the check a skip.
+COMPILED_EXTRAS = ("flex_attention",)  # the CPU build has a flash kernel and math; efficient and cuDNN are CUDA kernels
+
+
+def split_name(name: str) -> tuple[str, str | None]:
+    """("sdpa", "cudnn") for "sdpa[cudnn]"; (name, None) for any other implementation."""
+    if name.startswith("sdpa[") and name.endswith("]") and name[5:-1] in SDPA_BACKENDS:
+        return "sdpa", name[5:-1]
+    return name, None
+
 
 def default_implementations(subject: Subject) -> tuple[list[str], dict[str, str]]:
-    """(implementations to run, {implementation: why not run}) for this machine."""
-    run, skipped = ["sdpa"], {}
+    """(implementations to run, {implementation: why not run}) for this machine: every SDPA backend the device
+    has, each pinned, then the optional kernels."""
+    run, skipped = [], {}
     cuda = subject.device.type == "cuda"
+    for backend in SDPA_BACKENDS:
+        if cuda or backend in CPU_BACKENDS:
+            run.append(f"sdpa[{backend}]")
+        else:
+            skipped[f"sdpa[{backend}]"] = "a CUDA kernel"
     for name, module in (("flash_attention_2", "flash_attn"), ("flash_attention_3", "flash_attn_interface")):
         if not cuda:
             skipped[name] = "needs a CUDA device"
@@ -30,8 +53,15 @@ def default_implementations(subject: Subject) -> tuple[list[str], dict[str, str]
             skipped[name] = f"package {module} is not installed"
         else:
             run.append(name)
-    skipped["flex_attention"] = ("not run by default (it compiles its kernels first: minutes on a CPU); "
-                                 "`--impl sdpa,flex_attention` runs it in a separate process")
+    reloadable = subject.is_hf and subject.load_info.checkpoint_keys is not None  # flex runs in a child process
+    if cuda and reloadable and getattr(subject.model, "_supports_flex_attn", False):
+        run.append("flex_attention")
+    elif not cuda:
+        skipped["flex_attention"] = ("not run by default on CPU (it compiles its kernels first: minutes); "
+                                     "`--impl sdpa,flex_attention` runs it in a separate process")
+    else:
+        skipped["flex_attention"] = (f"{subject.family.name} does not support flex_attention" if reloadable else
+                                     "runs in a separate process, which must load the model from a checkpoint")
     return run, skipped
 
 

@@ -41,6 +41,7 @@ import torch
 from posdiag.checks import CheckSpec, Option
 from posdiag.checks.shift import judge, ladder
 from posdiag.checks.shift.judge import ABSOLUTE_KINDS, RELATIVE_KINDS
+from posdiag.model.casts import Angles, float64_angles
 from posdiag.model.introspect import recurrent_mixers
 from posdiag.model.precision import run_finer
 from posdiag.model.subject import Subject
@@ -66,8 +67,9 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     return _stacks(subject, options)
 
 
-def _stacks(subject: Subject, options: RunOptions) -> CheckResult:
-    return combine_stacks(SPEC.name, [stack_result(SPEC.name, stack, lambda s=stack: _run_stack(subject, options, s))
+def _stacks(subject: Subject, options: RunOptions, angles: Angles | None = None) -> CheckResult:
+    return combine_stacks(SPEC.name, [stack_result(SPEC.name, stack,
+                                                   lambda s=stack: _run_stack(subject, options, s, angles))
                                       for stack in subject.stacks])
 
 
@@ -75,13 +77,16 @@ def _decided_in_float64(subject: Subject, options: RunOptions) -> CheckResult:
     """In bf16/fp16 the angle-rounding bound is larger than a whole unit shift of an absolute model, so a run
     there cannot decide (a real absolute-position leak passed under --no-upcast): the ladder runs with the
     model in float64, module by module, and is judged there. Only when no float64 run is possible does the
-    half-precision run speak, saying so."""
+    half-precision run speak, saying so. The float64 run keeps no float32 inside (posdiag.model.casts): norms,
+    softmax and the rotary angles m·θ run in float64; a rotary table stored in float32 keeps its rounding, and the
+    rung's bound then takes float32's epsilon."""
     half = subject.dtype
 
     def in_float64() -> CheckResult:
         subject.dtype = torch.float64  # masks and rounding bounds of the run that decides
         try:
-            return _stacks(subject, options)
+            with float64_angles(subject.model) as angles:
+                return _stacks(subject, options, angles)
         finally:
             subject.dtype = half
 
@@ -98,7 +103,7 @@ def _decided_in_float64(subject: Subject, options: RunOptions) -> CheckResult:
                    details={**result.details, "decided_in": dtype_name(finer.dtype), "how": finer.how})
 
 
-def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult:
+def _run_stack(subject: Subject, options: RunOptions, stack: str, angles: Angles | None = None) -> CheckResult:
     """One stack: plan the ladder, measure it in one forward, judge each rung, report."""
     ok, why = subject.explicit_mask_supported
     if not ok:
@@ -115,7 +120,10 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
     if measured.recurrent_mixers:
         details["recurrent_mixers"] = measured.recurrent_mixers
     details["floor_source"] = measured.floor_source
-    judged = judge.judge(subject, probe, measured)
+    judged = judge.judge(subject, probe, measured, angles)
+    if angles is not None and angles.kept:
+        details["rotary_tables_kept"] = {name: dtype_name(angles.tables.get(name, torch.float32))
+                                         for name in angles.kept}
     metrics: dict[str, Any] = {"noise_floor": judged.floor, "unit_shift_effect": measured.delta1, "eps": judged.eps}
     unfaithful = judge.mask_unfaithful(subject, probe, measured, stack, judged.floor, metrics)
     if unfaithful:

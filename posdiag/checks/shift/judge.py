@@ -7,10 +7,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from posdiag.checks.shift.ladder import Measured, Probe, default_output, refine, worst_token
+from posdiag.model.casts import Angles
 from posdiag.model.inert import inert_reason
 from posdiag.model.probe import fidelity_rows, judge_fidelity
 from posdiag.model.subject import Subject
-from posdiag.model.tensors import layer_name, relative_l2
+from posdiag.model.tensors import dtype_name, layer_name, relative_l2
 from posdiag.results import Status, Table
 from posdiag.verdict import (
     LOW_PRECISION,
@@ -40,12 +41,24 @@ class Judged:
     signal: float  # Δ1 / floor: how far a one-position change stands above rounding
 
 
-def judge(subject: Subject, probe: Probe, measured: Measured) -> Judged:
+def judge(subject: Subject, probe: Probe, measured: Measured, angles: Angles | None = None) -> Judged:
+    """`angles`: what a float64 run saw of the rotary angles. A table it could not recompute (GPT-J's sin/cos, built
+    from float32 angles) keeps float32's angle rounding, so the rung's bound takes float32's epsilon; a table held
+    in half precision (cast with a bfloat16 model) also carries that dtype's rounding of every sin/cos value, the
+    same at every position: a term Δ1 · eps_table (the fastest pair turns by one radian per position, so an angle
+    error of eps_table moves outputs about Δ1 · eps_table). Measured on the tiny GPT-J in bfloat16: error 9.9e-6
+    at every rung, Δ1 · eps_table 1.0e-5."""
     dtype = subject.dtype_name
     floor = noise_floor(measured.measured_floor, dtype)
     eps = MACHINE_EPSILON.get(dtype, MACHINE_EPSILON["float32"])
+    held = 0.0  # a rotary table's own rounding, the same at every position
+    kept = angles.kept_dtype if angles is not None else None
+    if kept is not None:
+        eps = max(eps, MACHINE_EPSILON["float32"])  # the table was built from float32 angles
+        held = MACHINE_EPSILON.get(dtype_name(kept), 0.0) if kept.itemsize < 4 else 0.0
     final = measured.errors[-1]
-    predicted = [measured.delta1 * eps * (k + probe.span) for k in probe.ladder]  # (P_k + 1) with P_k = k + span - 1
+    # (P_k + 1) with P_k = k + span - 1
+    predicted = [measured.delta1 * (eps * (k + probe.span) + held) for k in probe.ladder]
     ratio = [e / (floor + p) for e, p in zip(final, predicted, strict=True)]
     return Judged(floor=floor, eps=eps, predicted=predicted, tolerance=[band_tolerance(floor + p) for p in predicted],
                   ratio=ratio, breaks=next((i for i, r in enumerate(ratio) if not within_band(r)), None),
