@@ -8,7 +8,9 @@
 #   2. benchmarks/gpu_kernels.sh trimmed (POSDIAG_MAX_LEN 8192, 40 s synthetic budget)
 #   3. posdiag check models:llama1b --device cuda (default: generate() without torch.compile)
 #   4. posdiag check models:llama1b --only generate --compile (the compiled path, on purpose)
-#   5. posdiag check models:llama8b --no-upcast --dtype bfloat16 --only shift (the float64 re-run's angles)
+#   5. posdiag check models:llama8b --no-upcast --dtype bfloat16 (the whole check in bf16; shift: the float64
+#      re-run's angles)
+#   6. posdiag check models:llama8b --device cuda (the whole check, float32 upcast)
 # The factories (models:llama1b, models:llama8b) come from .gpu/models.py (on PYTHONPATH through run.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,10 +31,11 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA')" | tee -a "$summary"
 step kernels_llama1b 80 python3 -m posdiag kernels models:llama1b --device cuda --dtype bfloat16 --seq-len 4096 \
   --impl "sdpa[flash],sdpa[efficient],sdpa[cudnn],sdpa[math]" --json "$OUT/kernels_llama1b.json"
-step gpu_kernels 75 env POSDIAG_MAX_LEN=8192 POSDIAG_SYNTH_BUDGET_S=40 POSDIAG_TIMEOUT_S=70 bash benchmarks/gpu_kernels.sh
-step check_llama1b 70 python3 -m posdiag check models:llama1b --device cuda --json "$OUT/check_llama1b.json"
-step generate_compiled_llama1b 110 python3 -m posdiag check models:llama1b --device cuda --only generate --compile \
+step gpu_kernels 60 env POSDIAG_MAX_LEN=8192 POSDIAG_SYNTH_BUDGET_S=40 POSDIAG_TIMEOUT_S=55 bash benchmarks/gpu_kernels.sh
+step check_llama1b 90 python3 -m posdiag check models:llama1b --device cuda --json "$OUT/check_llama1b.json"
+step generate_compiled_llama1b 100 python3 -m posdiag check models:llama1b --device cuda --only generate --compile \
   --json "$OUT/generate_compiled_llama1b.json"
-step shift_llama8b_bf16 45 python3 -m posdiag check models:llama8b --device cuda --no-upcast --dtype bfloat16 \
-  --only shift --json "$OUT/shift_llama8b_bf16.json"
+step check_llama8b_bf16 90 python3 -m posdiag check models:llama8b --device cuda --no-upcast --dtype bfloat16 \
+  --json "$OUT/check_llama8b_bf16.json"
+step check_llama8b 75 python3 -m posdiag check models:llama8b --device cuda --json "$OUT/check_llama8b.json"
 echo "all steps done; summary in $summary"
