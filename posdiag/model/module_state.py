@@ -106,7 +106,7 @@ def _same_value(a: Any, b: Any) -> bool:
     return type(a) is type(b)
 
 
-_PLAIN = (int, float, str, bool, type(None), tuple)
+_PLAIN = (int, float, str, bool, type(None), tuple, list, dict)
 
 
 def _shown(value: Any) -> str:

@@ -76,11 +76,12 @@ class Outcome:
 
 
 def measure(subject: Subject, fresh: ModelState, seq: Sequence, seed: int) -> Outcome:
-    """The fresh call and its jittered twin (the floor), then from the fresh state again the history and the call
-    under test, nothing restored between them."""
-    restored(fresh)
+    """The fresh call and its jittered twin (the floor), each from the fresh state, then from the fresh state again
+    the history and the call under test, nothing restored between them."""
     try:
+        restored(fresh)
         reference = seq.reference()
+        restored(fresh)  # the floor's call too starts fresh: it is the same call, shaken by rounding only
         with jittered(subject, "decoder", 0, seq.rows, seed, settle_masks=False) as has_jitter:
             shaken = seq.reference()
     except Refused as exc:

@@ -119,7 +119,7 @@ def _causal_only(calls: _Calls, short: torch.Tensor, seed: int) -> list[Sequence
     return [
         Sequence("multi-turn", f"after generate() on a {n}-token prompt, a {TURN}-token user turn appended and "
                  f"generate() continued from the returned cache", lambda: calls.generate(conversation),
-                 lambda: calls.generate(short[None], full=True).past_key_values,
+                 lambda: _cache_of(calls.generate(short[None], full=True)),
                  lambda kept: calls.generate(conversation, cache=kept)),
         Sequence("assisted decoding", f"generate() on a {n}-token prompt with the model as its own assistant "
                  "(candidates accepted several at a time)", lambda: calls.generate(short[None]),
@@ -181,3 +181,8 @@ class _Calls:
             raise RuntimeError(crashed)
         self.subject.forward_count += len(out.logits)
         return out if full else torch.stack(out.logits, 1).to(torch.float64).flatten()
+
+
+def _cache_of(out: Any) -> Any:
+    """The cache generate() returned (`cache` in transformers 5, `past_key_values` before)."""
+    return out["cache"] if "cache" in out.keys() else out.past_key_values
