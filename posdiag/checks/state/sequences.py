@@ -15,17 +15,22 @@ from typing import Any
 import torch
 
 from posdiag.checks._cache_plan import declared_boundaries
-from posdiag.model.caches import cache_layer_note, cache_support, generate_guarded, text_config
+from posdiag.errors import describe_error, raised_in_generation
+from posdiag.model.caches import cache_layer_note, cache_support, text_config
 from posdiag.model.outputs import output_of
 from posdiag.model.subject import Subject
 
 PAST_BOUNDARY = 12  # tokens the long input runs past the largest boundary it must cross
 TURN = 8  # tokens of the user turn appended in the multi-turn sequence
 LOOKUP = 3  # prompt_lookup_num_tokens: candidates copied from the prompt per step
+# Candidates the assistant drafts per step, constant: transformers' default (20, growing) drafts every new token in one
+# step, so no verification continues another and a position not advanced by the accepted candidates never shows.
+ASSISTED = 2
 
 
 class Refused(Exception):
-    """transformers refused a generate() request before the model ran (a configuration it does not support)."""
+    """transformers' generation code refused a generate() request (a mode or configuration it does not support for
+    this model)."""
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,9 @@ class Sequence:
     history: Callable[[], Any]
     under_test: Callable[[Any], torch.Tensor]
     rows: int = 1  # batch rows of the call (the jitter floor shakes row 0)
+    # Another way of computing the same call, with no history (assisted, lookup): transformers refusing it for this
+    # model (MPT: "Assisted decoding requires a cache") is a path not run, not a call changed by what ran before.
+    same_call: bool = True
 
 
 def long_length(subject: Subject, short: int, cap: int) -> tuple[int, dict[str, int], dict[str, str]]:
@@ -103,7 +111,7 @@ def plan(subject: Subject, short: torch.Tensor, cap: int, new_tokens: int, seed:
     else:
         try:
             seqs.extend(_causal_only(calls, short, seed))
-        except (Refused, RuntimeError) as exc:  # judged by `generate`: here nothing ran before it
+        except Exception as exc:  # judged by `generate`: here nothing ran before it
             not_run.update(dict.fromkeys(names[1:], f"generate() on a fresh state did not run: {exc}"))
     return seqs, not_run, {"long_input": length, "boundaries_crossed": crossed, "boundaries_not_crossed": missed}
 
@@ -122,11 +130,11 @@ def _causal_only(calls: _Calls, short: torch.Tensor, seed: int) -> list[Sequence
                  lambda: _cache_of(calls.generate(short[None], full=True)),
                  lambda kept: calls.generate(conversation, cache=kept)),
         Sequence("assisted decoding", f"generate() on a {n}-token prompt with the model as its own assistant "
-                 "(candidates accepted several at a time)", lambda: calls.generate(short[None]),
-                 lambda: None, lambda _: calls.generate(short[None], assistant_model=subject.model)),
+                 f"({ASSISTED} candidates a step)", lambda: calls.generate(short[None]),
+                 lambda: None, lambda _: calls.assisted(short[None]), same_call=False),
         Sequence("prompt lookup", f"prompt-lookup decoding ({LOOKUP} candidates a step) on a {repeated.shape[0]}-"
                  "token prompt whose n-grams recur", lambda: calls.generate(repeated[None]), lambda: None,
-                 lambda _: calls.generate(repeated[None], prompt_lookup_num_tokens=LOOKUP)),
+                 lambda _: calls.generate(repeated[None], prompt_lookup_num_tokens=LOOKUP), same_call=False),
     ]
 
 
@@ -167,22 +175,35 @@ class _Calls:
         note = cache_layer_note(self.subject)
         return f"generate() sizes its cache wrongly here ({note}): judged by `generate`" if note else ""
 
+    def assisted(self, ids: torch.Tensor) -> Any:
+        """generate() with the model as its own assistant, ASSISTED candidates a step (its generation config set for
+        the call, put back after)."""
+        config = self.subject.model.generation_config
+        saved = (config.num_assistant_tokens, config.num_assistant_tokens_schedule)
+        config.num_assistant_tokens, config.num_assistant_tokens_schedule = ASSISTED, "constant"
+        try:
+            return self.generate(ids, assistant_model=self.subject.model)
+        finally:
+            config.num_assistant_tokens, config.num_assistant_tokens_schedule = saved
+
     def generate(self, ids: torch.Tensor, full: bool = False, **extra: Any) -> Any:
         """Greedy generate(): the logits of every generated step (float64, flattened); `full`: the whole output."""
         model = self.subject.model
         kwargs = dict(do_sample=False, num_beams=1, max_new_tokens=self.new_tokens, output_logits=True,
                       return_dict_in_generate=True, pad_token_id=self.pad, eos_token_id=None,
                       forced_eos_token_id=None, forced_bos_token_id=None, attention_mask=torch.ones_like(ids))
-        with torch.inference_mode():
-            out, crashed, refused = generate_guarded(model, lambda: model.generate(ids, **kwargs, **extra))
-        if refused:
-            raise Refused(refused)
-        if crashed:
-            raise RuntimeError(crashed)
+        try:
+            with torch.inference_mode():
+                out = model.generate(ids, **kwargs, **extra)
+        except Exception as exc:
+            if raised_in_generation(exc):
+                raise Refused(describe_error(exc)) from exc
+            raise
         self.subject.forward_count += len(out.logits)
         return out if full else torch.stack(out.logits, 1).to(torch.float64).flatten()
 
 
 def _cache_of(out: Any) -> Any:
     """The cache generate() returned (`cache` in transformers 5, `past_key_values` before)."""
-    return out["cache"] if "cache" in out.keys() else out.past_key_values
+    cache = out.get("cache")
+    return cache if cache is not None else out.past_key_values

@@ -1,0 +1,104 @@
+"""`state`: the same input gives the same output whatever ran before it. Planted state bugs, each on three families
+with its healthy twin (tests/plants_state.py), the zoo, and the run's fresh state for every check."""
+
+from __future__ import annotations
+
+import plants_state as plants
+import pytest
+import torch
+from sweep_rows import rotating
+
+from posdiag import api
+from posdiag.model.loading import from_module
+from posdiag.results import Status
+from posdiag.testing import zoo
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def _state(model: torch.nn.Module, checks: tuple[str, ...] = ("state",)):
+    report = api.run_checks(from_module(model), list(checks))
+    return report.check("state")
+
+
+def _failing(result) -> set[str]:
+    table = result.tables[0]
+    return {row[0] for row in table.rows if row[1] == "fail"}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt_neox"])
+def test_sticky_dynamic_ntk_fails_after_a_long_input(family):
+    bad = _state(plants.dynamic_model(family, sticky=True))
+    assert bad.status is Status.FAIL, bad.summary
+    assert _failing(bad) == {"long input"}
+    assert bad.summary.startswith("long input: after a 140-token input, the same 64 tokens")
+    assert "rotary_emb.inv_freq changed (buffer)" in bad.summary
+    assert "does not shrink with precision" in bad.summary  # decided in float64, a bug
+    good = _state(plants.dynamic_model(family, sticky=False))  # stock dynamic NTK resets on a short input
+    assert good.status is Status.PASS, good.summary
+    assert "dynamic-NTK threshold 128" in good.summary
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "mistral"])
+def test_kept_rope_deltas_fail_on_another_prompt(family):
+    bad = _state(plants.kept_offset(zoo.tiny_model(family), reset=False))
+    assert bad.status is Status.FAIL, bad.summary
+    assert "another prompt" in _failing(bad)
+    assert "rope_deltas None -> 64" in bad.summary
+    good = _state(plants.kept_offset(zoo.tiny_model(family), reset=True))
+    assert good.status is Status.PASS, good.summary
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2"])
+def test_position_advanced_by_one_fails_assisted_decoding(family):
+    bad = _state(plants.counted_positions(zoo.tiny_model(family), by_tokens=False))
+    assert bad.status is Status.FAIL, bad.summary
+    failing = _failing(bad)
+    assert {"assisted decoding", "multi-turn"} <= failing  # calls that feed several tokens to a kept cache
+    assert not failing & {"long input", "batch after batch", "another prompt"}  # greedy decoding stays right
+    assert "next_position" in bad.summary
+    good = _state(plants.counted_positions(zoo.tiny_model(family), by_tokens=True))
+    assert good.status is Status.PASS, good.summary
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox"])
+def test_padding_of_one_batch_leaking_into_the_next_fails(family):
+    bad = _state(plants.kept_mask(zoo.tiny_model(family), reuse=True))
+    assert bad.status is Status.FAIL, bad.summary
+    assert _failing(bad) == {"batch after batch"}
+    assert "kept_mask None -> tensor(3, 64)" in bad.summary
+    good = _state(plants.kept_mask(zoo.tiny_model(family), reuse=False))
+    assert good.status is Status.PASS, good.summary
+
+
+@pytest.mark.parametrize("family", rotating(zoo.FAMILIES, always=("llama", "gpt2", "mistral", "t5", "bert")))
+def test_every_zoo_family_passes_or_is_not_applicable(family):
+    result = _state(zoo.tiny_model(family))
+    if zoo.model_kind(family) == "encoder":
+        assert result.status is Status.NA and "encoder" in result.summary
+    else:
+        assert result.status is Status.PASS, result.summary
+
+
+def test_the_model_is_left_as_loaded_and_every_check_starts_fresh():
+    """The sticky rotary grows on `rope`'s long inputs; the run puts it back before `state` (which then still sees
+    the bug from a fresh state) and after the last check."""
+    model = plants.dynamic_model("llama", sticky=True)
+    rotary = model.model.rotary_emb
+    before = rotary.inv_freq.clone()
+    report = api.run_checks(from_module(model), ["state", "state"])
+    first, second = report.checks
+    assert first.status is second.status is Status.FAIL
+    assert first.metrics["error"] == second.metrics["error"]
+    assert torch.equal(rotary.inv_freq, before) and rotary.max_seq_len_cached == 128
+    rotary.forward(torch.zeros(1, 1, 16), torch.arange(300)[None])  # a long call outside posdiag: grown
+    grown = rotary.inv_freq.clone()
+    api.run_checks(from_module(model), ["load"])
+    assert torch.equal(rotary.inv_freq, grown)  # what the caller's model held before the run is what it holds after
+
+
+def test_seq2seq_runs_the_paths_it_has_and_names_the_others():
+    result = _state(zoo.tiny_model("bart"))
+    assert result.status is Status.PASS, result.summary
+    assert {row[0] for row in result.tables[0].rows} == {"long input", "batch after batch", "another prompt"}
+    assert set(result.details["not_run"]) == {"multi-turn", "assisted decoding", "prompt lookup"}
