@@ -108,18 +108,18 @@ def kept_mask(model: torch.nn.Module, *, reuse: bool) -> torch.nn.Module:
     return model
 
 
-def _self_only(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               attention_mask: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """Each token's output is its own value: no other token ever enters (the mask is never read)."""
-    heads = query.shape[1]
-    value = value.repeat_interleave(heads // value.shape[1], dim=1)  # [B, H, T, D]
-    return value.transpose(1, 2).contiguous(), None
-
-
 def self_only(model: torch.nn.Module) -> torch.nn.Module:
-    """Every attention layer of a model on transformers' attention interface sees only its own token."""
-    from transformers import AttentionInterface
+    """Every attention layer (q/k/v/o projections) returns each token's own value, projected: no other token ever
+    enters, no score is computed, the mask is never read (remote code that drops the attention product)."""
+    for module in [m for m in model.modules() if hasattr(m, "v_proj") and hasattr(m, "o_proj")]:
+        def forward(hidden_states: torch.Tensor, *args: Any, attention: torch.nn.Module = module,
+                    **kwargs: Any) -> tuple[torch.Tensor, None]:
+            value = attention.v_proj(hidden_states)  # [B, T, kv heads * D]
+            b, t, _ = value.shape
+            d = attention.head_dim
+            kv, heads = value.shape[-1] // d, attention.o_proj.in_features // d
+            value = value.view(b, t, kv, d).repeat_interleave(heads // kv, dim=2).reshape(b, t, heads * d)
+            return attention.o_proj(value), None
 
-    AttentionInterface.register("self_only", _self_only)
-    model.set_attn_implementation("self_only")
+        module.forward = forward
     return model

@@ -102,3 +102,37 @@ def test_seq2seq_runs_the_paths_it_has_and_names_the_others():
     assert result.status is Status.PASS, result.summary
     assert {row[0] for row in result.tables[0].rows} == {"long input", "batch after batch", "another prompt"}
     assert set(result.details["not_run"]) == {"multi-turn", "assisted decoding", "prompt lookup"}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma"])
+def test_tokens_that_see_only_themselves_fail_shuffle_and_positions(family):
+    """Attention that returns each token's own value ignores the explicit mask too: the mask-fidelity SKIP hid a
+    model no position can enter. Through the model's own mask, changing a token moves no other: a FAIL."""
+    report = api.run_checks(from_module(plants.self_only(zoo.tiny_model(family))), ["shuffle", "positions"])
+    shuffle, positions = report.checks
+    assert shuffle.status is Status.FAIL and shuffle.summary.startswith("tokens never interact: position cannot "
+                                                                        "enter (changing token 0 moves no other")
+    assert "the model's code lets each token see only itself" in shuffle.summary
+    assert positions.status is Status.FAIL
+    assert positions.summary.startswith("position_ids change nothing: tokens never interact")
+    healthy = api.run_checks(from_module(zoo.tiny_model(family)), ["shuffle", "positions"])
+    assert [c.status for c in healthy.checks] == [Status.PASS, Status.PASS]
+
+
+def test_zero_branches_are_no_verdict_as_built_and_a_finding_when_the_checkpoint_stores_them(tmp_path):
+    """The same zeroed output projections: a model built so (zero-initialised, nothing loaded) SKIPs; a checkpoint
+    that stores the zeros FAILs, naming them."""
+    from posdiag.model.loading import load_subject
+    from posdiag.options import LoadOptions
+
+    model = zoo.tiny_model("llama")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                param.zero_()
+    built = api.run_checks(from_module(model), ["shuffle"]).check("shuffle")
+    assert built.status is Status.SKIP and "as initialised: not loaded from a checkpoint" in built.summary
+    model.save_pretrained(tmp_path)
+    stored = api.run_checks(load_subject(str(tmp_path), LoadOptions()), ["shuffle"]).check("shuffle")
+    assert stored.status is Status.FAIL, stored.summary
+    assert "the checkpoint stores model.layers.0.self_attn.o_proj.weight" in stored.summary
