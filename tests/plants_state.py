@@ -123,3 +123,13 @@ def self_only(model: torch.nn.Module) -> torch.nn.Module:
 
         module.forward = forward
     return model
+
+
+def demo_sticky_dynamic() -> torch.nn.Module:
+    """For docs/checks.md (state): `posdiag check tests.plants_state:demo_sticky_dynamic --only state`."""
+    return dynamic_model("llama", sticky=True)
+
+
+def demo_self_only() -> torch.nn.Module:
+    """For docs/checks.md (shuffle): `posdiag check tests.plants_state:demo_self_only --only shuffle,positions`."""
+    return self_only(zoo.tiny_model("llama"))

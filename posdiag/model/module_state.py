@@ -113,6 +113,6 @@ def _shown(value: Any) -> str:
     if value is _ABSENT:
         return "(absent)"
     if isinstance(value, torch.Tensor):
-        return f"tensor{tuple(value.shape)}"
+        return f"{value.item():g}" if value.numel() == 1 and not value.is_meta else f"tensor{tuple(value.shape)}"
     text = repr(value)
     return text if len(text) <= 24 else text[:21] + "..."
