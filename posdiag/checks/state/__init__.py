@@ -42,7 +42,6 @@ SPEC = CheckSpec(
         "long_cap": Option(1024, "the longest input the long-input sequence runs: past it a boundary is named, "
                                  "not crossed (an eager forward's cost grows with the square of the length)"),
     },
-    baseline={"ratio": "lower"},
 )
 
 
