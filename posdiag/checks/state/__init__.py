@@ -166,6 +166,7 @@ def _report(subject: Subject, outcomes: list[Outcome], not_run: dict[str, str], 
 def _failure(o: Outcome) -> str:
     seq, v = o.sequence, o.verdict
     if o.crashed:
-        return f"{seq.name}: {seq.story}: the call crashed ({o.crashed}) though it runs on a fresh state; {_cause(o)}"
+        fresh = "on a fresh state" if seq.same_call else "greedily"
+        return f"{seq.name}: {seq.story}: the call crashed ({o.crashed}), though it runs {fresh}; {_cause(o)}"
     return (f"{seq.name}: {seq.story}: the output differs from a fresh model's by {v.residual:.3g} "
             f"({v.ratio:.3g}x the floor {v.noise_floor:.2g}){o.clause}: {_cause(o)}")

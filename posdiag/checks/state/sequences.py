@@ -68,10 +68,8 @@ def long_length(subject: Subject, short: int, cap: int) -> tuple[int, dict[str, 
                 dynamic = original if isinstance(original, int) and original > 0 else declared
                 if dynamic:
                     boundaries["dynamic-NTK threshold"] = dynamic
-    limit = declared if declared is not None else cap
-    wants = [2 * short] + [at + PAST_BOUNDARY for at in boundaries.values()]
-    length = max(2 * short, max(w for w in wants if w <= max(limit, (dynamic or 0) + PAST_BOUNDARY)) if wants else 0)
-    length = min(length, cap)
+    ceiling = cap if declared is None else min(cap, max(declared, (dynamic or 0) + PAST_BOUNDARY))
+    length = min(ceiling, max([2 * short, *(at + PAST_BOUNDARY for at in boundaries.values())]))
     crossed = {name: at for name, at in boundaries.items() if at < length}
     missed = {name: f"{at}: past the {cap}-token cap of the long input" if at + PAST_BOUNDARY > cap else
               f"{at}: past the declared context of {declared}" for name, at in boundaries.items() if at >= length}
@@ -82,13 +80,19 @@ def plan(subject: Subject, short: torch.Tensor, cap: int, new_tokens: int, seed:
                                                                                                  dict[str, str], dict]:
     """Every sequence this model can run, the ones it cannot (name -> why) and what the plan reached (details)."""
     calls = _Calls(subject, new_tokens)
-    n = short.shape[0]
+    n, declared = short.shape[0], subject.max_positions
     length, crossed, missed = long_length(subject, n, cap)
-    long_ids = subject.sample_ids(1, length, seed + 7919)[0]
-    other = subject.sample_ids(1, max(4, n - n // 4), seed + 104723)[0]
-    seqs = [Sequence("long input", f"after a {length}-token input, the same {n} tokens",
-                     lambda: calls.forward(short[None]), lambda: calls.forward(long_ids[None]),
-                     lambda _: calls.forward(short[None]))]
+    reached = {"long_input": length, "boundaries_crossed": crossed, "boundaries_not_crossed": missed}
+    seqs: list[Sequence] = []
+    not_run: dict[str, str] = {}
+    if length > n:
+        long_ids = subject.sample_ids(1, length, seed + 7919)[0]
+        seqs.append(Sequence("long input", f"after a {length}-token input, the same {n} tokens",
+                             lambda: calls.forward(short[None]), lambda: calls.forward(long_ids[None]),
+                             lambda _: calls.forward(short[None])))
+    else:
+        not_run["long input"] = (f"the probe's {n} tokens already reach the longest input allowed ({length}: the "
+                                 "declared context, or long_cap)")
     lens = [n, max(2, n - 5), max(2, n - n // 2)]
     later = [max(2, n - 3), n, max(2, n - n // 3)]
     first, second = calls.padded(subject.sample_ids(3, n, seed + 31), lens), calls.padded(
@@ -96,24 +100,28 @@ def plan(subject: Subject, short: torch.Tensor, cap: int, new_tokens: int, seed:
     seqs.append(Sequence("batch after batch", f"after a padded batch of lengths {lens}, a batch of lengths {later}",
                          lambda: calls.forward(*second), lambda: calls.forward(*first),
                          lambda _: calls.forward(*second), rows=3))
-    not_run: dict[str, str] = {}
-    why = calls.generate_refusal()
     names = ("another prompt", "multi-turn", "assisted decoding", "prompt lookup")
+    # The prompt and what generate() adds to it (a reply, a user turn, the next reply) stay within the context.
+    room = n if declared is None else min(n, declared - 2 * new_tokens - TURN)
+    why = calls.generate_refusal() or ("" if room >= 4 else f"the declared context of {declared} leaves no room "
+                                                             f"for a prompt and {new_tokens} new tokens twice")
     if why:
         not_run.update(dict.fromkeys(names, why))
-        return seqs, not_run, {"long_input": length, "boundaries_crossed": crossed, "boundaries_not_crossed": missed}
-    seqs.append(Sequence("another prompt", f"after generate() on a {n}-token prompt, generate() on another "
+        return seqs, not_run, reached
+    prompt = short[:room]
+    other = subject.sample_ids(1, max(4, room - room // 4), seed + 104723)[0]
+    seqs.append(Sequence("another prompt", f"after generate() on a {room}-token prompt, generate() on another "
                          f"{other.shape[0]}-token prompt", lambda: calls.generate(other[None]),
-                         lambda: calls.generate(short[None]), lambda _: calls.generate(other[None])))
+                         lambda: calls.generate(prompt[None]), lambda _: calls.generate(other[None])))
     if subject.kind == "seq2seq":
         not_run.update(dict.fromkeys(names[1:], "an encoder-decoder: the conversation and the candidates continue "
                                                 "the decoder, not the prompt"))
     else:
         try:
-            seqs.extend(_causal_only(calls, short, seed))
+            seqs.extend(_causal_only(calls, prompt, seed))
         except Exception as exc:  # judged by `generate`: here nothing ran before it
             not_run.update(dict.fromkeys(names[1:], f"generate() on a fresh state did not run: {exc}"))
-    return seqs, not_run, {"long_input": length, "boundaries_crossed": crossed, "boundaries_not_crossed": missed}
+    return seqs, not_run, reached
 
 
 def _causal_only(calls: _Calls, short: torch.Tensor, seed: int) -> list[Sequence]:
@@ -124,6 +132,9 @@ def _causal_only(calls: _Calls, short: torch.Tensor, seed: int) -> list[Sequence
     # generates that reply again (the state is fresh again when it starts) and keeps its cache.
     conversation = torch.cat([calls.generate(short[None], full=True).sequences[0], turn])[None]
     repeated = torch.cat([short, short[: max(LOOKUP + 1, n // 2)]])  # a prompt whose n-grams recur: lookup proposes
+    declared = subject.max_positions
+    if declared is not None:  # within the context with its new tokens (the conversation is shorter than it)
+        repeated = repeated[: max(n, declared - calls.new_tokens - LOOKUP - 1)]  # candidates reach past the end
     return [
         Sequence("multi-turn", f"after generate() on a {n}-token prompt, a {TURN}-token user turn appended and "
                  f"generate() continued from the returned cache", lambda: calls.generate(conversation),
