@@ -149,9 +149,9 @@ def _report(subject: Subject, outcomes: list[Outcome], not_run: dict[str, str], 
         crossed = reached.get("boundaries_crossed") or {}
         past = f", past {', '.join(f'{k} {at}' for k, at in crossed.items())}" if crossed else ""
         names = ", ".join(o.sequence.name for o in outcomes)
+        long_input = f"; long input {reached['long_input']} tokens{past}" if "long input" not in not_run else ""
         summary = (f"the same input gives the same output after every history ({names}; max error "
-                   f"{v.residual:.2g} = {v.ratio:.2g}x floor {v.noise_floor:.2g}; long input "
-                   f"{reached['long_input']} tokens{past}){skipped}")
+                   f"{v.residual:.2g} = {v.ratio:.2g}x floor {v.noise_floor:.2g}{long_input}){skipped}")
     else:
         failing = [o for o in outcomes if o.verdict.status is not Status.PASS]
         summary = "; ".join(_failure(o) for o in failing) + skipped
