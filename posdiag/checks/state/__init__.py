@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from posdiag.checks import CheckSpec, Option
-from posdiag.checks.state.sequences import Refused, Sequence, plan
-from posdiag.errors import describe_error
+from posdiag.checks.state.sequences import SEQUENCES, Refused, Sequence, plan
+from posdiag.errors import PosdiagError, describe_error
 from posdiag.model.arbitration import arbitrate
 from posdiag.model.jitter import FLOOR_SOURCE, jittered
 from posdiag.model.module_state import ModelState, changes, restored, snapshot
@@ -41,6 +41,8 @@ SPEC = CheckSpec(
                                 "candidates shows; few enough to keep the sequences cheap"),
         "long_cap": Option(1024, "the longest input the long-input sequence runs: past it a boundary is named, "
                                  "not crossed (an eager forward's cost grows with the square of the length)"),
+        "sequences": Option(list(SEQUENCES), "every sequence a user's calls make; name fewer to run fewer (each "
+                                             "costs a handful of forwards or generate() calls)"),
     },
 )
 
@@ -49,11 +51,14 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     if subject.kind == "encoder":
         return SPEC.result(Status.NA, "an encoder: called once per input, it keeps no cache and generates nothing, "
                                       "so no call of a user's sequence continues another")
+    chosen = [str(name) for name in SPEC.setting(options, "sequences")]
+    if unknown := sorted(set(chosen) - set(SEQUENCES)):
+        raise PosdiagError(f"[checks.state] sequences: unknown {', '.join(unknown)} (known: {', '.join(SEQUENCES)})")
     short = probe_ids(subject, options)[0]
     fresh = snapshot(subject.model)
     try:
         seqs, not_run, reached = plan(subject, short, int(SPEC.setting(options, "long_cap")),
-                                      int(SPEC.setting(options, "new_tokens")), options.seed)
+                                      int(SPEC.setting(options, "new_tokens")), options.seed, set(chosen))
         outcomes = [_judged(subject, fresh, seq, options.seed) for seq in seqs]
     finally:
         restored(fresh)  # the model is left as it was before the check

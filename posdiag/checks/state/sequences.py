@@ -26,6 +26,7 @@ LOOKUP = 3  # prompt_lookup_num_tokens: candidates copied from the prompt per st
 # Candidates the assistant drafts per step, constant: transformers' default (20, growing) drafts every new token in one
 # step, so no verification continues another and a position not advanced by the accepted candidates never shows.
 ASSISTED = 2
+SEQUENCES = ("long input", "batch after batch", "another prompt", "multi-turn", "assisted decoding", "prompt lookup")
 
 
 class Refused(Exception):
@@ -76,9 +77,15 @@ def long_length(subject: Subject, short: int, cap: int) -> tuple[int, dict[str, 
     return length, crossed, missed
 
 
-def plan(subject: Subject, short: torch.Tensor, cap: int, new_tokens: int, seed: int) -> tuple[list[Sequence],
-                                                                                                 dict[str, str], dict]:
-    """Every sequence this model can run, the ones it cannot (name -> why) and what the plan reached (details)."""
+def plan(subject: Subject, short: torch.Tensor, cap: int, new_tokens: int, seed: int,
+         chosen: set[str]) -> tuple[list[Sequence], dict[str, str], dict]:
+    """The `chosen` sequences this model can run, those it cannot (name -> why) and what the plan reached."""
+    seqs, not_run, reached = _planned(subject, short, cap, new_tokens, seed, chosen)
+    return [q for q in seqs if q.name in chosen], {k: v for k, v in not_run.items() if k in chosen}, reached
+
+
+def _planned(subject: Subject, short: torch.Tensor, cap: int, new_tokens: int, seed: int,
+             chosen: set[str]) -> tuple[list[Sequence], dict[str, str], dict]:
     calls = _Calls(subject, new_tokens)
     n, declared = short.shape[0], subject.max_positions
     length, crossed, missed = long_length(subject, n, cap)
@@ -116,7 +123,7 @@ def plan(subject: Subject, short: torch.Tensor, cap: int, new_tokens: int, seed:
     if subject.kind == "seq2seq":
         not_run.update(dict.fromkeys(names[1:], "an encoder-decoder: the conversation and the candidates continue "
                                                 "the decoder, not the prompt"))
-    else:
+    elif chosen & set(names[1:]):  # the conversation's reply is generated while planning: only when asked for
         try:
             seqs.extend(_causal_only(calls, prompt, seed))
         except Exception as exc:  # judged by `generate`: here nothing ran before it
