@@ -8,6 +8,8 @@
   assisted decoding moved cache_position by 1, not by the accepted candidates). Twin: advanced by the tokens fed.
 - kept_mask: the first call's attention mask reused for later calls (padding of one batch leaking into the next).
   Twin: the same hook, keeping the mask but using the call's own.
+- unbounded_sliding_update: a sliding-window cache that, recording the past for assisted decoding, returns every key
+  it holds while the mask is sized for the window (#48280). Twin: the stock update.
 - self_only: attention that returns each token's own value (tokens never interact; the explicit mask is ignored).
 """
 
@@ -133,3 +135,14 @@ def demo_sticky_dynamic() -> torch.nn.Module:
 def demo_self_only() -> torch.nn.Module:
     """For docs/checks.md (shuffle): `posdiag check tests.plants_state:demo_self_only --only shuffle,positions`."""
     return self_only(zoo.tiny_model("llama"))
+
+
+def unbounded_sliding_update(original: Any) -> Any:
+    """DynamicSlidingWindowLayer.update that, once it records the past for cropping (assisted decoding), returns
+    every key it holds, not the window plus the new tokens its mask sizes are advertised for (#48280)."""
+    def update(self: Any, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = original(self, key_states, value_states, *args, **kwargs)
+        return (self.keys, self.values) if self.record_past else (keys, values)
+
+    return update

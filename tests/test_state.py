@@ -140,3 +140,19 @@ def test_zero_branches_are_no_verdict_as_built_and_a_finding_when_the_checkpoint
     stored = api.run_checks(load_subject(str(tmp_path), LoadOptions()), ["shuffle"]).check("shuffle")
     assert stored.status is Status.FAIL, stored.summary
     assert "the checkpoint stores model.layers.0.self_attn.o_proj.weight" in stored.summary
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "gemma2"])
+def test_sliding_cache_returning_more_keys_than_the_mask_fails_assisted_decoding(family, monkeypatch):
+    """A sliding-window cache that, recording the past for assisted decoding, returns every key it holds while the
+    mask is sized for the window (#48280): the verification step crashes; greedy generate() never records the past."""
+    from transformers import cache_utils
+
+    healthy = cache_utils.DynamicSlidingWindowLayer.update
+    good = _state(zoo.tiny_model(family), "assisted decoding", "another prompt")
+    monkeypatch.setattr(cache_utils.DynamicSlidingWindowLayer, "update", plants.unbounded_sliding_update(healthy))
+    bad = _state(zoo.tiny_model(family), "assisted decoding", "another prompt")
+    assert bad.status is Status.FAIL and _failing(bad) == {"assisted decoding"}, bad.summary
+    assert "the call crashed (RuntimeError: The size of tensor a" in bad.summary
+    assert "though it runs greedily" in bad.summary
+    assert good.status is Status.PASS, good.summary
