@@ -99,6 +99,12 @@ DEFAULTS_ROW = "left-padded rows without position_ids are numbered from the firs
 CONTINUATION = f"{PLAIN}::test_cached_continuation_differs_from_the_full_forward"
 PADDED = f"{PLAIN}::test_padded_row_differs_from_itself_alone"
 LEFT_PADDED_GENERATE = f"{PLAIN}::test_left_padded_generate_differs_from_each_row_alone"
+GENERATE_STATE = f"{PLAIN}::test_generate_continued_or_drafted_differs_from_plain_generate"
+# state's multi-turn: generate() continued from the cache it returned feeds the reply's last token and the user's turn
+# in one multi-token step, scanned from a zero SSM state like cache's chunks (prompt lookup's verification too).
+KEPT_CACHE_TURN = Finding("multi-turn", WRONG, "generate() continued from the cache it returned differs from "
+                          "generating the whole conversation (a multi-token step restarts the recurrent state); "
+                          "prompt-lookup decoding differs from greedy too", GENERATE_STATE)
 INKLING_SLIDING = "static cache past the sliding window crashes (hybrid_sliding mask sized for the full layers)"
 INKLING_BIAS = "static cache: the relative bias reads the query offset after the update has grown it"
 # model type -> {check: Finding}: the verdicts on these healthy default-init models that are upstream findings (bugs in
@@ -110,11 +116,13 @@ FINDINGS: dict[str, dict[str, Finding | tuple[Finding, ...]]] = {
         "static/decode", "a StaticCache longer than max_position_embeddings crashes with every position in range: "
         "the hard-coded causal buffer is max_position_embeddings wide")},
     "mamba": {"cache": Finding("dynamic/chunks", WRONG, "a multi-token cache continuation differs from the full "
-                               "forward", CONTINUATION)},
+                               "forward", CONTINUATION), "state": KEPT_CACHE_TURN},
     "jamba": {"cache": Finding("dynamic/chunks", WRONG, "a multi-token cache continuation differs from the full "
-                               "forward", CONTINUATION)},
+                               "forward", CONTINUATION), "state": KEPT_CACHE_TURN},
     "falcon_mamba": {"cache": Finding("dynamic/chunks", WRONG, "a multi-token cache continuation restarts the "
-                                      "recurrent state", CONTINUATION)},
+                                      "recurrent state", CONTINUATION), "state": KEPT_CACHE_TURN},
+    "zamba2": {"state": Finding("prompt lookup", WRONG, "prompt-lookup decoding differs from greedy generate(): "
+                                "rejected candidates are not taken back out of the Mamba state", GENERATE_STATE)},
     "paligemma": {"kernels": Finding("on the unpadded input", WRONG, "the SDPA path is not causal on text without "
                                      "token_type_ids", f"{PLAIN}::test_paligemma_sdpa_is_not_causal_on_text")},
     "deepseek_v4": {"generate": Finding("dynamic/batch", WRONG, "a left-padded batch differs from each row alone "

@@ -58,8 +58,16 @@ def run_checks(subject: Any, names: Iterable[str] | None = None, options: RunOpt
                on_result: Callable[[CheckResult], None] | None = None) -> Report:
     """Run the named checks (default: all) on one loaded subject; the model is reused across them.
     The report is judged by `policy` (default: only a FAIL fails the gate). `on_progress(name)` is called as a
-    check starts, `on_result(result)` as it finishes."""
+    check starts, `on_result(result)` as it finishes.
+
+    Every check starts from the model as loaded: every module's buffers and public attributes are snapshotted once
+    before the first check and put back before each check and after the last one. A call's state (a dynamic
+    rotary's frequencies, mRoPE's `rope_deltas`: after `generate` on a batch of 3, Qwen3-Omni's thinker crashed
+    `cache`'s batch-1 decode, "expected size 1 but got size 0") never reaches the next check, and the caller's model
+    is left as it was. Nothing is restored inside a check: `state` is where history is the subject."""
     import torch
+
+    from posdiag.model.module_state import restored, snapshot
 
     options = options or RunOptions()
     policy = policy or GatePolicy()
@@ -74,14 +82,15 @@ def run_checks(subject: Any, names: Iterable[str] | None = None, options: RunOpt
     if freeze:
         gc.collect()
         gc.freeze()
+    fresh = snapshot(subject.model)  # the model as loaded: every check starts from it, and the run leaves it so
     try:
         for name in names:
             if on_progress:
                 on_progress(name)
+            restored(fresh)
             results.append(_run_one(subject, name, options))
             if on_result:
                 on_result(results[-1])
-            _forget_call_state(subject.model)
             if large:
                 gc.collect()
             if torch.cuda.is_available():
@@ -90,6 +99,7 @@ def run_checks(subject: Any, names: Iterable[str] | None = None, options: RunOpt
         # Ctrl-C: hand back what finished, marked incomplete (exit 2), never a report that looks whole.
         return Report(model=subject.info, checks=tuple(results), versions=versions(), incomplete=True, policy=policy)
     finally:
+        restored(fresh)
         if freeze:
             gc.unfreeze()
     return Report(model=subject.info, checks=tuple(results), versions=versions(), policy=policy)
@@ -116,15 +126,6 @@ def _run_one(subject: Any, name: str, options: RunOptions) -> CheckResult:
                              details={"error": error, "exception": type(exc).__name__,
                                       "where": f"{Path(where.filename).name}:{where.lineno} in {where.name}"})
     return _timed(result, time.perf_counter() - start, subject.forward_count - passes)
-
-
-def _forget_call_state(model: Any) -> None:
-    """Each check starts from the model as loaded. mRoPE models keep the `rope_deltas` of their last call and reuse
-    them on a later cached call (measured: after `generate` on a batch of 3, Qwen3-Omni's thinker crashed `cache`'s
-    batch-1 decode, "expected size 1 but got size 0")."""
-    for module in model.modules():
-        if getattr(module, "rope_deltas", None) is not None:
-            module.rope_deltas = None
 
 
 def _timed(result: CheckResult, seconds: float, passes: int) -> CheckResult:

@@ -52,6 +52,19 @@ def refused_by_generation(exc: BaseException) -> bool:
     return isinstance(exc, ValueError) and where is not None and where.startswith(generation)
 
 
+def raised_in_generation(exc: BaseException) -> bool:
+    """Whether the exception (of any type) was raised directly in ``transformers/generation/``: generation code
+    refusing a mode for this model (MPT under assisted decoding: "Assisted decoding requires a cache"), not the
+    model's own forward."""
+    import os
+
+    import transformers
+
+    where = _raised_at(exc)
+    generation = os.path.join(os.path.dirname(os.path.abspath(transformers.__file__)), "generation") + os.sep
+    return where is not None and where.startswith(generation)
+
+
 def _raised_at(exc: BaseException) -> str | None:
     """The file of the innermost traceback frame outside torch (None when every frame is in torch)."""
     import os

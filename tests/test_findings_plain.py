@@ -104,6 +104,46 @@ def _continue(model, ids, prefill: int, chunk: int, cache=None, position_ids: bo
 
 
 
+# ------------------------------------------------------------------ generate() after generate(): state's sequences
+def _greedy(model, ids: torch.Tensor, **extra):
+    """Greedy generate() of 6 tokens: (its output, the logits of every step)."""
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, num_beams=1,
+                         output_logits=True, return_dict_in_generate=True, eos_token_id=None,
+                         pad_token_id=pad_of(model), **extra)
+    return out, torch.stack(out.logits, 1)
+
+
+def _multi_turn(model) -> float:
+    """A conversation: generate() on a prompt, a user turn appended to what it returned, generate() continued from
+    the cache it returned, against generate() on the whole conversation from scratch."""
+    first, _ = _greedy(model, ids_of(1, 12))
+    conversation = torch.cat([first.sequences, ids_of(1, 8, seed=1)], 1)
+    return rel(_greedy(model, conversation, cache=cache_of(first))[1], _greedy(model, conversation)[1])
+
+
+def _prompt_lookup(model) -> float:
+    """Prompt-lookup decoding (3 candidates a step) on a prompt whose n-grams recur, against greedy generate()."""
+    ids = ids_of(1, 12)
+    prompt = torch.cat([ids, ids[:, :6]], 1)
+    return rel(_greedy(model, prompt, prompt_lookup_num_tokens=3)[1], _greedy(model, prompt)[1])
+
+
+# model type -> the path that differs. Mamba, FalconMamba, Jamba: the continuation feeds the reply's last token and the
+# user's turn in one step, scanned from a zero SSM state (as `cache`'s chunks), and prompt lookup's verification is
+# such a step too; Zamba2: candidates the lookup rejects are not taken back out of the Mamba state. The twin: the same
+# path on Llama, whose cache continues and crops right (prompt lookup: 0.0 in float64; the multi-turn path: 8.4e-8,
+# not float64 rounding, which is why Jamba, 5.6e-5 on it, is shown by its lookup path: 3.1e-4 against 0.0).
+STATE_PATHS = {"mamba": _multi_turn, "falcon_mamba": _multi_turn, "jamba": _prompt_lookup, "zamba2": _prompt_lookup}
+
+
+@pytest.mark.parametrize("model_type", sorted(STATE_PATHS))
+def test_generate_continued_or_drafted_differs_from_plain_generate(model_type):
+    assert findings()[model_type]["state"].test.endswith(test_generate_continued_or_drafted_differs_from_plain_generate
+                                                         .__name__)
+    path = STATE_PATHS[model_type]
+    assert_bug(path(model64(model_type)), path(model64("llama")))
+
+
 # model type -> (overrides, the buggy continuation, the healthy twin): each a function of (model, ids) giving the
 # logits to compare with the full forward's ids[:, 6:].
 RECURRENT_CHUNK = (lambda m, ids: _continue(m, ids, 6, 3, position_ids=False),

@@ -111,3 +111,13 @@ def test_a_gguf_file_is_scored_on_text_through_its_own_tokenizer(smollm2_gguf):
     subject = load_subject(str(smollm2_gguf))
     material = plan_material(subject, RunOptions(), {"text_tokens": 64})
     assert material.source.startswith("text (shipped prose, 64 tokens)"), material.source
+
+
+def test_state_passes_on_the_real_model(report):
+    """The real SmolLM2 keeps no state across calls: every sequence (a long input, another prompt, a conversation
+    continued from its cache, assisted and prompt-lookup decoding, a padded batch after another) gives what a fresh
+    model gives."""
+    state = report.check("state")
+    assert state.status is Status.PASS, state.summary
+    assert [row[0] for row in state.tables[0].rows] == ["long input", "batch after batch", "another prompt",
+                                                        "multi-turn", "assisted decoding", "prompt lookup"]

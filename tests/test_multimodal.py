@@ -25,7 +25,7 @@ from posdiag.testing.multimodal import small_config, tiny_multimodal
 HEALTHY = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3", "llama4", "mistral3", "llava", "paligemma", "idefics3",
            "smolvlm")
 MUST_PASS = ("shuffle", "positions", "cache", "generate")
-CHECKS = ("shuffle", "positions", "batch", "cache", "generate", "causal", "shift", "rope", "table", "kernels")
+CHECKS = ("shuffle", "positions", "batch", "cache", "generate", "state", "causal", "shift", "rope", "table", "kernels")
 
 
 @pytest.fixture(autouse=True)

@@ -122,10 +122,10 @@ def test_checks_that_do_not_apply_to_an_encoder_skip_on_one():
     subject = from_module(zoo.tiny_model("bert"))
     assert subject.kind == "encoder"
     names = [n for n in checks.REGISTRY if not checks.registered(n).applies(subject.kind)]
-    assert set(names) == {"cache", "generate", "causal", "fit"}
+    assert set(names) == {"cache", "generate", "state", "causal", "fit"}
     report = run_checks(subject, names, RunOptions(seq_len=8))
     # by design n/a; `fit` SKIPs: a masked LM could be scored by a pseudo-likelihood, which is not run
-    expected = {"cache": Status.NA, "generate": Status.NA, "causal": Status.NA, "fit": Status.SKIP}
+    expected = {"cache": Status.NA, "generate": Status.NA, "state": Status.NA, "causal": Status.NA, "fit": Status.SKIP}
     assert all(c.status is expected[c.name] and c.summary for c in report.checks), report.checks
 
 

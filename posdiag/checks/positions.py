@@ -32,7 +32,9 @@ position ids can respond. Such a model with no position mechanism at all (Jamba:
 has no ids to honour and is skipped. Likewise a family whose tokens are mixed by something other than
 attention (`Family.token_mixing`: FNet's Fourier transform reads the storage order itself). Ids that change
 nothing FAIL only where the outputs could carry positions at all: tokens that never interact or attention scores
-that are all equal (zero-initialised branches, `posdiag.model.inert`) SKIP with that reason.
+that are all equal because of zero-initialised branches (`posdiag.model.inert`) SKIP with that reason; tokens that
+never interact because of what the checkpoint stores or the code does FAIL "position_ids change nothing", also where
+the explicit mask is not faithful.
 
 The jitter noise floor it uses lives in model/jitter.py (batch, causal, shift and shuffle use it too).
 """
@@ -46,7 +48,7 @@ import torch
 
 from posdiag.checks import CheckSpec
 from posdiag.model.arbitration import arbitrate
-from posdiag.model.inert import inert_reason
+from posdiag.model.inert import inert
 from posdiag.model.introspect import mixing_reason, recurrent_mixers, recurrent_reason
 from posdiag.model.jitter import FLOOR_SOURCE, jittered
 from posdiag.model.kinds import PositionKind
@@ -91,6 +93,17 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     metrics: dict[str, Any] = {}
     unfaithful = _mask_unfaithful(subject, probe, out, layers.floor, metrics)
     if unfaithful:
+        # Tokens that never interact through the model's own mask are the finding the unfaithful mask hides.
+        why = inert(subject, probe.stack, probe.ids)
+        found = why.finding
+        if why.skip:  # tokens that never interact (zero-initialised branches): that is why the mask changes nothing
+            details["inert"] = why.skip
+            return SPEC.result(Status.SKIP, f"no verdict: {why.skip} (the explicit mask changes nothing for the same "
+                               "reason)", metrics, details)
+        if found:
+            details["never_interact"] = found
+            return SPEC.result(Status.FAIL, f"position_ids change nothing: tokens never interact ({found}; the "
+                               f"explicit mask was no help either: {unfaithful})", metrics, details)
         return SPEC.result(Status.SKIP, f"mask not faithful, no verdict: {unfaithful}", metrics, details)
     judged = _judge(subject, probe, layers, details, metrics)
     status, summary = _verdict(subject, probe, judged, details)
@@ -298,11 +311,14 @@ def _verdict(subject: Subject, probe: _Probe, judged: _Judged, details: dict[str
     if status is Status.FAIL and perms and agree.status is Status.FAIL and signal.status is Status.FAIL:
         parts.insert(0, "position_ids ignored")
     summary = "; ".join(parts) + f" [noise floor {agree.noise_floor:.2g}, {probe.ids.shape[0]} tokens]"
-    inert = (inert_reason(subject, probe.stack, probe.ids)
-             if signal.status is Status.FAIL and agree.status is Status.PASS else "")
-    if inert:  # outputs that cannot carry positions at all (zero-initialised branches): not ignored ids
-        details["inert"] = inert
-        status, summary = Status.SKIP, f"no verdict: {inert} ({summary})"
+    why = (inert(subject, probe.stack, probe.ids)
+           if signal.status is Status.FAIL and agree.status is Status.PASS else None)
+    if why is not None and why.skip:  # outputs that cannot carry positions (zero-initialised branches): no verdict
+        details["inert"] = why.skip
+        status, summary = Status.SKIP, f"no verdict: {why.skip} ({summary})"
+    elif why is not None and why.finding:
+        details["never_interact"] = why.finding
+        summary = f"position_ids change nothing: tokens never interact ({why.finding}; {summary})"
     return status, summary
 
 

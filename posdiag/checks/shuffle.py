@@ -14,9 +14,12 @@ embeddings jittered by ~1 ulp (see `positions`), and a PASS says that order ente
 positions reach its attention layers (`positions`, `shift` and `rope` judge those). The same holds for a family
 whose tokens are mixed by something other than attention (`Family.token_mixing`: FNet's Fourier transform).
 
-A FAIL needs outputs that could carry positions: where tokens never interact (NeoMME's zero-initialised output
-projections) or every attention score is equal (Zaya's zero-initialised key scale), `posdiag.model.inert` says so
-and the check SKIPs with that reason instead.
+A FAIL needs outputs that could carry positions: where tokens never interact because of zero-initialised branches
+(NeoMME's output projections, as built) or every attention score is equal (Zaya's zero-initialised key scale),
+`posdiag.model.inert` says so and the check SKIPs with that reason instead. Tokens that never interact through the
+model's own default mask because of what the checkpoint stores or what the code does FAIL: "tokens never interact:
+position cannot enter", also where the explicit mask is not faithful (the mask-fidelity SKIP is for a mask ignored
+while tokens do interact).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch
 
 from posdiag.checks import CheckSpec
 from posdiag.model.casts import float64_throughout
-from posdiag.model.inert import inert_reason
+from posdiag.model.inert import inert
 from posdiag.model.introspect import attention_free, recurrent_mixers, recurrent_reason
 from posdiag.model.jitter import FLOOR_SOURCE, jittered
 from posdiag.model.precision import run_finer
@@ -82,17 +85,32 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
     metrics: dict[str, Any] = {}
     unfaithful = _mask_unfaithful(subject, probe, out, layers.final_floor, metrics)
     if unfaithful:
+        # Tokens that never interact through the model's own mask are the finding the unfaithful mask hides.
+        why = inert(subject, stack, probe.ids)
+        found = why.finding
+        if why.skip:  # tokens that never interact (zero-initialised branches): that is why the mask changes nothing
+            details["inert"] = why.skip
+            return SPEC.result(Status.SKIP, f"no verdict: {why.skip} (the explicit mask changes nothing for the same "
+                               "reason)", metrics, details)
+        if found:
+            details["never_interact"] = found
+            return SPEC.result(Status.FAIL, f"tokens never interact: position cannot enter ({found}; the explicit "
+                               f"mask was no help either: {unfaithful})", metrics, details)
         return SPEC.result(Status.SKIP, f"mask not faithful, no verdict: {unfaithful}", metrics, details)
     verdict = _judge(subject, probe, layers, details)
     table, enters = _table(subject, stack, layers)
     metrics.update({"residual": verdict.residual, "noise_floor": verdict.noise_floor, "ratio": verdict.ratio})
     details["position_enters_at"] = enters
     details["reason"] = verdict.reason
-    inert = inert_reason(subject, stack, probe.ids) if verdict.status is Status.FAIL else ""
-    if inert:  # outputs that cannot carry positions at all (zero-initialised branches): not a lost position
-        details["inert"] = inert
-        return SPEC.result(Status.SKIP, f"no verdict: {inert} (residual {verdict.residual:.3g} = "
+    why = inert(subject, stack, probe.ids) if verdict.status is Status.FAIL else None
+    if why is not None and why.skip:  # outputs that cannot carry positions (zero-initialised branches): no verdict
+        details["inert"] = why.skip
+        return SPEC.result(Status.SKIP, f"no verdict: {why.skip} (residual {verdict.residual:.3g} = "
                            f"{verdict.ratio:.3g}x noise floor)", metrics, details)
+    if why is not None and why.finding:
+        details["never_interact"] = why.finding
+        return SPEC.result(Status.FAIL, f"tokens never interact: position cannot enter ({why.finding}; residual "
+                           f"{verdict.residual:.3g} = {verdict.ratio:.3g}x noise floor)", metrics, details, (table,))
     return SPEC.result(verdict.status, _summary(subject, probe, verdict, enters), metrics, details, (table,))
 
 

@@ -11,43 +11,97 @@ both paths — tokens still interact and scores still vary with the key — so i
 itself zeroes q and k (equal scores are then the position bug): equal scores count only beside a rotary module seen
 returning a sound rotation.
 
-Both probes run only where a check found no position signal; each is one small forward with the model's own mask
-and positions.
+Tokens that never interact are no verdict only where zero-initialised branches explain it: a weight matrix that is
+all zero in a model built in memory, or one the checkpoint does not store (initialised by the loader). A checkpoint
+that stores those zeros, or code that lets each token see only itself (no weight zero), is a finding: position
+cannot enter, and the check FAILs saying so (`Inert.finding`).
+
+Both probes run only where a check found no position signal (or could not trust the explicit mask); each is one
+small forward with the model's own mask and positions.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from posdiag.model.checkpoint import in_checkpoint
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import relative_l2
 from posdiag.verdict import FAIL_RATIO, MACHINE_EPSILON
 
 
+@dataclass(frozen=True)
+class Inert:
+    """Why outputs cannot show a position signal. `skip`: zero-initialised branches of a model as built (no verdict);
+    `finding`: tokens that never interact because of what the checkpoint stored or the code does (a FAIL); both ""
+    when outputs can carry positions (or it cannot be told: the check's verdict stands)."""
+
+    skip: str = ""
+    finding: str = ""
+
+
 def inert_reason(subject: Subject, stack: str, ids: torch.Tensor) -> str:
-    """Why this model's outputs cannot show a position signal on `stack` (probe ids [T]); "" when they can, or when
-    it cannot be told (then the check's verdict stands)."""
+    """Why this model's outputs cannot show a position signal on `stack` (probe ids [T]), when that is no finding
+    (zero-initialised branches, equal scores); "" when they can, or when it cannot be told, or when it is a finding
+    (`inert`'s `finding`: the check's FAIL stands)."""
+    return inert(subject, stack, ids).skip
+
+
+def inert(subject: Subject, stack: str, ids: torch.Tensor) -> Inert:
+    """Isolated tokens (told apart: zero-initialised branches or a finding), else constant attention scores."""
     if ids.shape[-1] < 2:
-        return ""
-    return isolated_tokens(subject, stack, ids) or constant_scores(subject, stack, ids)
+        return Inert()
+    change = isolated_tokens(subject, stack, ids)
+    if change is None:
+        return Inert(skip=constant_scores(subject, stack, ids))
+    moved = (f"changing token 0 moves no other token's output at any layer (relative change {change:.2g}, through "
+             "the model's own default mask)")
+    zeros = zero_branches(subject)
+    stored = stored_in_checkpoint(subject, zeros)
+    if zeros and not stored:
+        shown = ", ".join(zeros[:3]) + (f" (+{len(zeros) - 3} more)" if len(zeros) > 3 else "")
+        return Inert(skip=f"tokens never interact: {moved}: each output depends on its own token alone, because "
+                          f"mixing branches add nothing ({shown} all zero, as initialised: not loaded from a "
+                          "checkpoint), so no order or position can reach the outputs; nothing to judge")
+    if stored:
+        return Inert(finding=f"{moved}: the checkpoint stores {', '.join(stored[:3])} as all zeros, so every block "
+                             "adds nothing from other tokens and no position can enter")
+    return Inert(finding=f"{moved}, though no weight is zero: the model's code lets each token see only itself, so "
+                         "no position can enter")
 
 
-def isolated_tokens(subject: Subject, stack: str, ids: torch.Tensor) -> str:
-    """Change token 0 (every later query sees it, causal or not): if no other token's output moves beyond rounding,
-    tokens never interact and neither order nor position can reach the outputs."""
+def isolated_tokens(subject: Subject, stack: str, ids: torch.Tensor) -> float | None:
+    """Change token 0 (every later query sees it, causal or not) through the model's own default mask: the largest
+    relative change of any other token's output at any layer when none moves beyond rounding, else None."""
     other = ids.clone()
     other[0] = ids[1]
     rows = torch.stack([ids, other])
     encoder_ids = rows[:1].expand(2, -1) if subject.kind == "seq2seq" and stack == "decoder" else None
-    final = subject.forward(rows, stack=stack, encoder_ids=encoder_ids).final
-    change = relative_l2(final[1, 1:], final[0, 1:])
-    if change > FAIL_RATIO * _eps(subject):
-        return ""
-    return (f"tokens never interact: changing token 0 moves no other token's output (relative change {change:.2g}): "
-            "each output depends on its own token alone (mixing branches that add nothing, as with output projections "
-            "initialised to zero), so no order or position can reach the outputs; nothing to judge")
+    hidden = subject.forward(rows, stack=stack, encoder_ids=encoder_ids).hidden
+    change = max(relative_l2(h[1, 1:], h[0, 1:]) for h in hidden[1:] or hidden)
+    return change if change <= FAIL_RATIO * _eps(subject) else None
+
+
+def zero_branches(subject: Subject) -> list[str]:
+    """The weight matrices of the language model that are all zero (an output projection initialised to zero)."""
+    found = []
+    for name, param in subject.language_model.named_parameters():
+        if param.dim() >= 2 and param.is_floating_point() and not param.is_meta and not bool(param.detach().any()):
+            found.append(name)
+    return found
+
+
+def stored_in_checkpoint(subject: Subject, names: list[str]) -> list[str]:
+    """Those of `names` the checkpoint stores (loaded, not initialised); none for a model built in memory."""
+    keys = subject.load_info.checkpoint_keys
+    if keys is None:
+        return []
+    known = set(keys)
+    missing = set(subject.load_info.missing_keys)
+    return [n for n in names if in_checkpoint(n, known) and not in_checkpoint(n, missing)]
 
 
 def constant_scores(subject: Subject, stack: str, ids: torch.Tensor) -> str:

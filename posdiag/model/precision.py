@@ -247,15 +247,19 @@ class _Streamer:
 
     def pre(self, module: torch.nn.Module, args: Any) -> None:
         tensors = self.own(module)
-        self.saved.setdefault(id(module), []).append([t.data for t in tensors])
+        self.saved.setdefault(id(module), []).append((tensors, [t.data for t in tensors]))
         for t in tensors:
             t.data = self.scratch.take(t.data)
 
     def post(self, module: torch.nn.Module, args: Any, out: Any) -> None:
+        """The tensors `pre` converted get their data back. A buffer the forward replaced (a dynamic rotary's
+        inv_freq, registered anew when it grows) is the module's new state: left as the forward wrote it, never
+        overwritten with the old one's data (that would undo, in the float64 re-run only, what the call did)."""
         stack = self.saved.get(id(module))
         if stack:
             kept = _storages(out)
-            for t, original in zip(self.own(module), stack.pop(), strict=True):
+            tensors, originals = stack.pop()
+            for t, original in zip(tensors, originals, strict=True):
                 self.scratch.give(t.data, reusable=t.data.untyped_storage().data_ptr() not in kept)
                 t.data = original
 

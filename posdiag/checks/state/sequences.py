@@ -1,0 +1,227 @@
+"""The sequences of calls `state` runs, each a history a user makes and the call it must not change.
+
+A sequence is three things: `reference()`, the call under test on a fresh state; `history()`, the calls a user made
+before it (what it returns is what the call under test continues from: a cache); `under_test(kept)`, the call after
+that history. Every call is the path users take: the model's own default mask and positions (nothing passed but the
+ids, and the 2D attention mask of a padded batch), generate() as users call it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from posdiag.checks._cache_plan import declared_boundaries
+from posdiag.errors import describe_error, raised_in_generation
+from posdiag.model.caches import cache_layer_note, cache_support, text_config
+from posdiag.model.outputs import output_of
+from posdiag.model.subject import Subject
+
+PAST_BOUNDARY = 12  # tokens the long input runs past the largest boundary it must cross
+TURN = 8  # tokens of the user turn appended in the multi-turn sequence
+LOOKUP = 3  # prompt_lookup_num_tokens: candidates copied from the prompt per step
+# Candidates the assistant drafts per step, constant: transformers' default (20, growing) drafts every new token in one
+# step, so no verification continues another and a position not advanced by the accepted candidates never shows.
+ASSISTED = 2
+SEQUENCES = ("long input", "batch after batch", "another prompt", "multi-turn", "assisted decoding", "prompt lookup")
+
+
+class Refused(Exception):
+    """transformers' generation code refused a generate() request (a mode or configuration it does not support for
+    this model)."""
+
+
+@dataclass(frozen=True)
+class Sequence:
+    name: str
+    story: str  # what ran before the call under test, in words: "after a 140-token input, the same 64 tokens"
+    reference: Callable[[], torch.Tensor]
+    history: Callable[[], Any]
+    under_test: Callable[[Any], torch.Tensor]
+    rows: int = 1  # batch rows of the call (the jitter floor shakes row 0)
+    # Another way of computing the same call, with no history (assisted, lookup): transformers refusing it for this
+    # model (MPT: "Assisted decoding requires a cache") is a path not run, not a call changed by what ran before.
+    same_call: bool = True
+
+
+def long_length(subject: Subject, short: int, cap: int) -> tuple[int, dict[str, int], dict[str, str]]:
+    """The long input: past every boundary the config declares (sliding window, attention chunk, a rope block's
+    original context, the dynamic-NTK threshold) by PAST_BOUNDARY, at least 2 x the short input, within the declared
+    context (dynamic NTK's threshold is that context: passing it is its use) and `cap`.
+    -> (length, boundaries crossed, boundaries not crossed and why)."""
+    boundaries = dict(declared_boundaries(subject))
+    declared = subject.max_positions
+    dynamic = None
+    cfg = text_config(subject)
+    for obj in (getattr(cfg, "rope_parameters", None), getattr(cfg, "rope_scaling", None)):
+        if not isinstance(obj, dict):
+            continue
+        for block in [v for v in obj.values() if isinstance(v, dict)] or [obj]:
+            kind = str(block.get("rope_type") or block.get("type") or "")
+            original = block.get("original_max_position_embeddings") or getattr(
+                cfg, "original_max_position_embeddings", None)
+            if isinstance(original, int) and original > 0:
+                boundaries[f"{kind or 'rope'} original context"] = original
+            if kind == "dynamic":
+                dynamic = original if isinstance(original, int) and original > 0 else declared
+                if dynamic:
+                    boundaries["dynamic-NTK threshold"] = dynamic
+    ceiling = cap if declared is None else min(cap, max(declared, (dynamic or 0) + PAST_BOUNDARY))
+    length = min(ceiling, max([2 * short, *(at + PAST_BOUNDARY for at in boundaries.values())]))
+    crossed = {name: at for name, at in boundaries.items() if at < length}
+    missed = {name: f"{at}: past the {cap}-token cap of the long input" if at + PAST_BOUNDARY > cap else
+              f"{at}: past the declared context of {declared}" for name, at in boundaries.items() if at >= length}
+    return length, crossed, missed
+
+
+def plan(subject: Subject, short: torch.Tensor, cap: int, new_tokens: int, seed: int,
+         chosen: set[str]) -> tuple[list[Sequence], dict[str, str], dict]:
+    """The `chosen` sequences this model can run, those it cannot (name -> why) and what the plan reached."""
+    seqs, not_run, reached = _planned(subject, short, cap, new_tokens, seed, chosen)
+    return [q for q in seqs if q.name in chosen], {k: v for k, v in not_run.items() if k in chosen}, reached
+
+
+def _planned(subject: Subject, short: torch.Tensor, cap: int, new_tokens: int, seed: int,
+             chosen: set[str]) -> tuple[list[Sequence], dict[str, str], dict]:
+    calls = _Calls(subject, new_tokens)
+    n, declared = short.shape[0], subject.max_positions
+    length, crossed, missed = long_length(subject, n, cap)
+    reached = {"long_input": length, "boundaries_crossed": crossed, "boundaries_not_crossed": missed}
+    seqs: list[Sequence] = []
+    not_run: dict[str, str] = {}
+    if length > n:
+        long_ids = subject.sample_ids(1, length, seed + 7919)[0]
+        seqs.append(Sequence("long input", f"after a {length}-token input, the same {n} tokens",
+                             lambda: calls.forward(short[None]), lambda: calls.forward(long_ids[None]),
+                             lambda _: calls.forward(short[None])))
+    else:
+        not_run["long input"] = (f"the probe's {n} tokens already reach the longest input allowed ({length}: the "
+                                 "declared context, or long_cap)")
+    lens = [n, max(2, n - 5), max(2, n - n // 2)]
+    later = [max(2, n - 3), n, max(2, n - n // 3)]
+    first, second = calls.padded(subject.sample_ids(3, n, seed + 31), lens), calls.padded(
+        subject.sample_ids(3, n, seed + 37), later)
+    seqs.append(Sequence("batch after batch", f"after a padded batch of lengths {lens}, a batch of lengths {later}",
+                         lambda: calls.forward(*second), lambda: calls.forward(*first),
+                         lambda _: calls.forward(*second), rows=3))
+    names = ("another prompt", "multi-turn", "assisted decoding", "prompt lookup")
+    # The prompt and what generate() adds to it (a reply, a user turn, the next reply) stay within the context.
+    room = n if declared is None else min(n, declared - 2 * new_tokens - TURN)
+    why = calls.generate_refusal() or ("" if room >= 4 else f"the declared context of {declared} leaves no room "
+                                                             f"for a prompt and {new_tokens} new tokens twice")
+    if why:
+        not_run.update(dict.fromkeys(names, why))
+        return seqs, not_run, reached
+    prompt = short[:room]
+    other = subject.sample_ids(1, max(4, room - room // 4), seed + 104723)[0]
+    seqs.append(Sequence("another prompt", f"after generate() on a {room}-token prompt, generate() on another "
+                         f"{other.shape[0]}-token prompt", lambda: calls.generate(other[None]),
+                         lambda: calls.generate(prompt[None]), lambda _: calls.generate(other[None])))
+    if subject.kind == "seq2seq":
+        not_run.update(dict.fromkeys(names[1:], "an encoder-decoder: the conversation and the candidates continue "
+                                                "the decoder, not the prompt"))
+    elif chosen & set(names[1:]):  # the conversation's reply is generated while planning: only when asked for
+        try:
+            seqs.extend(_causal_only(calls, prompt, seed))
+        except Exception as exc:  # judged by `generate`: here nothing ran before it
+            not_run.update(dict.fromkeys(names[1:], f"generate() on a fresh state did not run: {exc}"))
+    return seqs, not_run, reached
+
+
+def _causal_only(calls: _Calls, short: torch.Tensor, seed: int) -> list[Sequence]:
+    """Multi-turn over the returned cache, assisted decoding by the model itself, prompt-lookup decoding."""
+    subject, n = calls.subject, short.shape[0]
+    turn = subject.sample_ids(1, TURN, seed + 61)[0]
+    # The conversation: the prompt, the reply generate() gives on a fresh state, the user's next turn. The history
+    # generates that reply again (the state is fresh again when it starts) and keeps its cache.
+    conversation = torch.cat([calls.generate(short[None], full=True).sequences[0], turn])[None]
+    repeated = torch.cat([short, short[: max(LOOKUP + 1, n // 2)]])  # a prompt whose n-grams recur: lookup proposes
+    declared = subject.max_positions
+    if declared is not None:  # within the context with its new tokens (the conversation is shorter than it)
+        repeated = repeated[: max(n, declared - calls.new_tokens - LOOKUP - 1)]  # candidates reach past the end
+    return [
+        Sequence("multi-turn", f"after generate() on a {n}-token prompt, a {TURN}-token user turn appended and "
+                 f"generate() continued from the returned cache", lambda: calls.generate(conversation),
+                 lambda: _cache_of(calls.generate(short[None], full=True)),
+                 lambda kept: calls.generate(conversation, cache=kept)),
+        Sequence("assisted decoding", f"generate() on a {n}-token prompt with the model as its own assistant "
+                 f"({ASSISTED} candidates a step)", lambda: calls.generate(short[None]),
+                 lambda: None, lambda _: calls.assisted(short[None]), same_call=False),
+        Sequence("prompt lookup", f"prompt-lookup decoding ({LOOKUP} candidates a step) on a {repeated.shape[0]}-"
+                 "token prompt whose n-grams recur", lambda: calls.generate(repeated[None]), lambda: None,
+                 lambda _: calls.generate(repeated[None], prompt_lookup_num_tokens=LOOKUP), same_call=False),
+    ]
+
+
+class _Calls:
+    """The model's calls as users make them, counted in subject.forward_count."""
+
+    def __init__(self, subject: Subject, new_tokens: int):
+        self.subject, self.new_tokens = subject, new_tokens
+        pad = getattr(subject.config, "pad_token_id", None)
+        self.pad = pad if isinstance(pad, int) and 0 <= pad < subject.vocab_size else 0
+
+    def padded(self, ids: torch.Tensor, lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of the given lengths, left-padded (as for generation) with the config's padding id."""
+        mask = torch.zeros_like(ids)
+        for r, n in enumerate(lens):
+            mask[r, ids.shape[1] - n:] = 1
+        return torch.where(mask.bool(), ids, torch.full_like(ids, self.pad)), mask
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The model's output (logits, else the final hidden state) at the real tokens, float64, flattened."""
+        kwargs: dict[str, Any] = {} if mask is None else {"attention_mask": mask}
+        if self.subject.kind == "seq2seq":
+            kwargs = {"decoder_input_ids": ids, **({} if mask is None else {"decoder_attention_mask": mask}), **kwargs}
+        self.subject.forward_count += 1
+        with torch.inference_mode():
+            out = output_of(self.subject.model(input_ids=ids, **kwargs))
+        out = out.to(torch.float64)
+        return out.flatten() if mask is None else out[mask.bool()].flatten()
+
+    def generate_refusal(self) -> str:
+        """Why the generate() sequences cannot run ("" when they can)."""
+        ok, why = cache_support(self.subject)
+        if not ok:
+            return why
+        can = getattr(self.subject.model, "can_generate", None)
+        if not callable(can) or not can():
+            return f"{type(self.subject.model).__name__} has no generation head (can_generate() is False)"
+        note = cache_layer_note(self.subject)
+        return f"generate() sizes its cache wrongly here ({note}): judged by `generate`" if note else ""
+
+    def assisted(self, ids: torch.Tensor) -> Any:
+        """generate() with the model as its own assistant, ASSISTED candidates a step (its generation config set for
+        the call, put back after)."""
+        config = self.subject.model.generation_config
+        saved = (config.num_assistant_tokens, config.num_assistant_tokens_schedule)
+        config.num_assistant_tokens, config.num_assistant_tokens_schedule = ASSISTED, "constant"
+        try:
+            return self.generate(ids, assistant_model=self.subject.model)
+        finally:
+            config.num_assistant_tokens, config.num_assistant_tokens_schedule = saved
+
+    def generate(self, ids: torch.Tensor, full: bool = False, **extra: Any) -> Any:
+        """Greedy generate(): the logits of every generated step (float64, flattened); `full`: the whole output."""
+        model = self.subject.model
+        kwargs = dict(do_sample=False, num_beams=1, max_new_tokens=self.new_tokens, output_logits=True,
+                      return_dict_in_generate=True, pad_token_id=self.pad, eos_token_id=None,
+                      forced_eos_token_id=None, forced_bos_token_id=None, attention_mask=torch.ones_like(ids))
+        try:
+            with torch.inference_mode():
+                out = model.generate(ids, **kwargs, **extra)
+        except Exception as exc:
+            if raised_in_generation(exc):
+                raise Refused(describe_error(exc)) from exc
+            raise
+        self.subject.forward_count += len(out.logits)
+        return out if full else torch.stack(out.logits, 1).to(torch.float64).flatten()
+
+
+def _cache_of(out: Any) -> Any:
+    """The cache generate() returned (`cache` in transformers 5, `past_key_values` before)."""
+    cache = out.get("cache")
+    return cache if cache is not None else out.past_key_values
