@@ -138,8 +138,8 @@ STATE_PATHS = {"mamba": _multi_turn, "falcon_mamba": _multi_turn, "jamba": _prom
 
 @pytest.mark.parametrize("model_type", sorted(STATE_PATHS))
 def test_generate_continued_or_drafted_differs_from_plain_generate(model_type):
-    assert findings()[model_type]["state"].test.endswith(test_generate_continued_or_drafted_differs_from_plain_generate
-                                                         .__name__)
+    assert finding(model_type, "state").test.endswith(test_generate_continued_or_drafted_differs_from_plain_generate
+                                                      .__name__)
     path = STATE_PATHS[model_type]
     assert_bug(path(model64(model_type)), path(model64("llama")))
 
