@@ -75,3 +75,12 @@ def demo_theta_lost():
     config = AutoConfig.from_pretrained(fixture)
     config.rope_parameters = {**config.rope_parameters, "rope_theta": 1000.0}
     return AutoModelForCausalLM.from_pretrained(fixture, config=config, attn_implementation="eager").eval()
+
+
+def as_mistral(src: Path, dst: Path, window: int | None) -> Path:
+    """The Llama checkpoint as the same network in Mistral's class (identical weights and parameter names), with a
+    sliding window of `window` tokens declared (None: none, the healthy twin). A Llama trained without a window
+    given one by its config: every layer stops seeing keys older than the window."""
+    config = _copy(src, dst)
+    config.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=window)
+    return _write_config(dst, config)

@@ -65,7 +65,7 @@ def test_the_model_is_restored_bitwise(healthy, tmp_path):
 
 
 @pytest.mark.parametrize("plant, names", [
-    (lambda src, dst: theta_lost(src, dst, theta=1000.0), "rope_theta=10000"),
+    (lambda src, dst: theta_lost(src, dst, theta=1000.0), "rope_theta ~ "),
     (interleaved_qk, "q/k rows in the interleaved pairing order"),
     (spurious_scaling, "no rope scaling"),
 ])
@@ -263,3 +263,40 @@ def test_shipped_prose_is_package_data():
     assert len(text.split()) > 1000
     pyproject = (FIXTURE.parent.parent / "pyproject.toml").read_text()
     assert "[tool.setuptools.package-data]" in pyproject and '"posdiag.data" = ["*.txt"]' in pyproject
+
+
+@pytest.mark.parametrize("configured", [1000.0, 200.0])
+def test_the_line_search_names_the_trained_base_and_its_interval(tmp_path, configured):
+    """Trained at rope_theta 10000: configured at 1/10 of it the grid's x10 is exact; at 1/50 the grid's nearest
+    point is x10 (2000), and the line search walks on to the value the weights fit."""
+    import re
+
+    broken = load_subject(str(theta_lost(FIXTURE, tmp_path / "broken", theta=configured)))
+    result = fit(broken)
+    assert result.status is Status.FAIL, result.summary
+    found = re.search(r"rope_theta ~ ([0-9.e+]+) \(line search: ([0-9.e+]+) to ([0-9.e+]+) fit as well\)",
+                      result.summary)
+    assert found, result.summary
+    value, lo, hi = (float(g) for g in found.groups())
+    assert 5000 <= value <= 20000 and lo <= value <= hi and lo <= 10000 * 1.8 and hi >= 10000 / 1.8, result.summary
+    assert 0 < result.metrics["line_search_forwards"] <= 4
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_window_alternatives_change_the_mask_and_restore_it(family):
+    """A declared window is varied (none, half, double) on material that passes it: each alternative changes the
+    logits of a row longer than the window, and the model is put back exactly; a row within it is not varied."""
+    subject = from_module(zoo.tiny_model(family, init="strong", sliding_window=16))
+    alts, notes = plan_alternatives(subject, 64)
+    windows = [a for a in alts if "window" in a.label]
+    assert [a.label for a in windows] == ["no window", "window x0.5", "window x2"], notes
+    assert windows[0].fits == "no sliding window" and windows[0].configured == "the declared 16-token window"
+    ids = subject.sample_ids(1, 64, 0)
+    with torch.inference_mode():
+        before = subject.model(input_ids=ids).logits.clone()
+        for alt in windows:
+            with alt.apply(subject):
+                assert not torch.equal(subject.model(input_ids=ids).logits, before), alt.label
+            assert torch.equal(subject.model(input_ids=ids).logits, before) and subject.sliding_window == 16
+    assert not [a for a in plan_alternatives(subject, 16)[0] if "window" in a.label]
+    assert "do not pass the declared 16-token window" in "; ".join(plan_alternatives(subject, 16)[1])

@@ -45,6 +45,7 @@ from posdiag.checks.fit.judging import (
     score,
 )
 from posdiag.checks.fit.material import COPY_DISTANCES, TEXT_TOKENS, Material, copy_rows, plan_material
+from posdiag.checks.fit.refine import refined
 from posdiag.checks.fit.report import fail_summary, pass_summary, tables
 from posdiag.checks.fit.screen import screened
 from posdiag.model.subject import Subject
@@ -83,7 +84,7 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     if why:
         return SPEC.result(Status.SKIP, why, {"loss": configured.loss, "targets": configured.losses.size,
                                               "context_gain": screen.gain, "context_gain_error": screen.spread})
-    alternatives, notes = plan_alternatives(subject)
+    alternatives, notes = plan_alternatives(subject, int(material.ids.shape[1]))
     if not alternatives:
         return SPEC.result(Status.SKIP, f"no alternative configuration to score against ({subject.position_kind}"
                            f" positions{'; ' + '; '.join(notes) if notes else ''})")
@@ -135,8 +136,9 @@ def _judge(subject: Subject, options: RunOptions, material: Material, configured
         return SPEC.result(Status.SKIP, why, {"loss": configured.loss, "unigram": material.unigram})
     winners = [c for c in comparisons if c.beats]
     decisive = max(winners, key=lambda c: c.gain) if winners else max(comparisons, key=lambda c: c.z)
+    decisive, searched = refined(subject, material, configured, comparisons, decisive)
     copies = _copy_evidence(subject, options, material, configured, decisive)
-    metrics = _metrics(material, configured, decisive, copies)
+    metrics = {**_metrics(material, configured, decisive, copies), "line_search_forwards": searched}
     details: dict[str, Any] = {"source": material.source, "notes": notes, "candidates": _candidates(comparisons)}
     table = tables(configured, comparisons, copies, decisive)
     if winners:
