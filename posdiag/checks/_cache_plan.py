@@ -85,7 +85,7 @@ def plan_probe(subject: Subject, options: RunOptions) -> Plan:
                  for name, at in boundaries.items()}
         for name, want in list(wants.items()):  # planned before it runs: a probe memory cannot hold is not run
             refusal = "" if want <= plan.length else forward_refusal(
-                subject, f"the probe past the {boundaries[name]}-token {name}", 1, want, logits_rows=1, cache=True)
+                subject, f"{boundaries[name]}: the probe past it", 1, want, logits_rows=1, cache=True)
             if refusal:
                 plan.missed[name] = refusal
                 del wants[name], boundaries[name]
