@@ -61,3 +61,13 @@ def test_free_memory_reads_the_address_space_limit(monkeypatch):
     monkeypatch.setattr(resource, "getrlimit", lambda kind: (3 << 30, 3 << 30))
     assert memory.free_memory("cpu") < 3 << 30
     assert memory.free_memory(torch.device("cpu")) >= 0
+
+
+def test_fit_skips_with_the_figures_when_its_material_cannot_be_held(monkeypatch):
+    from posdiag import api
+
+    subject = from_module(zoo.tiny_model("llama"))
+    monkeypatch.setattr(memory, "free_memory", lambda device: 1 << 20)
+    result = api.run_checks(subject, ["fit"]).checks[0]
+    assert result.status.value == "skip" and result.summary.startswith("scoring the material (1 x "), result.summary
+    assert "free: not run" in result.summary and subject.forward_count == 0

@@ -48,6 +48,8 @@ from posdiag.checks.fit.material import COPY_DISTANCES, TEXT_TOKENS, Material, c
 from posdiag.checks.fit.refine import refined
 from posdiag.checks.fit.report import fail_summary, pass_summary, tables
 from posdiag.checks.fit.screen import screened
+from posdiag.model.logits import LOGIT_BUDGET
+from posdiag.model.memory import forward_refusal
 from posdiag.model.subject import Subject
 from posdiag.options import RunOptions
 from posdiag.results import CheckResult, Status
@@ -76,6 +78,11 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     if material is None:
         return SPEC.result(Status.SKIP, f"the declared context ({subject.max_positions} tokens) is too short "
                            "for a repeated sequence")
+    width = int(material.ids.shape[1])
+    too_big = forward_refusal(subject, "scoring the material", 1, width, hidden_states=False,
+                              logits_rows=min(width, max(1, LOGIT_BUDGET // (4 * max(1, subject.vocab_size or 1)))))
+    if too_big:  # planned before it runs: a forward memory cannot hold is not started
+        return SPEC.result(Status.SKIP, f"{too_big} ([checks.fit] text_tokens sets a shorter row)")
     try:
         configured, screen, why = screened(subject, material, options.seed)
     except (ValueError, RuntimeError, TypeError) as exc:  # the model refuses a plain scoring forward: nothing to score
