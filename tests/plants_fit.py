@@ -62,6 +62,23 @@ def interleaved_qk(src: Path, dst: Path) -> Path:
     return _write_config(dst, config)
 
 
+def converter_permuted(src: Path, dst: Path) -> Path:
+    """q_proj/k_proj rows permuted by a converter that de-interleaves weights already in the half-split order (the
+    un-permutation applied twice): the pairs mix dims of different frequencies, and no re-ordering among the
+    alternatives (one interleave or de-interleave) puts them back."""
+    from safetensors.torch import load_file, save_file
+
+    config = _copy(src, dst, link_weights=False)
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    order = deinterleave(head_dim, head_dim)
+    weights = load_file(str(src / "model.safetensors"))
+    for name, t in weights.items():
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            weights[name] = t.view(t.shape[0] // head_dim, head_dim, -1).index_select(1, order).reshape(t.shape)
+    save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return _write_config(dst, config)
+
+
 def remove(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
@@ -75,3 +92,12 @@ def demo_theta_lost():
     config = AutoConfig.from_pretrained(fixture)
     config.rope_parameters = {**config.rope_parameters, "rope_theta": 1000.0}
     return AutoModelForCausalLM.from_pretrained(fixture, config=config, attn_implementation="eager").eval()
+
+
+def as_mistral(src: Path, dst: Path, window: int | None) -> Path:
+    """The Llama checkpoint as the same network in Mistral's class (identical weights and parameter names), with a
+    sliding window of `window` tokens declared (None: none, the healthy twin). A Llama trained without a window
+    given one by its config: every layer stops seeing keys older than the window."""
+    config = _copy(src, dst)
+    config.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=window)
+    return _write_config(dst, config)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from posdiag.model.caches import text_config
+from posdiag.model.memory import forward_refusal
 from posdiag.model.subject import Subject
 from posdiag.options import RunOptions, probe_length
 
@@ -80,8 +81,15 @@ def plan_probe(subject: Subject, options: RunOptions) -> Plan:
     declared = subject.max_positions
     boundaries = declared_boundaries(subject)
     if options.token_ids is None:  # the user's tokens keep their own length
-        wants = [probe_past(at) for at in boundaries.values()]
-        plan.length = max([plan.length, *(want if declared is None else min(want, declared) for want in wants)])
+        wants = {name: probe_past(at) if declared is None else min(probe_past(at), declared)
+                 for name, at in boundaries.items()}
+        for name, want in list(wants.items()):  # planned before it runs: a probe memory cannot hold is not run
+            refusal = "" if want <= plan.length else forward_refusal(
+                subject, f"{boundaries[name]}: the probe past it", 1, want, logits_rows=1, cache=True)
+            if refusal:
+                plan.missed[name] = refusal
+                del wants[name], boundaries[name]
+        plan.length = max([plan.length, *wants.values()])
     original = original_context(subject)
     limit = "the declared context" if options.token_ids is None else "the tokens given"
     if original is not None:

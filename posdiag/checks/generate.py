@@ -30,6 +30,7 @@ from posdiag.checks._image_decode import generate_after_image, with_image_decode
 from posdiag.checks._reference import JITTER_SOURCE, jitter_floor, reference, right_padded
 from posdiag.model.arbitration import arbitrate
 from posdiag.model.caches import cache_layer_note, cache_support, generate_guarded, new_cache, static_cache_refusal
+from posdiag.model.memory import forward_refusal
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import relative_l2
 from posdiag.options import RunOptions, probe_length
@@ -116,7 +117,8 @@ def _prompts(subject: Subject, options: RunOptions, new_tokens: int) -> tuple[li
     def fitted(length: int) -> int:  # prompt + generated tokens within the declared context
         return max(4, declared - new_tokens) if declared is not None and length + new_tokens > declared else length
 
-    alone = fitted(window + 4 if window and base + new_tokens <= window + 2 else base)
+    alone = fitted(window + 4 if window and base + new_tokens <= window + 2 and not _window_refusal(
+        subject, base, new_tokens) else base)
     base = fitted(base)
     lens = [base, max(2, base - max(1, base // 4)), max(2, base - max(2, base // 2))][:ROWS]
     sampled = subject.sample_ids(len(lens), max(alone, base), options.seed)
@@ -126,6 +128,16 @@ def _prompts(subject: Subject, options: RunOptions, new_tokens: int) -> tuple[li
     if len(sampled[0, :alone]) == len(batch[0]):  # nothing stretched: the prompt alone is the batch's first row
         return batch, list(range(len(batch)))
     return [sampled[0, :alone], *batch], list(range(1, len(batch) + 1))
+
+
+def _window_refusal(subject: Subject, base: int, new_tokens: int) -> str:
+    """Why the prompt alone is not stretched past the sliding window (memory cannot hold it, planned before it
+    runs: decoding past the window is then not judged), or ""."""
+    window = subject.sliding_window
+    if not window or base + new_tokens > window + 2:
+        return ""
+    return forward_refusal(subject, f"the prompt past the {window}-token sliding window", 1, window + 4 + new_tokens,
+                           logits_rows=new_tokens, cache=True)
 
 
 def run(subject: Subject, options: RunOptions) -> CheckResult:
@@ -345,8 +357,10 @@ def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict],
                                                            "first row/step that differs"), tuple(rows))
     tail = _compile_note(subject, m.compiled)
     refused = [f"{r.name} refused by transformers ({r.refused})" for r in m.runs if r.refused]
+    window = _window_refusal(subject, lens[0], new_tokens) if alone == lens[0] else ""
     for key, note in (("pad_note", m.pad_note), ("cache_note", m.cache_note), ("static_not_run", m.static_note),
-                      ("refused_note", "; ".join(refused))):
+                      ("refused_note", "; ".join(refused)), ("window_not_reached", window and f"decoding past "
+                                                                 f"the window not judged: {window}")):
         if note:
             details[key] = note
             tail += f"; static cache not run: {note}" if key == "static_not_run" else f"; note: {note}"

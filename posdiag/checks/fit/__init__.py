@@ -35,28 +35,21 @@ from typing import Any
 from posdiag.checks import CheckSpec, Option
 from posdiag.checks.fit.alternatives import Alternative, NotApplicable, plan_alternatives
 from posdiag.checks.fit.judging import (
-    CONTEXT_GAIN,
-    SETTLED,
     Comparison,
     Scored,
     below_unigram,
     compare,
     copy_accuracy,
-    learned_nothing,
     not_its_task,
+    predicts_no_text,
     score,
-    settled_untrained,
 )
-from posdiag.checks.fit.material import (
-    COPY_DISTANCES,
-    SCREEN_TARGETS,
-    TEXT_TOKENS,
-    Material,
-    copy_rows,
-    destroyed,
-    plan_material,
-)
+from posdiag.checks.fit.material import COPY_DISTANCES, TEXT_TOKENS, Material, copy_rows, plan_material
+from posdiag.checks.fit.refine import refined
 from posdiag.checks.fit.report import fail_summary, pass_summary, tables
+from posdiag.checks.fit.screen import screened
+from posdiag.model.logits import LOGIT_BUDGET
+from posdiag.model.memory import forward_refusal
 from posdiag.model.subject import Subject
 from posdiag.options import RunOptions
 from posdiag.results import CheckResult, Status
@@ -85,14 +78,20 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     if material is None:
         return SPEC.result(Status.SKIP, f"the declared context ({subject.max_positions} tokens) is too short "
                            "for a repeated sequence")
+    width = int(material.ids.shape[1])
+    too_big = forward_refusal(subject, "scoring the material", 1, width, hidden_states=False,
+                              logits_rows=min(width, max(1, LOGIT_BUDGET // (4 * max(1, subject.vocab_size or 1)))))
+    if too_big:  # planned before it runs: a forward memory cannot hold is not started
+        return SPEC.result(Status.SKIP, f"{too_big} ([checks.fit] text_tokens sets a shorter row)")
     try:
-        configured, why = _configured(subject, material, options.seed)
+        configured, screen, why = screened(subject, material, options.seed)
     except (ValueError, RuntimeError, TypeError) as exc:  # the model refuses a plain scoring forward: nothing to score
         return SPEC.result(Status.SKIP, f"cannot score the model's predictions ({type(exc).__name__}: "
                            f"{str(exc)[:160]})")
     if why:
-        return SPEC.result(Status.SKIP, why, {"loss": configured.loss, "targets": configured.losses.size})
-    alternatives, notes = plan_alternatives(subject)
+        return SPEC.result(Status.SKIP, why, {"loss": configured.loss, "targets": configured.losses.size,
+                                              "context_gain": screen.gain, "context_gain_error": screen.spread})
+    alternatives, notes = plan_alternatives(subject, int(material.ids.shape[1]))
     if not alternatives:
         return SPEC.result(Status.SKIP, f"no alternative configuration to score against ({subject.position_kind}"
                            f" positions{'; ' + '; '.join(notes) if notes else ''})")
@@ -107,49 +106,6 @@ def _not_scored(subject: Subject) -> str:
     if not subject.is_hf:
         return "factory model without a transformers config: no configuration to vary"
     return ""
-
-
-def _configured(subject: Subject, material: Material, seed: int) -> tuple[Scored, str]:
-    """The configuration as loaded scored on the material, or on its first rows only with the reason it is not
-    trained. The first row and its destroyed twin run first: where that settles it (judging.settled_untrained: an
-    untrained model's one-row gain lies 3 standard errors below the bound) nothing else runs; otherwise the rest of
-    the screen and the rest of the material run together (a model that gains on its first row is usually trained:
-    its material is scored anyway)."""
-    rows = material.head_rows(SCREEN_TARGETS)
-    head, twin = material.rows(0, rows), destroyed(subject, material.rows(0, rows), seed)
-    scored, twin_scored = _screened(subject, head.rows(0, 1), twin.rows(0, 1))
-    if rows > 1 and settled_untrained(scored, twin_scored):
-        return scored, (f"{learned_nothing(scored, twin_scored)} (settled on the screen's first row: the gain lies "
-                        f"over {SETTLED:g} standard errors below the {CONTEXT_GAIN:g} nats a trained model gains)")
-    rest = material.rows(rows)
-    if rows > 1:
-        more, more_twin, rest_scored = _screen_and_rest(subject, head.rows(1), twin.rows(1), rest)
-        scored, twin_scored = scored.joined(more), twin_scored.joined(more_twin)
-    else:
-        rest_scored = None
-    why = learned_nothing(scored, twin_scored)
-    if why or not rest.ids.shape[0]:
-        return scored, why
-    return scored.joined(rest_scored if rest_scored is not None else score(subject, rest, "configured")), ""
-
-
-def _screen_and_rest(subject: Subject, head: Material, twin: Material,
-                     rest: Material) -> tuple[Scored, Scored, Scored | None]:
-    """The screen's other rows, their twins and the rest of the material, in one pass where their widths match."""
-    if not (head.ids.shape[1] == twin.ids.shape[1] == rest.ids.shape[1]):
-        more, more_twin = _screened(subject, head, twin)
-        return more, more_twin, None
-    both = score(subject, head.stacked(twin).stacked(rest), "configured")
-    more, after = both.split(head.count)
-    more_twin, rest_scored = after.split(twin.count)
-    return more, more_twin, rest_scored if rest.ids.shape[0] else None
-
-
-def _screened(subject: Subject, rows: Material, twin: Material) -> tuple[Scored, Scored]:
-    """Rows and their destroyed twins scored (one forward where their widths match, as repeated sequences' do)."""
-    if twin.ids.shape[1] == rows.ids.shape[1]:
-        return score(subject, rows.stacked(twin), "configured").split(rows.count)
-    return score(subject, rows, "configured"), score(subject, twin, "destroyed")
 
 
 def _measure(subject: Subject, material: Material, configured: Scored,
@@ -176,22 +132,32 @@ def _judge(subject: Subject, options: RunOptions, material: Material, configured
     if not comparisons:
         return SPEC.result(Status.SKIP, f"no alternative could be applied: {'; '.join(notes)}")
     best = min([configured] + [c.scored for c in comparisons], key=lambda s: s.loss)
+    broken = predicts_no_text(best, material)
+    if broken:  # the screen found a trained model: no configuration tried makes it predict text
+        return SPEC.result(Status.FAIL, broken, {"loss": configured.loss, "best_loss": best.loss,
+                                                 "unigram": material.unigram},
+                           {"source": material.source, "notes": notes, "candidates": _candidates(comparisons)},
+                           tables(configured, comparisons, {}, max(comparisons, key=lambda c: c.gain)))
     why = below_unigram(best, material.unigram) or not_its_task(best, material)
     if why:
         return SPEC.result(Status.SKIP, why, {"loss": configured.loss, "unigram": material.unigram})
     winners = [c for c in comparisons if c.beats]
     decisive = max(winners, key=lambda c: c.gain) if winners else max(comparisons, key=lambda c: c.z)
+    decisive, searched = refined(subject, material, configured, comparisons, decisive)
     copies = _copy_evidence(subject, options, material, configured, decisive)
-    metrics = _metrics(material, configured, decisive, copies)
-    details: dict[str, Any] = {"source": material.source, "notes": notes,
-                               "candidates": [{"label": c.alternative.label, "loss": c.scored.loss, "gain": c.gain,
-                                               "z": c.z, "beats": c.beats} for c in comparisons]}
+    metrics = {**_metrics(material, configured, decisive, copies), "line_search_forwards": searched}
+    details: dict[str, Any] = {"source": material.source, "notes": notes, "candidates": _candidates(comparisons)}
     table = tables(configured, comparisons, copies, decisive)
     if winners:
         return SPEC.result(Status.FAIL, fail_summary(material, configured, decisive, copies),
                            metrics, details, table)
     return SPEC.result(Status.PASS, pass_summary(material, configured, decisive, len(comparisons), notes),
                        metrics, details, table)
+
+
+def _candidates(comparisons: list[Comparison]) -> list[dict[str, Any]]:
+    return [{"label": c.alternative.label, "loss": c.scored.loss, "gain": c.gain, "z": c.z, "beats": c.beats}
+            for c in comparisons]
 
 
 def _copy_evidence(subject: Subject, options: RunOptions, material: Material, configured: Scored,

@@ -6,12 +6,15 @@ RoPE (from config.rope_parameters, one block per layer type where the config has
 - a partial rotary factor made full;
 - the other pairing layout: the q/k rows permuted as a conversion between interleaved and half-split pairs would.
 Learned / sinusoidal tables: the position ids offset by +-1, +-2 (RoBERTa-style padding_idx + 1 ports).
+A declared sliding window (any position scheme): no window, half and double the window, where the material passes
+the window (a window the material does not pass changes no score: not tried, and said so).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,11 +28,13 @@ from posdiag.checks.fit.edits import (
     qk_permuted,
     rotary_modules,
     rotary_rebuilt,
+    window_set,
 )
 from posdiag.model.subject import Subject
 from posdiag.tools import rope_math
 
 THETA_FACTORS = (0.1, 0.25, 4.0, 10.0)
+WINDOW_FACTORS = (0.5, 2.0)
 TABLE_SHIFTS = (-2, -1, 1, 2)
 SCALING_KEYS = ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
                 "short_factor", "long_factor", "low_freq_factor", "high_freq_factor", "mscale", "mscale_all_dim",
@@ -47,10 +52,42 @@ class Alternative:
     configured: str
     apply: Callable[[Subject], Any] = lambda subject: contextlib.nullcontext()
     shift: int = 0
+    factor: float = 0.0  # a rope_theta factor: where it sits on the line refine.py searches
+    base: float = 0.0  # the configured rope_theta it multiplies
+    scaled: Callable[[float], Alternative] | None = None  # the same alternative at another factor
 
 
-def plan_alternatives(subject: Subject) -> tuple[list[Alternative], list[str]]:
-    """Every alternative for this model, and the notes on those that cannot apply."""
+def plan_alternatives(subject: Subject, length: int = 0) -> tuple[list[Alternative], list[str]]:
+    """Every alternative for this model (scored on material of `length` tokens a row), and the notes on those that
+    cannot apply."""
+    alts, notes = _position_alternatives(subject)
+    windows, why = window_alternatives(subject, length)
+    return alts + windows, notes + ([why] if why else [])
+
+
+def window_alternatives(subject: Subject, length: int) -> tuple[list[Alternative], str]:
+    """No window, half and double the declared one: each changes which keys a row of `length` tokens sees (a value
+    at or past the row's length is no window there; alternatives that would give the same mask are tried once)."""
+    declared = subject.sliding_window
+    if not declared:
+        return [], ""
+    if length <= declared:
+        return [], (f"the sliding window not varied: the material's {length}-token rows do not pass the declared "
+                    f"{declared}-token window")
+    alts, seen = [], {declared}
+    for label, value in [("no window", length)] + [(f"window x{f:g}", max(1, int(declared * f)))
+                                                  for f in WINDOW_FACTORS]:
+        value = min(value, length)
+        if value in seen:
+            continue
+        seen.add(value)
+        fits = "no sliding window" if value >= length else f"a {value}-token sliding window"
+        alts.append(Alternative(label, fits, f"the declared {declared}-token window",
+                                lambda subject, v=value: window_set(subject, v)))
+    return alts, ""
+
+
+def _position_alternatives(subject: Subject) -> tuple[list[Alternative], list[str]]:
     if subject.position_kind in ("learned", "sinusoidal"):
         if not subject.family.takes_position_ids:
             return [], [f"{subject.family.name} derives its positions inside: no offset can be passed"]
@@ -77,10 +114,7 @@ def _rope_alternatives(params: dict[str, Any], specs: list[rope_math.RopeSpec]) 
     alts = []
     for spec in specs:
         where = f" ({spec.layer_type})" if per_type else ""
-        for f in THETA_FACTORS:
-            theta = spec.theta * f
-            alts.append(_params_alt(f"rope_theta x{f:g}{where}", f"rope_theta={theta:g}{where}",
-                                    f"the configured {spec.theta:g}", _edited(params, spec, rope_theta=theta)))
+        alts += [_theta_alt(params, spec, where, f) for f in THETA_FACTORS]
         if spec.rope_type != "default":
             block = {k: v for k, v in spec.params.items() if k not in SCALING_KEYS}
             block.update(rope_type="default", rope_theta=spec.theta)
@@ -98,6 +132,14 @@ def _rope_alternatives(params: dict[str, Any], specs: list[rope_math.RopeSpec]) 
         alts.append(_params_alt("bases swapped", f"{a.layer_type} base {b.theta:g} and {b.layer_type} base "
                                 f"{a.theta:g}", f"the configured {a.theta:g} / {b.theta:g}", swapped))
     return alts
+
+
+def _theta_alt(params: dict[str, Any], spec: rope_math.RopeSpec, where: str, factor: float) -> Alternative:
+    theta = spec.theta * factor
+    alt = _params_alt(f"rope_theta x{factor:.3g}{where}", f"rope_theta={theta:.6g}{where}",
+                      f"the configured {spec.theta:g}", _edited(params, spec, rope_theta=theta))
+    return dataclasses.replace(alt, factor=factor, base=spec.theta,
+                               scaled=lambda f: _theta_alt(params, spec, where, f))
 
 
 def _params_alt(label: str, fits: str, configured: str, params: dict[str, Any],

@@ -184,3 +184,32 @@ def _gather_rows(t: torch.Tensor, order: torch.Tensor, head_dim: int) -> None:
     """In place: each head's head_dim rows of t reordered by `order`."""
     shaped = t.data.view(t.shape[0] // head_dim, head_dim, *t.shape[1:])
     shaped.copy_(shaped.index_select(1, order.to(t.device)))
+
+
+# --------------------------------------------------------------------------- sliding window
+@contextlib.contextmanager
+def window_set(subject: Subject, window: int) -> Iterator[None]:
+    """The sliding window made `window` tokens wherever the model reads it at forward time: `sliding_window` on every
+    config object the model holds (the mask builders read it there) and on every module that keeps its own copy
+    (attention modules pass it to the kernels); the old values go back on exit."""
+    declared = subject.sliding_window
+    owners = [o for o in _config_objects(subject) if getattr(o, "sliding_window", None) == declared]
+    owners += [m for m in subject.language_model.modules() if m.__dict__.get("sliding_window") == declared]
+    if not owners:
+        raise NotApplicable(f"no config or module holds the declared window of {declared}")
+    try:
+        for owner in owners:
+            owner.sliding_window = window
+        yield
+    finally:
+        for owner in owners:
+            owner.sliding_window = declared
+
+
+def _config_objects(subject: Subject) -> list[Any]:
+    found: list[Any] = []
+    for cfg in (subject.config, getattr(subject.model, "config", None), getattr(subject.language_model, "config", None),
+                rope_math.text_config(subject.config)):
+        if cfg is not None and all(cfg is not f for f in found):
+            found.append(cfg)
+    return found

@@ -58,10 +58,10 @@ class Material:
         return min(int((per_row < targets).sum()) + 1, self.ids.shape[0])
 
 
-def destroyed(subject: Subject, material: Material, seed: int) -> Material:
+def destroyed(subject: Subject, material: Material, seed: int, tokens: int = SCREEN_TARGETS) -> Material:
     """The material with the context that makes its targets predictable taken away, for the untrained screen:
     repeated sequences get a fresh random first copy (the same targets, nothing to copy them from); text is the
-    first SCREEN_TARGETS + 1 tokens, the first one kept and the rest shuffled (the same tokens, no word order).
+    first `tokens` + 1 tokens, the first one kept and the rest shuffled (the same tokens, no word order).
     A trained model predicts the material far better than its twin, even with its positions broken (a token's
     own path, bigrams, what the context holds do not need them); an untrained one does not."""
     if material.distances:
@@ -70,7 +70,7 @@ def destroyed(subject: Subject, material: Material, seed: int) -> Material:
             start = int((material.targets[r] >= 0).nonzero()[0, 0])  # the second x_1
             ids[r, start - n:start] = subject.sample_ids(1, n, seed + 97 * r + 1).cpu()[0]
         return Material(ids, material.targets, material.source, material.unigram, material.distances)
-    row = material.ids[0, :SCREEN_TARGETS + 1]
+    row = material.ids[0, :tokens + 1]
     order = torch.randperm(row.numel() - 1, generator=torch.Generator().manual_seed(seed)) + 1
     ids = torch.cat([row[:1], row[order]])[None]
     targets = torch.cat([ids[:, 1:], torch.full((1, 1), -1)], dim=1)
