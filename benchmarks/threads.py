@@ -43,7 +43,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=1)
     args = parser.parse_args()
     model = args.model or _smollm2()
-    print(f"{model} --only {args.only}, {len(os.sched_getaffinity(0))} cores; competitor: {args.competitor_threads} threads")
+    cores = len(os.sched_getaffinity(0))
+    print(f"{model} --only {args.only}, {cores} cores; competitor: {args.competitor_threads} threads")
     print("| setting | alone (s) | beside a load (s) |\n|---|---|---|")
     for name, env in SETTINGS.items():
         alone = min(_timed(model, args.only, env) for _ in range(args.runs))
