@@ -257,3 +257,37 @@ def test_attention_factor_missing_at_one_layer_is_named(monkeypatch):
     assert result.details["not_probed"] == ["attention factor at layer 1 q, layer 1 k: no un-rotated q/k lined up "
                                             "with the rotated one"]
     assert "not probed: attention factor at layer 1 q, layer 1 k" in result.summary
+
+
+def _llama31_shaped(dtype):
+    """A Llama-3.1-shaped tiny model (head_dim 128, llama3 x8 from 8192, 131072 positions) built in `dtype`."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=256, hidden_size=512, intermediate_size=256, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=131072,
+                         rope_theta=500000.0,
+                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager").eval()
+
+
+def test_dtype_on_a_factory_keeps_the_frequencies_and_a_bfloat16_inv_freq_fails(monkeypatch):
+    """`--dtype bfloat16` on a factory's model casts its weights but keeps its `inv_freq` in float32, as
+    from_pretrained does (cast too, they round to 3 digits and rope FAILed a healthy model: cos 1 where 0.98 is due
+    at position 62133). The same model whose frequencies a user cast to bfloat16 is that bug, and FAILs."""
+    import types
+
+    from posdiag.model.loading import load_subject
+
+    module = types.ModuleType("posdiag_test_factory31")
+    module.build = lambda: _llama31_shaped(torch.float32)
+    monkeypatch.setitem(sys.modules, "posdiag_test_factory31", module)
+    subject = load_subject("posdiag_test_factory31:build", LoadOptions(dtype="bfloat16", upcast=False))
+    assert subject.model.model.rotary_emb.inv_freq.dtype == torch.float32
+    assert next(subject.model.parameters()).dtype == torch.bfloat16
+    assert api.run_checks(subject, ["rope"]).check("rope").status is Status.PASS
+    cast = _llama31_shaped(torch.bfloat16)
+    cast.model.rotary_emb.inv_freq = cast.model.rotary_emb.inv_freq.to(torch.bfloat16)
+    broken = api.run_checks(from_module(cast, options=LoadOptions(upcast=False)), ["rope"]).check("rope")
+    assert broken.status is Status.FAIL and "table disagrees with the config" in broken.summary, broken.summary

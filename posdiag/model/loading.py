@@ -182,10 +182,23 @@ def from_factory_model(model: torch.nn.Module, spec: str, options: LoadOptions) 
     """A model a `module:factory` returned, placed on the device and dtype the options ask for."""
     device = resolve_device(options.device)
     dtype = None if options.dtype == "auto" else DTYPES[options.dtype]
-    model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
+    model = _cast_keeping_frequencies(model, device, dtype) if dtype is not None else model.to(device)
     subject = from_module(model, name=spec, options=options)
     subject.load_info = LoadInfo(checkpoint_keys=None, source=f"factory {spec}")
     return subject
+
+
+def _cast_keeping_frequencies(model: torch.nn.Module, device: Any, dtype: torch.dtype) -> torch.nn.Module:
+    """model.to(dtype) for --dtype, its RoPE frequency buffers (`*inv_freq`) kept in their own dtype, as
+    from_pretrained keeps them (it recomputes them in float32 at load). Cast to bfloat16 they round to 3 digits and
+    the rotation is wrong past a few thousand positions (a factory's Llama-3.1 shape in bfloat16: cos 1 where 0.98
+    is due at position 62133): posdiag must not plant the bug it looks for."""
+    kept = [(module, name, buf) for module in model.modules() for name, buf in module._buffers.items()
+            if name.endswith("inv_freq") and isinstance(buf, torch.Tensor) and buf.is_floating_point()]
+    model = model.to(device=device, dtype=dtype)
+    for module, name, buf in kept:
+        module._buffers[name] = buf.to(device)
+    return model
 
 
 def _load_pretrained(spec: str, options: LoadOptions, checked: Any = None) -> Subject:
