@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from posdiag.api import run_checks
-from posdiag.checks import generate
+from posdiag.model.caches import compile_kwargs
 from posdiag.model.loading import from_module
 from posdiag.options import RunOptions
 from posdiag.results import Status
@@ -16,8 +16,8 @@ from posdiag.testing import zoo
 
 
 def test_compile_keywords():
-    assert generate.compile_kwargs(False) == {"disable_compile": True}
-    config = generate.compile_kwargs(True)["compile_config"]
+    assert compile_kwargs(False) == {"disable_compile": True}
+    config = compile_kwargs(True)["compile_config"]
     assert config._compile_all_devices is True  # compiles on CPU too, on purpose
 
 

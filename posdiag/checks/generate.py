@@ -29,7 +29,15 @@ from posdiag.checks import CheckSpec, Option
 from posdiag.checks._image_decode import generate_after_image, with_image_decode
 from posdiag.checks._reference import JITTER_SOURCE, jitter_floor, reference, right_padded
 from posdiag.model.arbitration import arbitrate
-from posdiag.model.caches import cache_layer_note, cache_support, generate_guarded, new_cache, static_cache_refusal
+from posdiag.model.caches import (
+    cache_layer_note,
+    cache_support,
+    compile_kwargs,
+    compile_note,
+    generate_guarded,
+    new_cache,
+    static_cache_refusal,
+)
 from posdiag.model.memory import forward_refusal
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import relative_l2
@@ -241,29 +249,6 @@ def _measure(subject: Subject, prompts: list[torch.Tensor], batch_rows: list[int
     return Measurement(runs, floor_measured, first_step_error, pad_note, cache_note, refused, source, compiled)
 
 
-def _compile_note(subject: Subject, compiled: bool) -> str:
-    """Which path was judged, where it is not the plain one of a CPU run."""
-    if compiled:
-        return "; the compiled path judged (torch.compile of the static-cache forward)"
-    return ("; run without torch.compile (transformers compiles the static-cache forward here by default; --compile "
-            "judges that path)" if subject.device.type != "cpu" else "")
-
-
-def compile_kwargs(compiled: bool) -> dict[str, Any]:
-    """generate() keywords that fix whether the static-cache forward is compiled, instead of transformers deciding
-    (it compiles on CUDA and other accelerators whenever the cache is compileable: 94 s of a 1B model's generate on
-    an H200, 22 s without). compiled=False: disable_compile. compiled=True: a CompileConfig that compiles on every
-    device, CPU included (torch.compile then needs a C compiler); torch compiles once per shape (the single prompt's
-    and the padded batch's caches), not once per prompt."""
-    if not compiled:
-        return {"disable_compile": True}
-    from transformers import CompileConfig
-
-    config = CompileConfig()
-    config._compile_all_devices = True  # transformers' own switch for compiling off-accelerator (its docstring)
-    return {"compile_config": config}
-
-
 def _padded_batch(prompts: list[torch.Tensor], pad: int, seq2seq: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
     """The prompts as one batch and its mask: left-padded (decoder-only generation needs it), or right-padded
     (encoder inputs, by convention: _reference.right_padded)."""
@@ -333,8 +318,7 @@ def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict],
     status_of = {r.name: verdicts[r.name].status for r in done} | {r.name: Status.FAIL for r in crashed}
     failing = [r for r in m.runs if status_of[r.name] is Status.FAIL]
     status = Status.worst(list(status_of.values()))
-    rows = []
-    alone, lens = lengths
+    rows, (alone, lens) = [], lengths
     details: dict[str, Any] = {"compiled": m.compiled, "prompt_lengths": lens, "alone_prompt_length": alone,
                                "new_tokens": new_tokens,
                                "padding": "right (encoder input)" if seq2seq else "left",
@@ -355,7 +339,7 @@ def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict],
                                    "first_difference": where, "notes": r.notes, "reason": verdicts[r.name].reason}
     table = Table("generate() vs teacher-forced forward", ("run", "rows", "max step error", "noise floor", "ratio",
                                                            "first row/step that differs"), tuple(rows))
-    tail = _compile_note(subject, m.compiled)
+    tail = compile_note(subject, m.compiled)
     refused = [f"{r.name} refused by transformers ({r.refused})" for r in m.runs if r.refused]
     window = _window_refusal(subject, lens[0], new_tokens) if alone == lens[0] else ""
     for key, note in (("pad_note", m.pad_note), ("cache_note", m.cache_note), ("static_not_run", m.static_note),

@@ -121,8 +121,15 @@ def _text_config(subject: Subject) -> Any:
 
 
 def _field(cfg: Any, *names: str, default: Any = None) -> Any:
+    """The first positive int among the config's `names`. A per-layer attribute (Gemma 4's head_dim raises when read
+    globally) counts at its largest over the layers: an estimate of the peak must not come out low."""
     for name in names:
-        value = getattr(cfg, name, None)
+        try:
+            value = getattr(cfg, name, None)
+        except Exception:  # transformers refuses a global read of a per-layer attribute
+            layers = getattr(cfg, "per_layer_config", None) or []
+            values = [getattr(layer, name, None) for layer in layers]
+            value = max((v for v in values if isinstance(v, int)), default=None)
         if isinstance(value, int) and value > 0:
             return value
     return default

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from posdiag.checks._cache_plan import declared_boundaries
+from posdiag.checks._cache_plan import declared_boundaries, original_context
 from posdiag.errors import describe_error, raised_in_generation
 from posdiag.model.caches import cache_layer_note, cache_support, text_config
 from posdiag.model.outputs import output_of
@@ -108,9 +108,13 @@ def _planned(subject: Subject, short: torch.Tensor, cap: int, new_tokens: int, s
                          lambda: calls.forward(*second), lambda: calls.forward(*first),
                          lambda _: calls.forward(*second), rows=3))
     names = ("another prompt", "multi-turn", "assisted decoding", "prompt lookup")
-    # The prompt and what generate() adds to it (a reply, a user turn, the next reply) stay within the context.
-    room = n if declared is None else min(n, declared - 2 * new_tokens - TURN)
-    why = calls.generate_refusal() or ("" if room >= 4 else f"the declared context of {declared} leaves no room "
+    # The prompt and what generate() adds to it (a reply, a user turn, the next reply) stay within the context, and
+    # within a LongRoPE block's original context: past it the full forward rotates every position with the long
+    # factors, so a conversation continued from keys rotated with the short ones is no reference (as in `cache`).
+    limit = min(x for x in (declared, original_context(subject)) if x is not None) \
+        if declared is not None or original_context(subject) is not None else None
+    room = n if limit is None else min(n, limit - 2 * new_tokens - TURN)
+    why = calls.generate_refusal() or ("" if room >= 4 else f"the context of {limit} leaves no room "
                                                              f"for a prompt and {new_tokens} new tokens twice")
     if why:
         not_run.update(dict.fromkeys(names, why))
