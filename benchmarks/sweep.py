@@ -399,12 +399,16 @@ def write_page() -> None:
              f"design, {c['errors']} errors; {c['fails']} FAILs "
              f"on healthy default-init models, {found} of them upstream findings ({found - c['by_design']} bugs, "
              f"marked *finding*; {c['by_design']} by design, marked *by design*; see [findings](#findings-on-stock-"
-             f"transformers-524) and [the list below](#what-each-finding-fails))"
+             f"transformers) and [the list below](#what-each-finding-fails))"
              + (f", {c['unclassified']} not yet classified." if c["unclassified"] else "."), "",
              (f"{c['current']} of the {c['swept']} rows were swept since checks report *n/a* for what does not apply "
               "by design; the others come from the previous full sweep, which reported those as skips."
               if c["current"] < c["swept"] else "Every row was swept on the current checks (*n/a* for what does not "
-              "apply by design, `fit` included)."), "",
+              "apply by design, `fit` included)."),
+             "Rows by the transformers release they were swept on: " + ", ".join(
+                 f"{k[3:]}: {n}" for k, n in c.items() if k.startswith("on ")) + ". A `-` cell: the row was swept "
+             "before that check existed (`state`: the 16 types swept with it are listed in FINDINGS' state entries "
+             "and tests/test_findings_plain.py; a full re-sweep fills the column).", "",
              *_verdict_table(rows), "", "Not judged (cannot be built from a small config on CPU, or over the time "
              "limit):", ""]
     for r in sorted((r for r in rows.values() if "checks" not in r), key=lambda r: r["type"]):
@@ -437,7 +441,7 @@ def _verdict_table(rows: dict[str, dict]) -> list[str]:
         for n in names:
             finding = finding_of(r, n)
             mark = "" if finding is None else " *by design*" if finding.design else " *finding*"
-            cells.append(SYMBOL[r["checks"].get(n, ["skip"])[0]] + mark)
+            cells.append(SYMBOL[r["checks"][n][0]] + mark if n in r["checks"] else "-")  # -: not swept with it
         kind = r["kind"] if r["kind"] == "image-text" else r["family_kind"]  # bart: seq2seq, though also a causal LM
         lines.append(f"| {r['type']} | {kind} | {r['position_kind']} | " + " | ".join(cells) + " |")
     return lines

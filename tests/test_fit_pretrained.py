@@ -33,13 +33,13 @@ def fit(path, options=SHORT):
     return api.run_checks(load_subject(str(path)), ["fit"], options).checks[0]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # one worker runs the module (xdist_group); kept when it interleaves another
 def report(smollm2_dir):
     """Every check on the healthy model, once (what `posdiag check` runs)."""
     return api.run_checks(load_subject(str(smollm2_dir)), None, EVERY_CHECK)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # one worker runs the module (xdist_group); kept when it interleaves another
 def healthy(report):
     return report.check("fit")
 
@@ -53,7 +53,7 @@ def test_every_other_check_keeps_its_verdict_on_the_healthy_model(report):
     assert report.exit_code == 0
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # one worker runs the module (xdist_group); kept when it interleaves another
 def broken(smollm2_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("smollm2-broken")
     return {name: fit(plant(smollm2_dir, root / name), options)

@@ -33,12 +33,12 @@ N = 64
 LINEAR = {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # one worker runs the module (xdist_group); kept when it interleaves another
 def reference(smollm2_dir):
     return load_subject(str(smollm2_dir))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # one worker runs the module (xdist_group); kept when it interleaves another
 def reader(smollm2_gguf):
     return open_reader(str(smollm2_gguf))
 
@@ -107,7 +107,7 @@ def test_a_wrong_rope_dimension_count_is_refused_in_one_line(reference, reader, 
         load_gguf(str(wide))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # one worker runs the module (xdist_group); kept when it interleaves another
 def scaled(smollm2_dir, tmp_path_factory):
     """The reference with linear RoPE scaling x2: the weights linked, config.json rewritten."""
     out = tmp_path_factory.mktemp("scaled")

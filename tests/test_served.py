@@ -37,12 +37,12 @@ N = 16  # generated tokens: every planted bug shows from position 1
 PROMPT = "The harbour town woke slowly on winter mornings."  # the prompt route: llama-cpp-python scores echo slowly
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # one worker runs the module (xdist_group); kept when it interleaves another
 def reference(smollm2_dir):
     return load_subject(str(smollm2_dir))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # one worker runs the module (xdist_group); kept when it interleaves another
 def files(smollm2_gguf, tmp_path_factory):
     """The F32 twin of the real file and two planted twins of it."""
     out = tmp_path_factory.mktemp("served")
