@@ -96,8 +96,9 @@ def test_alibi_is_shifted_through_an_invisible_prefix():
 
 
 def test_falcon_alibi_bias_is_computed_in_bfloat16():
-    """A real finding in transformers (5.17 to 5.25 at least): Falcon builds ALiBi as slopes.bfloat16() * positions,
-    so in a float32 model key positions past 256 round and relative invariance breaks there."""
+    """A real finding in transformers (its source on 5.17 to 5.25; judged on 5.24 and 5.25): Falcon builds ALiBi as
+    slopes.bfloat16() * positions, so in a float32 model key positions past 256 round and relative invariance breaks
+    there."""
     result = shift(zoo.tiny_model("falcon_alibi", max_position_embeddings=1024))
     assert result.status is Status.FAIL
     assert 128 <= result.details["holds_up_to"] < result.details["breaks_at"] <= 256
