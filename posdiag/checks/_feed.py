@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from posdiag.model.caches import new_cache
+from posdiag.model.caches import cache_keyword, new_cache
 from posdiag.model.outputs import final_state, output_of
 from posdiag.model.subject import Subject
 
@@ -30,6 +30,7 @@ class Feed:
         no_rows = torch.zeros(0, dtype=torch.long, device=ids.device)
         self.extra = {"logits_to_keep": no_rows} if subject.takes_logits_to_keep else {}
         self.hidden: bool | None = None  # compared by the final hidden state (else by the logits)
+        self.keyword = cache_keyword(subject.model)  # `cache`, or `past_key_values` before transformers 5.24
 
     def cache(self, kind: str, room: int = 0) -> Any:
         """A fresh cache; a static one holds the probe and `room` more tokens. The decode paths leave room, as the
@@ -43,7 +44,7 @@ class Feed:
         subject, ids = self.subject, self.ids
         subject.forward_count += 1
         first = 0 if self.whole and cache is not None else start  # CPM-Ant slices the cached prefix off itself
-        kwargs: dict[str, Any] = {"cache": cache, "use_cache": cache is not None, "return_dict": True,
+        kwargs: dict[str, Any] = {self.keyword: cache, "use_cache": cache is not None, "return_dict": True,
                                   "output_hidden_states": True, **self.extra}
         if with_ids:
             positions = torch.arange(start, end, device=ids.device)[None]

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from posdiag.model.caches import cache_keyword
 from posdiag.model.subject import Subject
 from posdiag.results import CheckResult, Status
 from posdiag.tools import mrope, rope_math
@@ -184,8 +185,9 @@ def decode_after_image(subject: Subject, prompt: ImagePrompt, cache: Any, steps:
         return run
     try:
         with torch.inference_mode(), watching(subject) as watch:
-            first = model(**prompt.inputs(), cache=cache, use_cache=True, return_dict=True).logits[0]
-            outs = [model(input_ids=full_ids[:, t:t + 1], cache=cache, use_cache=True,
+            passed = {cache_keyword(model): cache}
+            first = model(**prompt.inputs(), **passed, use_cache=True, return_dict=True).logits[0]
+            outs = [model(input_ids=full_ids[:, t:t + 1], **passed, use_cache=True,
                           return_dict=True).logits[0, -1] for t in range(n, full_ids.shape[1])]
         subject.forward_count += 1 + steps
     except Exception as exc:

@@ -220,3 +220,17 @@ def compile_kwargs(compiled: bool) -> dict[str, Any]:
     config = CompileConfig()
     config._compile_all_devices = True  # transformers' own switch for compiling off-accelerator (its docstring)
     return {"compile_config": config}
+
+
+def cache_keyword(model: Any) -> str:
+    """The keyword the model's forward takes its cache by, read from its signature: `cache` in transformers 5.24+,
+    `past_key_values` before (5.17 drops `cache` into **kwargs, so every cached step ran without its past: false
+    `cache` FAILs); a class with neither takes `cache` (Dory in 5.25 lost the old name's shim)."""
+    import inspect
+
+    try:
+        names = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # a forward without a readable signature
+        return "cache"
+    return "past_key_values" if "cache" not in names and "past_key_values" in names else "cache"
+

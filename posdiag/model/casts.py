@@ -28,6 +28,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 _F = torch.nn.functional
+_PRODUCTS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm}
 _SOFTMAX = {torch.softmax, torch.log_softmax, torch.Tensor.softmax, torch.Tensor.log_softmax, _F.softmax,
             _F.log_softmax}
 
@@ -41,8 +42,15 @@ class _KeepFloat64(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         first = args[0] if args else None
         if self.angles is not None and self.angles.inside and isinstance(first, torch.Tensor) \
-                and not first.is_floating_point() and not first.is_complex():
-            func, args, kwargs = self.angles.finer_cast(func, args, kwargs)
+                and (first.dtype == torch.float32 or not first.is_floating_point()) and not first.is_complex():
+            # positions (integers) and, beside them, the float32 frequencies both go to float64: transformers 5.17
+            # multiplies `inv_freq.to(dtype=torch.float)` by the positions with a matmul, which refuses a mix
+            func, args, kwargs = self.angles.finer_cast(func, args, kwargs, positions=not first.is_floating_point())
+        if func in _PRODUCTS and len(args) >= 2 and all(isinstance(a, torch.Tensor) for a in args[:2]) \
+                and {args[0].dtype, args[1].dtype} == {torch.float32, torch.float64}:
+            # one side kept in float64, the other cast by the model's code: transformers 5.17's rotary multiplies
+            # `inv_freq.to(float)` by `position_ids.float()` with a matmul, which refuses the mix; 5.25's `*` promotes
+            args = (args[0].double(), args[1].double(), *args[2:])
         if isinstance(first, torch.Tensor) and first.dtype == torch.float64:
             if func is torch.Tensor.float:
                 return first
@@ -91,14 +99,17 @@ class Angles:
         if name not in self.computed:
             self.tables[name] = stored_precision(module)
 
-    def finer_cast(self, func, args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
-        """An integer tensor cast to float32 inside a rotary module: cast to float64 instead (exact for positions)."""
+    def finer_cast(self, func, args: tuple, kwargs: dict, positions: bool = True) -> tuple[Any, tuple, dict]:
+        """A tensor cast to float32 inside a rotary module: cast to float64 instead (exact for integer positions; a
+        float32 table keeps its rounding, so only an integer cast counts the module's angles as computed)."""
         if func is torch.Tensor.float:
-            self.computed.add(self.stack[-1])
+            if positions:
+                self.computed.add(self.stack[-1])
             return torch.Tensor.double, args, kwargs
         if func in (torch.Tensor.to, torch.Tensor.type) and (torch.float32 in args[1:] or
                                                                kwargs.get("dtype") is torch.float32):
-            self.computed.add(self.stack[-1])
+            if positions:
+                self.computed.add(self.stack[-1])
             args = tuple(torch.float64 if a is torch.float32 else a for a in args)
             kwargs = {k: torch.float64 if v is torch.float32 else v for k, v in kwargs.items()}
         return func, args, kwargs

@@ -294,7 +294,9 @@ def _identity_rotations(model: nn.Module) -> int:
                     done += 1
             if any(n.endswith("inv_freq") for n, _ in module.named_buffers(recurse=False)):
                 _freeze_rope_type(module)
-            if type(module).__name__ == "GPTJRotaryEmbedding":
+            # GPT-J's sin | cos table: on its rotary module (transformers 5.24+) or on each attention (5.17)
+            if type(module).__name__ in ("GPTJRotaryEmbedding", "GPTJAttention") and \
+                    isinstance(getattr(module, "embed_positions", None), torch.Tensor):
                 half = module.embed_positions.shape[-1] // 2
                 module.embed_positions[:, :half] = 0.0
                 module.embed_positions[:, half:] = 1.0

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from posdiag.checks.kernels.scenarios import SDPA_BACKENDS, Run, Scenario, split_name
+from posdiag.model.caches import cache_keyword
 from posdiag.model.precision import REFERENCE_FRACTION, FinerRun, reference_dtype, run_finer, streamed_bytes
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import token_states
@@ -176,9 +177,10 @@ def _forward_once(subject: Subject, sc: Scenario) -> tuple[Run | None, Run]:
             out = model(input_ids=sc.ids[:, :p], attention_mask=None if sc.mask is None else sc.mask[:, :p],
                         **({"position_ids": sc.position_ids[:, :p]} if sc.position_ids is not None else {}), **kwargs)
             first = _run_of(out, sc.ids[:, :p].shape)
-            # `cache`, transformers 5.x's name: a class without the old name's shim (Dory) takes `past_key_values`
-            # into **kwargs and silently runs the chunk without the cache.
-            kwargs["cache"] = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+            # by the keyword the forward takes (`cache`; `past_key_values` before transformers 5.24): the other one
+            # goes into **kwargs and the chunk silently runs without the cache (Dory in 5.25 has no old-name shim)
+            kwargs[cache_keyword(subject.model)] = out.cache if getattr(out, "cache", None) is not None \
+                else out.past_key_values
             ids, mask = sc.ids[:, p:], sc.mask  # the chunk sees the whole mask (cache + chunk)
             pos = None if sc.position_ids is None else sc.position_ids[:, p:]
         else:

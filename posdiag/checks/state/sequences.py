@@ -16,7 +16,7 @@ import torch
 
 from posdiag.checks._cache_plan import declared_boundaries, original_context
 from posdiag.errors import describe_error, raised_in_generation
-from posdiag.model.caches import cache_layer_note, cache_support, text_config
+from posdiag.model.caches import cache_keyword, cache_layer_note, cache_support, text_config
 from posdiag.model.outputs import output_of
 from posdiag.model.subject import Subject
 
@@ -150,7 +150,7 @@ def _causal_only(calls: _Calls, short: torch.Tensor, seed: int) -> list[Sequence
         Sequence("multi-turn", f"after generate() on a {n}-token prompt, a {TURN}-token user turn appended and "
                  f"generate() continued from the returned cache", lambda: calls.generate(conversation),
                  lambda: _cache_of(calls.generate(short[None], full=True)),
-                 lambda kept: calls.generate(conversation, cache=kept)),
+                 lambda kept: calls.generate(conversation, **{cache_keyword(subject.model): kept})),
         Sequence("assisted decoding", f"generate() on a {n}-token prompt with the model as its own assistant "
                  f"({ASSISTED} candidates a step)", lambda: calls.generate(short[None]),
                  lambda: None, lambda _: calls.assisted(short[None]), same_call=False),
