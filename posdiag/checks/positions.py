@@ -48,7 +48,7 @@ import torch
 
 from posdiag.checks import CheckSpec
 from posdiag.model.arbitration import arbitrate
-from posdiag.model.inert import inert
+from posdiag.model.inert import inert, unfaithful_mask_verdict
 from posdiag.model.introspect import mixing_reason, recurrent_mixers, recurrent_reason
 from posdiag.model.jitter import FLOOR_SOURCE, jittered
 from posdiag.model.kinds import PositionKind
@@ -94,17 +94,9 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     unfaithful = _mask_unfaithful(subject, probe, out, layers.floor, metrics)
     if unfaithful:
         # Tokens that never interact through the model's own mask are the finding the unfaithful mask hides.
-        why = inert(subject, probe.stack, probe.ids)
-        found = why.finding
-        if why.skip:  # tokens that never interact (zero-initialised branches): that is why the mask changes nothing
-            details["inert"] = why.skip
-            return SPEC.result(Status.SKIP, f"no verdict: {why.skip} (the explicit mask changes nothing for the same "
-                               "reason)", metrics, details)
-        if found:
-            details["never_interact"] = found
-            return SPEC.result(Status.FAIL, f"position_ids change nothing: tokens never interact ({found}; the "
-                               f"explicit mask was no help either: {unfaithful})", metrics, details)
-        return SPEC.result(Status.SKIP, f"mask not faithful, no verdict: {unfaithful}", metrics, details)
+        status, summary, found = unfaithful_mask_verdict(subject, probe.stack, probe.ids, unfaithful,
+                                                         "position_ids change nothing: tokens never interact")
+        return SPEC.result(status, summary, metrics, {**details, **found})
     judged = _judge(subject, probe, layers, details, metrics)
     status, summary = _verdict(subject, probe, judged, details)
     return SPEC.result(status, summary, metrics, details, (_table(subject, probe, layers),))

@@ -33,7 +33,7 @@ import torch
 
 from posdiag.checks import CheckSpec
 from posdiag.model.casts import float64_throughout
-from posdiag.model.inert import inert
+from posdiag.model.inert import inert, unfaithful_mask_verdict
 from posdiag.model.introspect import attention_free, recurrent_mixers, recurrent_reason
 from posdiag.model.jitter import FLOOR_SOURCE, jittered
 from posdiag.model.precision import run_finer
@@ -86,17 +86,9 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
     unfaithful = _mask_unfaithful(subject, probe, out, layers.final_floor, metrics)
     if unfaithful:
         # Tokens that never interact through the model's own mask are the finding the unfaithful mask hides.
-        why = inert(subject, stack, probe.ids)
-        found = why.finding
-        if why.skip:  # tokens that never interact (zero-initialised branches): that is why the mask changes nothing
-            details["inert"] = why.skip
-            return SPEC.result(Status.SKIP, f"no verdict: {why.skip} (the explicit mask changes nothing for the same "
-                               "reason)", metrics, details)
-        if found:
-            details["never_interact"] = found
-            return SPEC.result(Status.FAIL, f"tokens never interact: position cannot enter ({found}; the explicit "
-                               f"mask was no help either: {unfaithful})", metrics, details)
-        return SPEC.result(Status.SKIP, f"mask not faithful, no verdict: {unfaithful}", metrics, details)
+        status, summary, found = unfaithful_mask_verdict(subject, stack, probe.ids, unfaithful,
+                                                         "tokens never interact: position cannot enter")
+        return SPEC.result(status, summary, metrics, {**details, **found})
     verdict = _judge(subject, probe, layers, details)
     table, enters = _table(subject, stack, layers)
     metrics.update({"residual": verdict.residual, "noise_floor": verdict.noise_floor, "ratio": verdict.ratio})

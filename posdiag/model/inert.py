@@ -30,6 +30,7 @@ import torch
 from posdiag.model.checkpoint import in_checkpoint
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import relative_l2
+from posdiag.results import Status
 from posdiag.verdict import FAIL_RATIO, MACHINE_EPSILON
 
 
@@ -71,6 +72,21 @@ def inert(subject: Subject, stack: str, ids: torch.Tensor) -> Inert:
                              "adds nothing from other tokens and no position can enter")
     return Inert(finding=f"{moved}, though no weight is zero: the model's code lets each token see only itself, so "
                          "no position can enter")
+
+
+def unfaithful_mask_verdict(subject: Subject, stack: str, ids: torch.Tensor, unfaithful: str,
+                            finding: str) -> tuple[Status, str, dict[str, str]]:
+    """(status, summary, details) where the explicit mask is not faithful: tokens that never interact through the
+    model's own mask are the finding the unfaithful mask hides (FAIL, worded `finding` first), unless zero-initialised
+    branches of a model as built explain them (SKIP); otherwise no verdict (SKIP). Shared by `shuffle`, `positions`."""
+    why = inert(subject, stack, ids)
+    if why.skip:  # zero-initialised branches: that is why the mask changes nothing
+        return (Status.SKIP, f"no verdict: {why.skip} (the explicit mask changes nothing for the same reason)",
+                {"inert": why.skip})
+    if why.finding:
+        return (Status.FAIL, f"{finding} ({why.finding}; the explicit mask was no help either: {unfaithful})",
+                {"never_interact": why.finding})
+    return Status.SKIP, f"mask not faithful, no verdict: {unfaithful}", {}
 
 
 def isolated_tokens(subject: Subject, stack: str, ids: torch.Tensor) -> float | None:
