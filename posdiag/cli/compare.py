@@ -47,9 +47,10 @@ ServedModelOpt = Annotated[str | None, typer.Option(
                            "serves).")]
 ApiKeyOpt = Annotated[str | None, typer.Option(
     "--api-key", help="A server candidate: its API key (default: the POSDIAG_API_KEY environment variable).")]
-ServedDtypeOpt = Annotated[DType | None, typer.Option(
-    "--served-dtype", help="A server candidate: the dtype it serves in; the reference run at that dtype joins the "
-                           "noise floor (e.g. bfloat16 for a bf16 vLLM deployment).")]
+ServedDtypeOpt = Annotated[str | None, typer.Option(
+    "--served-dtype", help="A server candidate: what it serves in, a dtype (bfloat16 for a bf16 vLLM deployment), a "
+                           "ggml type (Q4_1) or the .gguf file it serves; the reference run at that precision joins "
+                           "the noise floor. Default: REFERENCE's own types when it is a quantised .gguf file.")]
 class Route(str, enum.Enum):
     both = "both"
     prompt = "prompt"
@@ -119,7 +120,7 @@ def compare(reference: ReferenceArg, candidate: CandidateArg = None, long: LongO
         settings, model=candidate, dtype=candidate_dtype.value if candidate_dtype else load.dtype,
         attn_implementation=candidate_attn or load.attn_implementation, upcast=load.upcast and candidate_dtype is None,
     )
-    served = _served(candidate, served_model, api_key, served_dtype, route, top_k)
+    served = _served(reference, candidate, served_model, api_key, served_dtype, route, top_k, output.debug)
     ref, cand = _load_both(settings, candidate_settings, served)
     comparison = _compare(ref, cand, settings, long, mapping, served)
     _emit(comparison, ref, policy, settings, plot, f"posdiag compare {Path(reference).name} vs {Path(candidate).name}")
@@ -138,15 +139,24 @@ def _candidate_spec(reference: str, candidate: str | None) -> str:
     return candidate
 
 
-def _served(candidate: str, model: str | None, api_key: str | None, dtype: DType | None, route: Route,
-            top_k: int) -> dict:
-    """The server options, refused in one line for a candidate that is not a server."""
+def _served(reference: str, candidate: str, model: str | None, api_key: str | None, dtype: str | None,
+            route: Route, top_k: int, debug: bool) -> dict:
+    """The server options, refused in one line for a candidate that is not a server. The precision it serves
+    in defaults to REFERENCE's own tensor types when that is a quantised .gguf file (the file being served)."""
     given = [name for name, value in (("--served-model", model), ("--api-key", api_key), ("--served-dtype", dtype),
                                       ("--route", route is not Route.both or None)) if value]
     if given and not candidate.lower().startswith(("http://", "https://")):
         fail(f"{', '.join(given)}: for a server candidate (http://HOST:PORT/v1), not '{candidate}'")
-    return dict(served_model=model, api_key=api_key, route=route.value, top_k=top_k,
-                served_dtype=dtype.value if dtype and dtype is not DType.auto else None)
+    served = candidate.lower().startswith(("http://", "https://"))
+    if not served:
+        return dict(served_model=None, api_key=None, route=route.value, top_k=top_k, served_dtype=None)
+    from posdiag.tools import served_floor
+
+    if dtype is None and reference.lower().endswith(".gguf"):
+        own = guarded(lambda: served_floor.parse(reference), debug)
+        dtype = reference if set(own.types.values()) - {"F32"} else None  # all F32: float32, nothing to add
+    guarded(lambda: served_floor.parse(dtype), debug)  # checked before anything loads
+    return dict(served_model=model, api_key=api_key, route=route.value, top_k=top_k, served_dtype=dtype)
 
 
 def _emit(comparison, ref, policy, settings: Settings, plot: str | None, title: str) -> NoReturn:

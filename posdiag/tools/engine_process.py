@@ -9,7 +9,7 @@ float32 array is 200 MB at 1024 x 49152: one write and one read, no pipe framing
 
 The protocol (the child's side is posdiag/tools/llama_child.py):
     parent: {"open": {...}}                        child: {"ready": {settings}} | {"error": "..."}
-    parent: {"ids": [...], "split": n|null, "out": path}   child: {"shape": [T, V]} | {"error": "..."}
+    parent: {"ids": [...], "split": n|null, "stepped": bool, "out": path}   child: {"shape": [T, V]} | {"error": "..."}
 A child that dies is named by its signal (SIGSEGV, SIGABRT...) or exit status, with the last line it
 wrote to stderr; one that does not answer within the timeout is killed and named so. Both raise
 EngineCrash (exit 3: the engine failed, not the input).
@@ -68,12 +68,13 @@ class EngineProcess:
             raise PosdiagError(f"{self.what} failed on '{self.file}' while {doing}: {answer['error']}")
         return answer
 
-    def logits(self, ids: list[int], split: int | None = None) -> np.ndarray:
-        """[T, V] float32 logits of IDS (prefilled up to SPLIT, then continued, when SPLIT is given)."""
+    def logits(self, ids: list[int], split: int | None = None, stepped: bool = False) -> np.ndarray:
+        """[T, V] float32 logits of IDS (prefilled up to SPLIT, then continued in one eval, or one token at a
+        time when STEPPED, when SPLIT is given)."""
         self.calls += 1
         out = Path(self.workdir) / f"logits-{self.calls}.npy"
-        how = f" continued from position {split}" if split is not None else ""
-        self.request({"ids": [int(i) for i in ids], "split": split, "out": str(out)},
+        how = f" continued from position {split}{' token by token' if stepped else ''}" if split is not None else ""
+        self.request({"ids": [int(i) for i in ids], "split": split, "stepped": stepped, "out": str(out)},
                      f"running {len(ids)} tokens{how}")
         try:
             return np.load(out)

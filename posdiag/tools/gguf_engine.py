@@ -39,6 +39,10 @@ class LlamaCppRunner:
         continued at position split); the logits of every position of both."""
         return self.process.logits(ids, split)
 
+    def logits_stepped(self, ids: list[int], split: int) -> np.ndarray:
+        """Prefill ids[:split], then decode the rest one token per eval, as a server generates."""
+        return self.process.logits(ids, split, stepped=True)
+
     def close(self) -> None:
         self.process.close()
 

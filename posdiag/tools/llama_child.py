@@ -80,14 +80,16 @@ class Session:
 START_CONTEXT = 512
 
 
-def logits(llm, ids: list[int], split: int | None) -> np.ndarray:
-    """A fresh cache per call; with SPLIT, ids[:split] prefilled, then a second eval continues that cache."""
+def logits(llm, ids: list[int], split: int | None, stepped: bool = False) -> np.ndarray:
+    """A fresh cache per call; with SPLIT, ids[:split] prefilled, then a second eval continues that cache
+    (STEPPED: one eval per token, as a server decodes)."""
     llm.reset()
     if split is None:
         llm.eval(ids)
     else:
         llm.eval(ids[:split])
-        llm.eval(ids[split:])
+        for part in [[i] for i in ids[split:]] if stepped else [ids[split:]]:
+            llm.eval(part)
     return np.array(llm.scores[: len(ids), : llm.n_vocab()], dtype=np.float32)
 
 
@@ -113,7 +115,8 @@ def main() -> None:
         if request.get("quit"):
             return
         try:
-            out = logits(session.fit(len(request["ids"])), request["ids"], request.get("split"))
+            out = logits(session.fit(len(request["ids"])), request["ids"], request.get("split"),
+                         bool(request.get("stepped")))
             np.save(request["out"], out)
             send({"shape": list(out.shape)})
         except Exception as exc:

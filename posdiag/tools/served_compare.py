@@ -7,9 +7,10 @@ A server answers with the top-k log-probs of each token, never logits, so the me
 
 with the reference's answer computed from its full logits the same way (log-softmax, its top-k by text).
 Noise floor, measured in the same run, per position: the reference's own rounding (its float32 run against its
-float64 run, at the compared tokens), the reference against itself at the served precision when the user names
-it (`--served-dtype`), and the spread of the same request sent twice; never below float32's rounding of a
-log-prob of that size. The floor of a position is at least the median floor (one scalar per position is noisy).
+float64 run, at the compared tokens), the reference at the precision the server serves in (a dtype, or ggml tensor
+types run in llama.cpp: posdiag/tools/served_floor.py), and the spread of the same request sent twice; never below
+float32's rounding of a log-prob of that size. The floor of a position is at least the median floor (one scalar per
+position is noisy).
 The profile of d / floor is judged by the shape `compare` gives every port (posdiag/tools/port_shapes.py): flat,
 growing with position from its onset, or a step at a length.
 
@@ -34,6 +35,7 @@ from posdiag.model.subject import Subject
 from posdiag.model.tokenizer import load_tokenizer
 from posdiag.tools.compare.running import finer_run, run_stack
 from posdiag.tools.served import Reply, ServedEngine
+from posdiag.tools.served_floor import ServedFloor
 from posdiag.verdict import MACHINE_EPSILON
 
 OFFSETS = (0, 1, -1)
@@ -83,11 +85,12 @@ class Scores:
     ids: list[int]
     lp: torch.Tensor  # [T, V] float64, log-softmax of the reference's logits as run
     rounding: torch.Tensor  # [T, V] |lp - lp of the finer run| (zeros when no finer run)
-    served: torch.Tensor | None  # [T, V] |lp - lp at --served-dtype|
+    served: torch.Tensor | None  # [T, V] lp at the served precision - lp (signed: its spread is a noise scale)
     floor_source: str
 
 
-def reference_scores(reference: Subject, ids: list[int], served_dtype: str | None) -> Scores:
+def reference_scores(reference: Subject, ids: list[int], served: ServedFloor | None,
+                     decoded_from: int | None = None) -> Scores:
     stack = reference.stacks[-1]
     t = torch.tensor(ids, dtype=torch.long)
     out = run_stack(reference, t, stack, "reference").logits
@@ -96,26 +99,11 @@ def reference_scores(reference: Subject, ids: list[int], served_dtype: str | Non
     lp = out[0].double().cpu().log_softmax(-1)
     fine, source = finer_run(reference, t, stack)
     rounding = (fine.logits[0].double().cpu().log_softmax(-1) - lp).abs() if fine is not None else torch.zeros_like(lp)
-    served = None
-    if served_dtype:
-        served = (_at_dtype(reference, t, stack, served_dtype) - lp).abs()
-        source += f"; the reference at {served_dtype} (--served-dtype)"
-    return Scores(ids, lp, rounding, served, source)
-
-
-def _at_dtype(reference: Subject, ids: torch.Tensor, stack: str, dtype: str) -> torch.Tensor:
-    """The reference's log-probs with its floating weights and buffers cast to DTYPE, restored exactly after."""
-    from posdiag.model.tensors import DTYPES
-
-    tensors = [*reference.model.parameters(), *reference.model.buffers()]
-    saved = [(t, t.data) for t in tensors if t.is_floating_point()]
-    try:
-        for t, data in saved:
-            t.data = data.to(DTYPES[dtype])
-        return run_stack(reference, ids, stack, "reference").logits[0].double().cpu().log_softmax(-1)
-    finally:
-        for t, data in saved:
-            t.data = data
+    at_served = None
+    if served is not None:
+        at_served = served.log_probs(t, decoded_from) - lp
+        source += f"; {served.source}"
+    return Scores(ids, lp, rounding, at_served, source)
 
 
 def position_metrics(scores: Scores, scored: list[Any], targets: list[int], rows: list[int], vocab: Vocabulary,
@@ -133,7 +121,7 @@ def position_metrics(scores: Scores, scored: list[Any], targets: list[int], rows
         entries = [*ref_top, target]
         f = float(scores.rounding[row, entries].max())
         if scores.served is not None:
-            f = max(f, float(scores.served[row, entries].max()))
+            f = max(f, served_noise(scores.served[row], ref, target))
         f = max(f, spread[j] if j < len(spread) else 0.0, eps * (1.0 + abs(float(ref[target]))))
         floor.append(f)
         served_top = sorted(s.top, key=s.top.get, reverse=True)[:k]
@@ -141,6 +129,20 @@ def position_metrics(scores: Scores, scored: list[Any], targets: list[int], rows
         overlap.append(len(set(served_top) & {vocab.pieces[i] for i in ref_top}) / k)
     median = statistics.median(floor) if floor else 0.0
     return {"d": d, "floor": [max(f, median) for f in floor], "top1": top1, "overlap": overlap}
+
+
+def served_noise(delta: torch.Tensor, ref: torch.Tensor, target: int) -> float:
+    """The floor a served precision puts under |Δ log p(target)| at one position, from the reference run at that
+    precision (DELTA: its log-probs minus the reference's, REF: the reference's log-probs): the larger of its own
+    error at the target and its noise over the vocabulary carried to the target's log-prob. Log-probs move by
+    Δz_t - Σ p_j Δz_j under logit noise Δz of spread σ, so by σ·sqrt((1 - p_t)² + Σ_{j≠t} p_j²): a sure token
+    barely moves, an unsure one by σ. Its own error alone is one draw of the noise, and a healthy server's is
+    another (SmolLM2 Q4_1 on four prompts: up to 30x each other at a position); with the spread, the healthy
+    server stood at most 3.4x its floor and a planted rope base at least 14.5x (64 tokens each)."""
+    p = ref.exp()
+    p_t = float(p[target])
+    sensitivity = max(0.0, (1.0 - p_t) ** 2 + float((p * p).sum()) - p_t ** 2) ** 0.5
+    return max(abs(float(delta[target])), float(delta.std()) * sensitivity)
 
 
 def alignment(scores: Scores, reply: Reply, vocab: Vocabulary, k: int) -> dict[str, Any]:

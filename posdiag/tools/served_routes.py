@@ -17,6 +17,7 @@ import torch
 from posdiag.errors import PosdiagError
 from posdiag.model.subject import Subject
 from posdiag.results import CheckResult, Status, Table
+from posdiag.tools import served_floor
 from posdiag.tools.compare.measuring import LayerProfile
 from posdiag.tools.compare.verdict import Comparison
 from posdiag.tools.port_shapes import classify
@@ -30,6 +31,7 @@ from posdiag.tools.served_compare import (
     reference_scores,
     served_engine_settings,
 )
+from posdiag.tools.served_floor import ServedFloor
 from posdiag.verdict import FAIL_RATIO
 
 ROUTES = ("both", "prompt", "generation")
@@ -47,29 +49,29 @@ NOT_SHOWN = ("logits beyond the top-k: the actual token's log-prob and the top-k
 def compare_served(reference: Subject, engine: ServedEngine, *, route: str = "both", top_k: int = 5,
                    new_tokens: int | None = None, prompt: str | None = None,
                    served_dtype: str | None = None) -> Comparison:
-    """Judge the server ENGINE against REFERENCE on the ROUTE(s). Never prints; PosdiagError (one line) on inputs
+    """Judge the server ENGINE against REFERENCE on the ROUTE(s). SERVED_DTYPE: the precision it serves in
+    (posdiag/tools/served_floor.parse), measured into the floor. Never prints; PosdiagError (one line) on inputs
     that cannot be compared, EngineCrash when the server fails."""
     if reference.kind != "causal":
         raise PosdiagError(f"a server is compared with a causal (decoder-only) reference, not a {reference.kind} one")
     if route not in ROUTES:
         raise PosdiagError(f"--route {route!r}: one of {', '.join(ROUTES)}")
+    precision = served_floor.parse(served_dtype)
     before = reference.forward_count
     vocab = Vocabulary.of(reference)
-    text = prompt or " ".join(_prose().split()[:PROMPT_WORDS])
-    routes: dict[str, dict[str, Any]] = {}
+    floor = served_floor.open_floor(reference, precision, reference.stacks[-1]) if precision else None
     profiles: list[LayerProfile] = []
-    floor_sources: set[str] = set()
-    if route in ("both", "prompt"):
-        routes["prompt"] = _prompt_route(reference, engine, vocab, text, top_k, served_dtype, profiles, floor_sources)
-    if route in ("both", "generation"):
-        n = new_tokens or DEFAULT_NEW_TOKENS
-        start_from = prompt if prompt else text.split()[0]  # --text: from the end of a long prompt
-        routes["generation"] = _generation_route(reference, engine, vocab, start_from, n, top_k, served_dtype,
-                                                 profiles, floor_sources)
+    sources: set[str] = set()
+    try:
+        routes = _routes(reference, engine, vocab, route, top_k, new_tokens, prompt, floor, profiles, sources)
+    finally:
+        if floor is not None:
+            floor.close()
     details: dict[str, Any] = {
         "reference": reference.info.to_dict(), "candidate": _candidate(engine), "routes": routes,
         "engine": {"name": engine.name, **served_engine_settings(engine, top_k, route)},
-        "floor_source": "; ".join(sorted(floor_sources)) or "none measured", "requests": engine.requests,
+        "served_precision": precision.name if precision else "not given (float32 assumed: --served-dtype)",
+        "floor_source": "; ".join(sorted(sources)) or "none measured", "requests": engine.requests,
         "not_shown": list(NOT_SHOWN), "notes": [f"not shown by the API: {x}" for x in NOT_SHOWN],
     }
     result = _verdict(routes, details, top_k, reference.forward_count - before)
@@ -77,15 +79,29 @@ def compare_served(reference: Subject, engine: ServedEngine, *, route: str = "bo
     return Comparison(result, tuple(profiles), length)
 
 
+def _routes(reference: Subject, engine: ServedEngine, vocab: Vocabulary, route: str, k: int, new_tokens: int | None,
+            prompt: str | None, floor: ServedFloor | None, profiles: list[LayerProfile],
+            sources: set[str]) -> dict[str, dict[str, Any]]:
+    text = prompt or " ".join(_prose().split()[:PROMPT_WORDS])
+    routes: dict[str, dict[str, Any]] = {}
+    if route in ("both", "prompt"):
+        routes["prompt"] = _prompt_route(reference, engine, vocab, text, k, floor, profiles, sources)
+    if route in ("both", "generation"):
+        n = new_tokens or DEFAULT_NEW_TOKENS
+        start_from = prompt if prompt else text.split()[0]  # --text: from the end of a long prompt
+        routes["generation"] = _generation_route(reference, engine, vocab, start_from, n, k, floor, profiles, sources)
+    return routes
+
+
 def _prompt_route(reference: Subject, engine: ServedEngine, vocab: Vocabulary, text: str, k: int,
-                  served_dtype: str | None, profiles: list[LayerProfile], sources: set[str]) -> dict[str, Any]:
+                  floor: ServedFloor | None, profiles: list[LayerProfile], sources: set[str]) -> dict[str, Any]:
     ids = vocab.encode(text)
     reply = engine.prompt_logprobs(text, k)
     if len(reply.scored) < 2 or not any(s.top for s in reply.scored[1:]):
         return {"status": "skip", "why": "the server returns no prompt log-probs (llama.cpp's own server: none; vLLM: "
                                          "prompt_logprobs)"}
     check_prompt_tokens(reply, ids, vocab, "on the prompt route")
-    scores = reference_scores(reference, ids, served_dtype)
+    scores = reference_scores(reference, ids, floor)
     sources.add(scores.floor_source)
     fit = alignment(scores, reply, vocab, k)
     best, fits = fit["best_offset"], fit["fits"]
@@ -97,11 +113,11 @@ def _prompt_route(reference: Subject, engine: ServedEngine, vocab: Vocabulary, t
     rows = list(range(len(ids) - 1))
     metrics = position_metrics(scores, list(reply.scored[1:]), ids[1:], rows, vocab, k, [])
     return {"alignment": fit, "tokens": len(ids),
-            **_judged("prompt", metrics, 0, profiles)}
+            **_judged("prompt", metrics, 0, profiles, floor is not None)}
 
 
 def _generation_route(reference: Subject, engine: ServedEngine, vocab: Vocabulary, text: str, n: int, k: int,
-                      served_dtype: str | None, profiles: list[LayerProfile], sources: set[str]) -> dict[str, Any]:
+                      floor: ServedFloor | None, profiles: list[LayerProfile], sources: set[str]) -> dict[str, Any]:
     prompt_ids = vocab.encode(text)
     reply = engine.generate(text, n, k)
     again = engine.generate(text, n, k)
@@ -114,7 +130,7 @@ def _generation_route(reference: Subject, engine: ServedEngine, vocab: Vocabular
         raise PosdiagError(f"the server generated {len(gen)} tokens ({reply.finish_reason}); at least 4 are needed")
     spread, diverged = generation_spread(reply, again)
     ids = prompt_ids + gen
-    scores = reference_scores(reference, ids[:-1], served_dtype)
+    scores = reference_scores(reference, ids[:-1], floor, decoded_from=len(prompt_ids))
     sources.add(scores.floor_source)
     sources.add("the spread of the same request sent twice")
     start = len(prompt_ids) - 1
@@ -123,11 +139,13 @@ def _generation_route(reference: Subject, engine: ServedEngine, vocab: Vocabular
     out = {"prompt": text, "prompt_tokens": len(prompt_ids), "generated": len(gen),
            "finish_reason": reply.finish_reason, "repeat_diverged_at": None if diverged is None else start + diverged,
            "repeat_max_spread": max(spread, default=0.0)}
-    return {**out, **_judged("generation", metrics, start, profiles)}
+    return {**out, **_judged("generation", metrics, start, profiles, floor is not None)}
 
 
-def _judged(name: str, m: dict[str, list[float]], start: int, profiles: list[LayerProfile]) -> dict[str, Any]:
-    """The route's profile classified: positions start, start+1, ... (a profile from position 0 when start is 0)."""
+def _judged(name: str, m: dict[str, list[float]], start: int, profiles: list[LayerProfile],
+            coarse: bool) -> dict[str, Any]:
+    """The route's profile classified: positions start, start+1, ... (a profile from position 0 when start is 0).
+    COARSE: the floor holds a served precision's error."""
     d = torch.tensor(m["d"], dtype=torch.float64)
     floor = torch.tensor(m["floor"], dtype=torch.float64)
     shape = classify(d, FAIL_RATIO * floor, {})
@@ -140,6 +158,12 @@ def _judged(name: str, m: dict[str, list[float]], start: int, profiles: list[Lay
         shape["why"] = (f"{float(d[0]):.2g} at position {start} (the first compared: the prompt before it is not), "
                         f"{late:.2g} late; above the floor from position {shape['onset_position']}: compare from a "
                         "one-token prompt (no --text) to see whether it starts at position 1")
+    if coarse and shape["pattern"] == "step at a length" and not shape.get("boundary"):
+        shape["why"] += (" (or an error growing with position that clears the served precision's floor only here: "
+                         "an unquantised file shows where it starts)")
+    if not coarse and shape["pattern"] == "uniform from position 0":
+        shape["why"] += ("; a server of quantised weights differs so: name them with --served-dtype (its .gguf "
+                         "file, or its type) and their own error joins the floor")
     ratio = d / floor
     per = [math.nan] * start + d.tolist()
     profiles.append(LayerProfile(f"{name} route |Δ log-prob|", None, None, float(d.max()), float(floor.median()),
