@@ -70,9 +70,11 @@ class Finding:
         if self.path not in summary:
             return False
         crashed = f"{self.path} crashed: "
+        state_crash = "the call crashed ("  # `state` names the sequence first, then how its call crashed
         if self.kind == WRONG:
-            return crashed not in summary
-        return f"{crashed}{self.kind}:" in summary and self.message in summary
+            return crashed not in summary and state_crash not in summary
+        return (f"{crashed}{self.kind}:" in summary or f"{state_crash}{self.kind}: " in summary) \
+            and self.message in summary
 
 
 def _crash(path: str, kind: str, message: str, what: str, test: str, **versions: str) -> Finding:
@@ -105,6 +107,12 @@ GENERATE_STATE = f"{PLAIN}::test_generate_continued_or_drafted_differs_from_plai
 KEPT_CACHE_TURN = Finding("multi-turn", WRONG, "generate() continued from the cache it returned differs from "
                           "generating the whole conversation (a multi-token step restarts the recurrent state); "
                           "prompt-lookup decoding differs from greedy too", GENERATE_STATE)
+# state's prompt lookup on models that keep a recurrent (SSM or linear-attention) state beside their attention cache:
+# the candidates the lookup rejects are cropped from the attention cache, not taken back out of that state.
+KEPT_REJECTED = Finding("prompt lookup", WRONG, "prompt-lookup decoding differs from greedy generate(): rejected "
+                        "candidates are not taken back out of the recurrent state", GENERATE_STATE)
+LOOKUP_CRASH = _crash("prompt lookup", "IndexError", "list index out of range", "prompt-lookup decoding crashes "
+                      "(greedy generate() runs)", f"{PLAIN}::test_prompt_lookup_crashes")
 INKLING_SLIDING = "static cache past the sliding window crashes (hybrid_sliding mask sized for the full layers)"
 INKLING_BIAS = "static cache: the relative bias reads the query offset after the update has grown it"
 # model type -> {check: Finding}: the verdicts on these healthy default-init models that are upstream findings (bugs in
@@ -123,6 +131,11 @@ FINDINGS: dict[str, dict[str, Finding | tuple[Finding, ...]]] = {
                                       "recurrent state", CONTINUATION), "state": KEPT_CACHE_TURN},
     "zamba2": {"state": Finding("prompt lookup", WRONG, "prompt-lookup decoding differs from greedy generate(): "
                                 "rejected candidates are not taken back out of the Mamba state", GENERATE_STATE)},
+    **{t: {"state": KEPT_REJECTED} for t in ("bailing_hybrid", "glm5_next", "granitemoehybrid", "kimi_linear",
+                                              "lara_mini", "mamba2", "olmo_hybrid", "qwen3_5", "qwen3_5_moe",
+                                              "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next")},
+    "zamba": {"state": LOOKUP_CRASH},
+    "zaya": {"state": LOOKUP_CRASH},
     "paligemma": {"kernels": Finding("on the unpadded input", WRONG, "the SDPA path is not causal on text without "
                                      "token_type_ids", f"{PLAIN}::test_paligemma_sdpa_is_not_causal_on_text")},
     "deepseek_v4": {"generate": Finding("dynamic/batch", WRONG, "a left-padded batch differs from each row alone "
@@ -167,7 +180,10 @@ FINDINGS: dict[str, dict[str, Finding | tuple[Finding, ...]]] = {
                                           "new tokens from 0 (the cache's length is read from a recurrent layer); "
                                           "multi-token continuations restart the convolution state as before",
                                           f"{PLAIN}::test_recurrent_gemma_cached_step_without_ids_restarts_at_0",
-                                          since="5.25.0"))},
+                                          since="5.25.0")),
+                        "state": Finding("multi-turn", WRONG, "generate() continued from the cache it returned "
+                                         "differs from generating the whole conversation: the recurrent state is held "
+                                         "on its modules, outside the cache", GENERATE_STATE)},
     "trocr": {"generate": Finding("dynamic/batch", WRONG, "positions from the first padding column: the position_ids "
                                   "generate() derives are dropped", LEFT_PADDED_GENERATE)},
     "yoso": {"batch": Finding("row 'a right-padded'", WRONG, "its padding mask is a no-op (a 0/1 mask read as "
@@ -184,7 +200,10 @@ FINDINGS: dict[str, dict[str, Finding | tuple[Finding, ...]]] = {
                                       f"{PLAIN}::test_cached_path_crashes")},
     **{"cpmant": {name: _crash(path, "IndexError", "index_copy_()", "crashes with a static cache (its prompt "
                                "positions are not counted)", f"{PLAIN}::test_cached_path_crashes")
-                  for name, path in (("cache", "static/decode"), ("generate", "static/single"))}},
+                  for name, path in (("cache", "static/decode"), ("generate", "static/single"))}
+                  | {"state": Finding("multi-turn", WRONG, "generate() continued from the cache it returned differs "
+                                      "from generating the whole conversation; prompt-lookup decoding differs from "
+                                      "greedy too", GENERATE_STATE)}},
     "kosmos-2.5": {"generate": Finding("dynamic/batch", WRONG, "cached steps number a left-padded row from its first "
                                        "padding column", "tests/test_sweep_kosmos25.py::"
                                        "test_kosmos25_decode_positions_count_the_padding_plain_transformers")},
@@ -406,9 +425,10 @@ def write_page() -> None:
               if c["current"] < c["swept"] else "Every row was swept on the current checks (*n/a* for what does not "
               "apply by design, `fit` included)."),
              "Rows by the transformers release they were swept on: " + ", ".join(
-                 f"{k[3:]}: {n}" for k, n in c.items() if k.startswith("on ")) + ". A `-` cell: the row was swept "
-             "before that check existed (`state`: the 16 types swept with it are listed in FINDINGS' state entries "
-             "and tests/test_findings_plain.py; a full re-sweep fills the column).", "",
+                 f"{k[3:]}: {n}" for k, n in c.items() if k.startswith("on ")) + "."
+             + (" A `-` cell: the row was swept before that check existed." if any(
+                 len(r.get("checks", {})) < max(len(x.get("checks", {})) for x in rows.values())
+                 for r in rows.values() if "checks" in r) else ""), "",
              *_verdict_table(rows), "", "Not judged (cannot be built from a small config on CPU, or over the time "
              "limit):", ""]
     for r in sorted((r for r in rows.values() if "checks" not in r), key=lambda r: r["type"]):

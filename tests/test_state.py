@@ -108,6 +108,17 @@ def test_seq2seq_runs_the_paths_it_has_and_names_the_others():
     assert set(result.details["not_run"]) == {"multi-turn", "assisted decoding", "prompt lookup"}
 
 
+def test_a_model_without_a_cache_has_no_conversation_to_continue():
+    """GPT-1 keeps no cache: generate() refuses one passed back to it, so the multi-turn sequence cannot run (it was
+    a false FAIL "the call crashed" before)."""
+    from posdiag.testing.multimodal import small_model
+
+    result = _state(small_model("openai-gpt"))
+    assert result.status is Status.PASS, result.summary
+    assert result.details["not_run"]["multi-turn"] == ("generate() returns no cache to continue from "
+                                                       "(OpenAIGPTLMHeadModel keeps none)")
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma"])
 def test_tokens_that_see_only_themselves_fail_shuffle_and_positions(family):
     """Attention that returns each token's own value ignores the explicit mask too: the mask-fidelity SKIP hid a

@@ -222,6 +222,18 @@ def compile_kwargs(compiled: bool) -> dict[str, Any]:
     return {"compile_config": config}
 
 
+def takes_cache(model: Any) -> bool:
+    """Whether the model's forward names a cache parameter (GPT-1's does not, and generate() refuses a cache passed to
+    it even through **kwargs)."""
+    import inspect
+
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.name in ("cache", "past_key_values") for p in params)
+
+
 def cache_keyword(model: Any) -> str:
     """The keyword the model's forward takes its cache by, read from its signature: `cache` in transformers 5.24+,
     `past_key_values` before (5.17 drops `cache` into **kwargs, so every cached step ran without its past: false

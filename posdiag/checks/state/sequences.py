@@ -16,7 +16,7 @@ import torch
 
 from posdiag.checks._cache_plan import declared_boundaries, original_context
 from posdiag.errors import describe_error, raised_in_generation
-from posdiag.model.caches import cache_keyword, cache_layer_note, cache_support, text_config
+from posdiag.model.caches import cache_keyword, cache_layer_note, cache_support, takes_cache, text_config
 from posdiag.model.outputs import output_of
 from posdiag.model.subject import Subject
 
@@ -129,24 +129,28 @@ def _planned(subject: Subject, short: torch.Tensor, cap: int, new_tokens: int, s
                                                 "the decoder, not the prompt"))
     elif chosen & set(names[1:]):  # the conversation's reply is generated while planning: only when asked for
         try:
-            seqs.extend(_causal_only(calls, prompt, seed))
+            causal, skipped = _causal_only(calls, prompt, seed)
+            seqs.extend(causal)
+            not_run.update(skipped)
         except Exception as exc:  # judged by `generate`: here nothing ran before it
             not_run.update(dict.fromkeys(names[1:], f"generate() on a fresh state did not run: {exc}"))
     return seqs, not_run, reached
 
 
-def _causal_only(calls: _Calls, short: torch.Tensor, seed: int) -> list[Sequence]:
-    """Multi-turn over the returned cache, assisted decoding by the model itself, prompt-lookup decoding."""
+def _causal_only(calls: _Calls, short: torch.Tensor, seed: int) -> tuple[list[Sequence], dict[str, str]]:
+    """Multi-turn over the returned cache, assisted decoding by the model itself, prompt-lookup decoding; and the
+    sequences that cannot run, with why."""
     subject, n = calls.subject, short.shape[0]
     turn = subject.sample_ids(1, TURN, seed + 61)[0]
     # The conversation: the prompt, the reply generate() gives on a fresh state, the user's next turn. The history
     # generates that reply again (the state is fresh again when it starts) and keeps its cache.
-    conversation = torch.cat([calls.generate(short[None], full=True).sequences[0], turn])[None]
+    reply = calls.generate(short[None], full=True)
+    conversation = torch.cat([reply.sequences[0], turn])[None]
     repeated = torch.cat([short, short[: max(LOOKUP + 1, n // 2)]])  # a prompt whose n-grams recur: lookup proposes
     declared = subject.max_positions
     if declared is not None:  # within the context with its new tokens (the conversation is shorter than it)
         repeated = repeated[: max(n, declared - calls.new_tokens - LOOKUP - 1)]  # candidates reach past the end
-    return [
+    seqs = [
         Sequence("multi-turn", f"after generate() on a {n}-token prompt, a {TURN}-token user turn appended and "
                  f"generate() continued from the returned cache", lambda: calls.generate(conversation),
                  lambda: _cache_of(calls.generate(short[None], full=True)),
@@ -158,6 +162,10 @@ def _causal_only(calls: _Calls, short: torch.Tensor, seed: int) -> list[Sequence
                  "token prompt whose n-grams recur", lambda: calls.generate(repeated[None]), lambda: None,
                  lambda _: calls.generate(repeated[None], prompt_lookup_num_tokens=LOOKUP), same_call=False),
     ]
+    if _cache_of(reply) is None or not takes_cache(subject.model):  # nothing to continue from
+        return seqs[1:], {"multi-turn": f"generate() returns no cache to continue from ({type(subject.model).__name__} "
+                                        "keeps none)"}
+    return seqs, {}
 
 
 class _Calls:
