@@ -300,3 +300,39 @@ def test_window_alternatives_change_the_mask_and_restore_it(family):
             assert torch.equal(subject.model(input_ids=ids).logits, before) and subject.sliding_window == 16
     assert not [a for a in plan_alternatives(subject, 16)[0] if "window" in a.label]
     assert "do not pass the declared 16-token window" in "; ".join(plan_alternatives(subject, 16)[1])
+
+
+WINDOWED = Path(__file__).resolve().parent.parent / "fixtures" / "window-text"
+
+
+def test_a_window_dropped_from_the_config_fails_fit_naming_it(tmp_path):
+    """window-text (fixtures/train_window_model.py) was trained with a 16-token window. Converted without it, every
+    query sees keys at distances it never learned: measured 4.35 nats a character on the shipped prose against 2.77
+    with its window. The healthy twin declares the window; the no-window, x0.5 and x2 alternatives lose to it."""
+    import json
+    import shutil
+
+    healthy = fit(load_subject(str(WINDOWED)))
+    dropped = tmp_path / "window-dropped"
+    shutil.copytree(WINDOWED, dropped)
+    config = json.loads((dropped / "config.json").read_text())
+    config["sliding_window"] = None
+    (dropped / "config.json").write_text(json.dumps(config))
+    broken = fit(load_subject(str(dropped)))
+    assert healthy.status is Status.PASS, healthy.summary
+    assert {"no window", "window x0.5", "window x2"} <= {c["label"] for c in healthy.details["candidates"]}
+    assert broken.status is Status.FAIL, broken.summary
+    assert broken.summary.startswith("the weights fit a 16-token sliding window, not no sliding window (none "
+                                     "declared)"), broken.summary
+    assert broken.metrics["z"] >= 10
+
+
+def test_windows_are_tried_only_where_the_config_has_the_field():
+    """Llama has no sliding_window field: no window alternatives (a model it describes was not trained with one);
+    Qwen2 turns windows off by use_sliding_window: none either; Mistral with `sliding_window: null`: 16, 64, 256."""
+    def windows(family, **overrides):
+        subject = from_module(zoo.tiny_model(family, **overrides))
+        return [a.label for a in plan_alternatives(subject, 1023)[0] if a.label.startswith("window")]
+
+    assert windows("llama") == [] and windows("qwen2", use_sliding_window=False) == []
+    assert windows("mistral", sliding_window=None) == ["window 16", "window 64", "window 256"]

@@ -7,7 +7,9 @@ RoPE (from config.rope_parameters, one block per layer type where the config has
 - the other pairing layout: the q/k rows permuted as a conversion between interleaved and half-split pairs would.
 Learned / sinusoidal tables: the position ids offset by +-1, +-2 (RoBERTa-style padding_idx + 1 ports).
 A declared sliding window (any position scheme): no window, half and double the window, where the material passes
-the window (a window the material does not pass changes no score: not tried, and said so).
+the window (a window the material does not pass changes no score: not tried, and said so). No window declared, in a
+config that has the field (Mistral's `sliding_window: null`): windows of 16, 64, 256... tokens, up to half the
+material's rows, for a window a converter dropped.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from posdiag.tools import rope_math
 
 THETA_FACTORS = (0.1, 0.25, 4.0, 10.0)
 WINDOW_FACTORS = (0.5, 2.0)
+UNDECLARED_WINDOW_FIRST, UNDECLARED_WINDOW_STEP = 16, 4  # windows tried where none is declared: 16, 64, 256...
 TABLE_SHIFTS = (-2, -1, 1, 2)
 SCALING_KEYS = ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
                 "short_factor", "long_factor", "low_freq_factor", "high_freq_factor", "mscale", "mscale_all_dim",
@@ -70,7 +73,7 @@ def window_alternatives(subject: Subject, length: int) -> tuple[list[Alternative
     at or past the row's length is no window there; alternatives that would give the same mask are tried once)."""
     declared = subject.sliding_window
     if not declared:
-        return [], ""
+        return _undeclared_windows(subject, length)
     if length <= declared:
         return [], (f"the sliding window not varied: the material's {length}-token rows do not pass the declared "
                     f"{declared}-token window")
@@ -85,6 +88,24 @@ def window_alternatives(subject: Subject, length: int) -> tuple[list[Alternative
         alts.append(Alternative(label, fits, f"the declared {declared}-token window",
                                 lambda subject, v=value: window_set(subject, v)))
     return alts, ""
+
+
+def _undeclared_windows(subject: Subject, length: int) -> tuple[list[Alternative], str]:
+    """Windows for a config that declares none but has the field: a model trained with a window and converted
+    without it sees every key, at distances it never learned (a real checkpoint: +4.37 nats a token past its
+    window). Not where the config turns windows off by another switch (`use_sliding_window: false`), which the
+    mask builders read first."""
+    configs = [c for c in (subject.config, rope_math.text_config(subject.config)) if c is not None]
+    if not any(hasattr(c, "sliding_window") for c in configs) or \
+            any(getattr(c, "use_sliding_window", True) is False for c in configs):
+        return [], ""
+    values = []
+    value = UNDECLARED_WINDOW_FIRST
+    while 2 * value <= length:
+        values.append(value)
+        value *= UNDECLARED_WINDOW_STEP
+    return [Alternative(f"window {v}", f"a {v}-token sliding window", "no sliding window (none declared)",
+                        lambda subject, v=v: window_set(subject, v)) for v in values], ""
 
 
 def _position_alternatives(subject: Subject) -> tuple[list[Alternative], list[str]]:

@@ -192,9 +192,10 @@ def window_set(subject: Subject, window: int) -> Iterator[None]:
     """The sliding window made `window` tokens wherever the model reads it at forward time: `sliding_window` on every
     config object the model holds (the mask builders read it there) and on every module that keeps its own copy
     (attention modules pass it to the kernels); the old values go back on exit."""
-    declared = subject.sliding_window
-    owners = [o for o in _config_objects(subject) if getattr(o, "sliding_window", None) == declared]
-    owners += [m for m in subject.language_model.modules() if m.__dict__.get("sliding_window") == declared]
+    declared = subject.sliding_window  # None: a window the config leaves out, tried where it has the field
+    owners = [o for o in _config_objects(subject) if hasattr(o, "sliding_window") and o.sliding_window == declared]
+    owners += [m for m in subject.language_model.modules()
+               if "sliding_window" in m.__dict__ and m.__dict__["sliding_window"] == declared]
     if not owners:
         raise NotApplicable(f"no config or module holds the declared window of {declared}")
     try:
