@@ -27,11 +27,18 @@ for family, extra in (("mistral", {}), ("qwen2", {"use_sliding_window": True, "m
     model = zoo.tiny_model(family, sliding_window=32768, max_position_embeddings=131072, **extra)
     report = api.run_checks(from_module(model), None)
     out[family] = {c.name: [c.status.value, c.summary] for c in report.checks}
+# Every other length a check derives from the config: a YaRN block's original context (64k) and a 256k context
+# (shift, rope, state's long input past every boundary), a 64k learned table (table, fit's material).
+for family, extra in (("llama", {"max_position_embeddings": 262144, "rope_parameters": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 65536, "rope_theta": 10000.0}}),
+        ("gpt2", {"n_positions": 65536})):
+    report = api.run_checks(from_module(zoo.tiny_model(family, **extra)), None)
+    out["long " + family] = {c.name: [c.status.value, c.summary] for c in report.checks}
 print("RESULT " + json.dumps(out))
 """
 
 
-def test_a_huge_declared_window_gives_a_verdict_for_every_check_under_a_4gb_cap():
+def test_huge_declared_lengths_give_a_verdict_for_every_check_under_a_4gb_cap():
     proc = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=300,
                           env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -43,6 +50,11 @@ def test_a_huge_declared_window_gives_a_verdict_for_every_check_under_a_4gb_cap(
         cache, generate = checks["cache"][1], checks["generate"][1]
         assert "sliding window 32768: the probe past it (1 x 32780 tokens)" in cache and "free: not run" in cache, cache
         assert "decoding past the window not judged" in generate and "free: not run" in generate, generate
+    for family in ("long llama", "long gpt2"):
+        checks = out[family]
+        assert not [n for n, (status, _) in checks.items() if status in ("error", "fail")], (family, checks)
+    assert "up to position 262143" in out["long llama"]["rope"][1]
+    assert out["long gpt2"]["table"][0] == "pass"
 
 
 def test_the_planned_peak_grows_with_the_square_of_the_length_under_eager_attention():
