@@ -329,10 +329,16 @@ def test_a_window_dropped_from_the_config_fails_fit_naming_it(tmp_path):
 
 def test_windows_are_tried_only_where_the_config_has_the_field():
     """Llama has no sliding_window field: no window alternatives (a model it describes was not trained with one);
-    Qwen2 turns windows off by use_sliding_window: none either; Mistral with `sliding_window: null`: 16, 64, 256."""
-    def windows(family, **overrides):
+    Qwen2 turns windows off by use_sliding_window: none either; Mistral with `sliding_window: null`, or with a
+    window wider than the material's rows: 16, 64, 256... and the largest power of two up to half the rows."""
+    def windows(family, length, **overrides):
         subject = from_module(zoo.tiny_model(family, **overrides))
-        return [a.label for a in plan_alternatives(subject, 1023)[0] if a.label.startswith("window")]
+        alts = [a for a in plan_alternatives(subject, length)[0] if a.label.startswith("window")]
+        return [a.label for a in alts], {a.configured for a in alts}
 
-    assert windows("llama") == [] and windows("qwen2", use_sliding_window=False) == []
-    assert windows("mistral", sliding_window=None) == ["window 16", "window 64", "window 256"]
+    assert windows("llama", 1023)[0] == [] and windows("qwen2", 1023, use_sliding_window=False)[0] == []
+    assert windows("mistral", 1023, sliding_window=None) == (["window 16", "window 64", "window 256"],
+                                                             {"no sliding window (none declared)"})
+    assert windows("mistral", 1024, sliding_window=32768, max_position_embeddings=65536) == (
+        ["window 16", "window 64", "window 256", "window 512"],
+        {"the declared 32768-token window, which the material's 1024-token rows never reach"})

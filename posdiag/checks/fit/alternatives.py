@@ -73,10 +73,12 @@ def window_alternatives(subject: Subject, length: int) -> tuple[list[Alternative
     at or past the row's length is no window there; alternatives that would give the same mask are tried once)."""
     declared = subject.sliding_window
     if not declared:
-        return _undeclared_windows(subject, length)
-    if length <= declared:
-        return [], (f"the sliding window not varied: the material's {length}-token rows do not pass the declared "
-                    f"{declared}-token window")
+        return _undeclared_windows(subject, length, "no sliding window (none declared)")
+    if length <= declared:  # as good as no window on this material: a window too wide (32768 for 512) is a loss
+        narrower, _ = _undeclared_windows(subject, length, f"the declared {declared}-token window, which the "
+                                                           f"material's {length}-token rows never reach")
+        return narrower, "" if narrower else (f"the sliding window not varied: the material's {length}-token rows do "
+                                              f"not pass the declared {declared}-token window")
     alts, seen = [], {declared}
     for label, value in [("no window", length)] + [(f"window x{f:g}", max(1, int(declared * f)))
                                                   for f in WINDOW_FACTORS]:
@@ -90,11 +92,12 @@ def window_alternatives(subject: Subject, length: int) -> tuple[list[Alternative
     return alts, ""
 
 
-def _undeclared_windows(subject: Subject, length: int) -> tuple[list[Alternative], str]:
-    """Windows for a config that declares none but has the field: a model trained with a window and converted
-    without it sees every key, at distances it never learned (a real checkpoint: +4.37 nats a token past its
-    window). Not where the config turns windows off by another switch (`use_sliding_window: false`), which the
-    mask builders read first."""
+def _undeclared_windows(subject: Subject, length: int, configured: str) -> tuple[list[Alternative], str]:
+    """Windows where the material sees none (none declared, or one wider than its rows) but the config has the
+    field: a model trained with a window and converted without it (or with 32768 for its 512) sees every key, at
+    distances it never learned (a real checkpoint: +4.37 nats a token past its window). Tried: 16, 64, 256... and
+    the largest power of two up to half the rows. Not where the config turns windows off by another switch
+    (`use_sliding_window: false`), which the mask builders read first."""
     configs = [c for c in (subject.config, rope_math.text_config(subject.config)) if c is not None]
     if not any(hasattr(c, "sliding_window") for c in configs) or \
             any(getattr(c, "use_sliding_window", True) is False for c in configs):
@@ -104,7 +107,10 @@ def _undeclared_windows(subject: Subject, length: int) -> tuple[list[Alternative
     while 2 * value <= length:
         values.append(value)
         value *= UNDECLARED_WINDOW_STEP
-    return [Alternative(f"window {v}", f"a {v}-token sliding window", "no sliding window (none declared)",
+    widest = 1 << ((length // 2).bit_length() - 1) if length >= 2 * UNDECLARED_WINDOW_FIRST else 0
+    if widest and widest not in values:
+        values.append(widest)
+    return [Alternative(f"window {v}", f"a {v}-token sliding window", configured,
                         lambda subject, v=v: window_set(subject, v)) for v in values], ""
 
 

