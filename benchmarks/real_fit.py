@@ -47,6 +47,8 @@ def cases(model: str) -> list[tuple[str, object]]:
 
     common = [("healthy", None), ("q/k rows interleaved", interleaved_qk),
               ("q/k rows permuted twice", converter_permuted)]
+    if model == "gemma3":  # q/k norms: the rows reordered with their norm weights, and without them
+        common.insert(2, ("q/k rows interleaved, norm weights not", lambda s, d: interleaved_qk(s, d, norms=False)))
     if model == "smollm2":
         return common + [("rope_theta 1e4 (trained 1e5)", theta_lost), ("linear x4 scaling added", spurious_scaling)]
     return common + [("rope_theta 1e4 on every layer type", _theta_lost_per_layer_type),
@@ -83,6 +85,7 @@ def main() -> None:
             print(json.dumps({"model": model, "case": name, "status": result.status.value,
                               "gain": -m["margin"] if m.get("margin") is not None else None, "z": m.get("z"),
                               "loss": m.get("loss"), "context_gain": m.get("context_gain"),
+                              "context_gain_error": m.get("context_gain_error"),
                               "seconds": round(seconds, 1), "summary": result.summary}), flush=True)
 
 

@@ -45,9 +45,11 @@ def spurious_scaling(src: Path, dst: Path, factor: float = 4.0) -> Path:
     return _write_config(dst, config)
 
 
-def interleaved_qk(src: Path, dst: Path) -> Path:
+def interleaved_qk(src: Path, dst: Path, norms: bool = True) -> Path:
     """q_proj/k_proj rows written in the interleaved pairing order (the layout Meta's checkpoints use) while the
-    code rotates halves: the inverse of the de-interleaving a converter must apply."""
+    code rotates halves: the inverse of the de-interleaving a converter must apply. With NORMS, q/k norm weights
+    (one per head dim: Gemma 3, Qwen3, OLMo 2) follow the rows, as a converter that reorders head dims must; without,
+    they stay put, a second mistake on top (the rows' dims then meet other dims' norm weights)."""
     from safetensors.torch import load_file, save_file
 
     config = _copy(src, dst, link_weights=False)
@@ -55,7 +57,8 @@ def interleaved_qk(src: Path, dst: Path) -> Path:
     order = torch.argsort(deinterleave(head_dim, head_dim))
     weights = load_file(str(src / "model.safetensors"))
     for name, t in weights.items():
-        if name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
+        norm = norms and name.endswith(("q_norm.weight", "k_norm.weight")) and t.shape[0] == head_dim
+        if norm or name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
             shaped = t.view(t.shape[0] // head_dim, head_dim, *t.shape[1:])
             weights[name] = shaped.index_select(1, order).reshape(t.shape).contiguous()
     save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})

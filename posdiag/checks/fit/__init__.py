@@ -96,7 +96,9 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
         return SPEC.result(Status.SKIP, f"no alternative configuration to score against ({subject.position_kind}"
                            f" positions{'; ' + '; '.join(notes) if notes else ''})")
     comparisons, skipped = _measure(subject, material, configured, alternatives)
-    return _judge(subject, options, material, configured, comparisons, notes + skipped)
+    result = _judge(subject, options, material, configured, comparisons, notes + skipped)
+    result.metrics.update(context_gain=screen.gain, context_gain_error=screen.spread)  # the screen's, on every verdict
+    return result
 
 
 def _not_scored(subject: Subject) -> str:
