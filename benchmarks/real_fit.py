@@ -22,28 +22,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 
-def _config_edit(**changes):
-    """A copy whose config.json differs by CHANGES (None deletes a key)."""
-    def make(src: Path, dst: Path) -> Path:
-        from plants_fit import _copy, _write_config
-
-        config = _copy(src, dst)
-        config.update(changes)
-        return _write_config(dst, config)
-    return make
-
-
-def _theta_lost_per_layer_type(src: Path, dst: Path) -> Path:
-    """Every layer type's rope_theta back at 10000 (Gemma 3's full-attention layers are trained at 1e6)."""
-    from plants_fit import _copy, _write_config
-
-    config = _copy(src, dst)
-    config["rope_parameters"] = {k: {**v, "rope_theta": 10000.0} for k, v in config["rope_parameters"].items()}
-    return _write_config(dst, config)
-
-
 def cases(model: str) -> list[tuple[str, object]]:
-    from plants_fit import converter_permuted, interleaved_qk, spurious_scaling, theta_lost
+    from plants_fit import (
+        converter_permuted,
+        interleaved_qk,
+        spurious_scaling,
+        theta_lost,
+        theta_lost_per_layer_type,
+        window_declared,
+    )
 
     common = [("healthy", None), ("q/k rows interleaved", interleaved_qk),
               ("q/k rows permuted twice", converter_permuted)]
@@ -51,8 +38,8 @@ def cases(model: str) -> list[tuple[str, object]]:
         common.insert(2, ("q/k rows interleaved, norm weights not", lambda s, d: interleaved_qk(s, d, norms=False)))
     if model == "smollm2":
         return common + [("rope_theta 1e4 (trained 1e5)", theta_lost), ("linear x4 scaling added", spurious_scaling)]
-    return common + [("rope_theta 1e4 on every layer type", _theta_lost_per_layer_type),
-                     ("sliding_window 32768 (trained 512)", _config_edit(sliding_window=32768))]
+    return common + [("rope_theta 1e4 on every layer type", theta_lost_per_layer_type),
+                     ("sliding_window 32768 (trained 512)", lambda s, d: window_declared(s, d, 32768))]
 
 
 def checkpoint(model: str) -> Path | None:

@@ -45,6 +45,20 @@ def spurious_scaling(src: Path, dst: Path, factor: float = 4.0) -> Path:
     return _write_config(dst, config)
 
 
+def theta_lost_per_layer_type(src: Path, dst: Path, theta: float = 10000.0) -> Path:
+    """Every layer type's rope_theta back at the default (Gemma 3's full-attention layers are trained at 1e6)."""
+    config = _copy(src, dst)
+    config["rope_parameters"] = {k: {**v, "rope_theta": theta} for k, v in config["rope_parameters"].items()}
+    return _write_config(dst, config)
+
+
+def window_declared(src: Path, dst: Path, window: int | None) -> Path:
+    """The same checkpoint with `sliding_window` WINDOW in its config (None: dropped), as a converter writes it."""
+    config = _copy(src, dst)
+    config["sliding_window"] = window
+    return _write_config(dst, config)
+
+
 def interleaved_qk(src: Path, dst: Path, norms: bool = True) -> Path:
     """q_proj/k_proj rows written in the interleaved pairing order (the layout Meta's checkpoints use) while the
     code rotates halves: the inverse of the de-interleaving a converter must apply. With NORMS, q/k norm weights

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from plants_fit import interleaved_qk, spurious_scaling, theta_lost
+from plants_fit import interleaved_qk, spurious_scaling, theta_lost, window_declared
 
 from posdiag import api
 from posdiag.checks.fit.alternatives import plan_alternatives
@@ -309,16 +309,8 @@ def test_a_window_dropped_from_the_config_fails_fit_naming_it(tmp_path):
     """window-text (fixtures/train_window_model.py) was trained with a 16-token window. Converted without it, every
     query sees keys at distances it never learned: measured 4.35 nats a character on the shipped prose against 2.77
     with its window. The healthy twin declares the window; the no-window, x0.5 and x2 alternatives lose to it."""
-    import json
-    import shutil
-
     healthy = fit(load_subject(str(WINDOWED)))
-    dropped = tmp_path / "window-dropped"
-    shutil.copytree(WINDOWED, dropped)
-    config = json.loads((dropped / "config.json").read_text())
-    config["sliding_window"] = None
-    (dropped / "config.json").write_text(json.dumps(config))
-    broken = fit(load_subject(str(dropped)))
+    broken = fit(load_subject(str(window_declared(WINDOWED, tmp_path / "window-dropped", None))))
     assert healthy.status is Status.PASS, healthy.summary
     assert {"no window", "window x0.5", "window x2"} <= {c["label"] for c in healthy.details["candidates"]}
     assert broken.status is Status.FAIL, broken.summary
