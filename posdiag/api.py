@@ -96,7 +96,7 @@ def run_checks(subject: Any, names: Iterable[str] | None = None, options: RunOpt
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()  # release one check's activations before the next
     except KeyboardInterrupt:
-        # Ctrl-C: hand back what finished, marked incomplete (exit 2), never a report that looks whole.
+        # Ctrl-C: hand back what finished, marked incomplete (exit 130), never a report that looks whole.
         return Report(model=subject.info, checks=tuple(results), versions=versions(), incomplete=True, policy=policy)
     finally:
         restored(fresh)

@@ -211,6 +211,9 @@ class GateReason:
                 "summary": self.summary}
 
 
+INTERRUPTED = 130  # 128 + SIGINT: the exit code of an interrupted run, in its report as on the command line
+
+
 @dataclass(frozen=True)
 class Report:
     """A finished run: the model, every check's result, and the gate policy it is judged by."""
@@ -250,10 +253,11 @@ class Report:
     def exit_code(self) -> int:
         """0: the gate passed (no FAIL; warnings and skips allowed unless the policy refuses them);
         1: a check failed, or the policy refused a status or a required check did not pass;
-        2: the run was cut short; 3: posdiag could not run a check (an internal error, not a finding)
-        and nothing else failed the gate."""
+        3: posdiag could not run a check (an internal error, not a finding) and nothing else failed the gate;
+        130: the run was interrupted (Ctrl-C), as the shell reports a process ended by SIGINT, so the report
+        and the command's exit status agree."""
         if self.incomplete:
-            return 2
+            return INTERRUPTED
         kinds = {r.kind for r in self.gate}
         if kinds & {"finding", "policy"}:
             return 1

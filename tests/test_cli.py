@@ -176,7 +176,7 @@ def test_version():
 
 
 def test_interrupt_gives_an_incomplete_report(monkeypatch):
-    """Ctrl-C mid-run: the checks that finished are shown, the report says incomplete, exit 2."""
+    """Ctrl-C mid-run: the checks that finished are shown, the report says incomplete, exit 130, the command's own."""
     from posdiag import api
     from posdiag.model.loading import from_module
     from posdiag.testing import zoo
@@ -190,7 +190,7 @@ def test_interrupt_gives_an_incomplete_report(monkeypatch):
 
     monkeypatch.setattr(api, "_run_one", interrupt_second)
     report = api.run_checks(from_module(zoo.tiny_model("llama")), ["load", "shuffle"])
-    assert report.incomplete and report.exit_code == 2
+    assert report.incomplete and report.exit_code == 130
     assert [c.name for c in report.checks] == ["load"]
 
 

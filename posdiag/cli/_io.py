@@ -29,8 +29,10 @@ def fail(message: str, code: int = 2) -> NoReturn:
 
 def interrupted() -> NoReturn:
     """Ctrl-C, wherever it lands: one line on stderr, exit 130."""
+    from posdiag.results import INTERRUPTED
+
     typer.echo("posdiag: interrupted", err=True)
-    raise typer.Exit(130)
+    raise typer.Exit(INTERRUPTED)
 
 
 def guarded(fn: Callable[[], T], debug: bool) -> T:
