@@ -239,8 +239,9 @@ def run_one(model_type: str) -> None:
     print(json.dumps(check_one(model_type)))
 
 
-def check_one(model_type: str, seq_len: int = 16, threads: int = 1) -> dict:
-    """The sweep's row of one model type: its tiny model built and every check but `load` run on it."""
+def check_one(model_type: str, seq_len: int = 16, threads: int | None = 1) -> dict:
+    """The sweep's row of one model type: its tiny model built and every check but `load` run on it (on THREADS
+    torch threads; None: the caller's count, which an in-process caller keeps)."""
     import warnings
 
     import torch
@@ -248,7 +249,8 @@ def check_one(model_type: str, seq_len: int = 16, threads: int = 1) -> dict:
 
     warnings.filterwarnings("ignore")
     transformers.utils.logging.set_verbosity_error()
-    torch.set_num_threads(threads)
+    if threads is not None:
+        torch.set_num_threads(threads)
     from posdiag import checks
     from posdiag.api import run_checks
     from posdiag.model.loading import from_module

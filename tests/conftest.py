@@ -1,13 +1,27 @@
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 pytest_plugins = ["pytester"]
 
-# Tests never touch the network: hub ids resolve from the local cache only (and fail fast).
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+def isolate(env=os.environ) -> None:
+    """What every test runs under, whatever the caller's shell holds.
+
+    The hub is off (HF_HUB_OFFLINE=0 preset by a user must not let a test reach the network: hub ids resolve from
+    the local cache only, and fail fast); huggingface_hub reads the variable once, at its import, so a copy already
+    imported is switched too. Engines (llama.cpp children, ONNX Runtime sessions) run one thread (POSDIAG_THREADS):
+    the suite's own workers are the parallelism, and a second engine thread only waits on a busy core."""
+    env["HF_HUB_OFFLINE"] = env["TRANSFORMERS_OFFLINE"] = "1"
+    env["POSDIAG_THREADS"] = "1"
+    hub = sys.modules.get("huggingface_hub.constants")
+    if hub is not None and env is os.environ:
+        hub.HF_HUB_OFFLINE = True
+
+
+isolate()
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures"
@@ -29,10 +43,27 @@ def _quiet_transformers():
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     # One intra-op thread per xdist worker on a 2-core machine: two workers of two threads each oversubscribe the
-    # cores and every matmul waits on the other worker's threads.
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
-    torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // workers)))
+    # cores and every matmul waits on the other worker's threads. An OMP_NUM_THREADS the caller set is kept.
+    before = torch.get_num_threads()
+    if not os.environ.get("OMP_NUM_THREADS"):
+        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+        torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // workers)))
     yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _threads_kept():
+    """A test that changes torch's thread count changes every later test's timing (and, in a float reduction, its
+    summation order): it must put the count back, or fail here."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    after = torch.get_num_threads()
+    if after != before:
+        torch.set_num_threads(before)
+        pytest.fail(f"the test left torch's thread count at {after} (it was {before}): restore it in a finally")
 
 
 @pytest.fixture
