@@ -207,6 +207,7 @@ def test_failing_first_run_writes_no_baseline(tmp_path, monkeypatch):
     (["--junit", "."], "is a directory"),
     (["--save-baseline", "no/such/folder/b.json"], "does not exist"),
     (["--only", "shuffle", "--skip", "shuffle"], "no check left to run"),
+    (["--json", "-", "--junit", "-"], "--json - and --junit -: only one output can go to stdout"),
 ])
 def test_usage_errors_come_before_loading(args, message, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -351,6 +352,14 @@ def test_a_log_without_a_terminal_gets_one_line_per_finished_check(fixtures_dir)
     assert all(line.endswith(" s)") for line in lines)
     quiet = invoke("check", fixtures_dir / "llama-tiny", "--only", "shuffle", "-q")
     assert "posdiag: shuffle" not in quiet.stderr
+
+
+def test_junit_on_stdout_is_all_that_stdout_holds(fixtures_dir):
+    """`--junit -` pipes the XML alone (the console view moves to stderr, as for `--json -`)."""
+    result = invoke("check", fixtures_dir / "llama-tiny", "--only", "shuffle", "--junit", "-")
+    assert result.exit_code == 0, result.output
+    assert [c.get("name") for c in ET.fromstring(result.stdout).iter("testcase")] == ["shuffle"]
+    assert "exit code 0" in result.stderr
 
 
 def test_format_json_points_to_the_json_option(fixtures_dir):

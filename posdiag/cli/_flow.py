@@ -96,11 +96,12 @@ def emit(report, settings: Settings, *, baseline: tuple[str, Any] | None = None)
     from posdiag.report.formats import CONSOLE, FORMATS, default_stream
 
     chosen = settings.format or default_stream()
-    CONSOLE.show(report, console_for(settings.json), quiet=settings.quiet)
+    files = (settings.json, settings.junit, settings.save_baseline)  # one of them at most is `-` (validate.outputs)
+    CONSOLE.show(report, console_for(*files), quiet=settings.quiet)
     writes: dict[str, str] = {}
     for fmt in FORMATS.values():
         if fmt.stream and fmt.name == chosen and fmt is not CONSOLE:
-            (sys.stderr if settings.json == "-" else sys.stdout).write(fmt.format(report))
+            (sys.stderr if "-" in files else sys.stdout).write(fmt.format(report))
         for path in filter(None, (getattr(settings, key) for key in fmt.paths)):
             writes[path] = fmt.format(report)
     if baseline:

@@ -89,8 +89,8 @@ def write_output(path: str, text: str, debug: bool) -> None:
         guarded(lambda: Path(path).write_text(text), debug)
 
 
-def console_for(json_path: str | None) -> Console:
-    """The console for the human-readable output: stderr when the JSON report goes to stdout."""
+def console_for(*paths: str | None) -> Console:
+    """The console for the human-readable output: stderr when a report file (--json, --junit...) goes to stdout."""
     from rich.console import Console
 
-    return Console(stderr=True) if json_path == "-" else Console()
+    return Console(stderr=True) if "-" in paths else Console()

@@ -60,7 +60,11 @@ def output_format(settings: Settings) -> None:
 
 
 def outputs(**paths: str | None) -> None:
-    """Every file the run will write: its folder exists, and the path is not a folder. `-` is stdout."""
+    """Every file the run will write: its folder exists, and the path is not a folder. `-` is stdout, which
+    one output at most can have (two documents on one stream parse as neither)."""
+    to_stdout = [f"--{option.replace('_', '-')} -" for option, path in paths.items() if path == "-"]
+    if len(to_stdout) > 1:
+        fail(f"{' and '.join(to_stdout)}: only one output can go to stdout; write the other to a file")
     for option, path in paths.items():
         if not path or path == "-":
             continue
