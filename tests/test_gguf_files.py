@@ -3,6 +3,7 @@ tests/crashing_engine.py: the portable llama.cpp wheel in CI does not crash by i
 truncated, corrupted, inconsistent or of an architecture transformers cannot map — each one line with its
 exit code, never a traceback or a core dump. Also `compare --fail-on/--require`, the gate `check` has."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -68,6 +69,27 @@ def tiny(tmp_path_factory, ):
     root = Path(__file__).resolve().parent.parent / "fixtures" / "llama-tiny"
     path = write_gguf(AutoModelForCausalLM.from_pretrained(root), tmp_path_factory.mktemp("gguf") / "llama.gguf")
     return root, path
+
+
+def test_llama_cpp_runs_posdiag_s_thread_count_in_every_phase(tiny, monkeypatch):
+    """llama-cpp-python evaluates a prompt batch on n_threads_batch, every core by default, whatever n_threads says:
+    both take POSDIAG_THREADS (the suite's 1), read back from the context llama.cpp made."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    from posdiag.tools.gguf_engine import load_gguf
+
+    monkeypatch.setenv("POSDIAG_THREADS", "1")
+    engine = load_gguf(str(tiny[1]))
+    try:
+        assert engine.settings["n_threads"] == engine.settings["n_threads_batch"] == 1, engine.settings
+    finally:
+        engine.impl.close()
+
+
+def test_engine_threads_follow_posdiag_threads():
+    from posdiag.tools.engines import engine_threads
+
+    assert engine_threads({"POSDIAG_THREADS": "3"}) == 3
+    assert engine_threads({"POSDIAG_THREADS": "omp"}) == engine_threads({}) == max(1, min(4, os.cpu_count() or 1))
 
 
 def test_compare_with_a_crashing_engine_exits_3_in_one_line(tiny, monkeypatch):

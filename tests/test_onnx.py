@@ -88,3 +88,14 @@ def test_the_command_line_runs_a_graph_and_refuses_a_broken_file(graphs, tmp_pat
     out = CliRunner().invoke(app, ["compare", "tests.engines_demo:reference", str(broken)])
     assert out.exit_code == 2 and out.output.startswith("posdiag: error: ONNX Runtime cannot load"), out.output
     assert "Traceback" not in out.output
+
+
+def test_the_session_runs_posdiag_s_thread_count_and_never_spins(graphs, monkeypatch):
+    """ONNX Runtime's default spins idle pool threads; a session here takes POSDIAG_THREADS (the suite's 1) and lets
+    them sleep."""
+    monkeypatch.setenv("POSDIAG_THREADS", "1")
+    engine = load_onnx(str(graphs["llama", "dynamic"]))
+    options = engine.impl.session.get_session_options()
+    assert options.intra_op_num_threads == options.inter_op_num_threads == 1
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    assert engine.settings["threads"] == 1 and engine.settings["spinning"] == "off"

@@ -32,6 +32,7 @@ engine and is compared on its logits, position by position.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,15 @@ import torch
 from posdiag.errors import PosdiagError
 
 PROTOCOL = "an object with logits(ids: list[int]) -> array [T, V] (numpy or torch)"
+
+
+def engine_threads(env: dict[str, str] = os.environ) -> int:  # type: ignore[assignment]
+    """The threads a native engine (llama.cpp, ONNX Runtime) runs on: POSDIAG_THREADS=N where N is a count (the
+    count the command line gives torch), else up to 4 of the machine's cores. Every phase of the engine uses this
+    count (llama.cpp's batch threads too), and its idle threads sleep: beside other work a spinning thread costs
+    more than it computes."""
+    chosen = env.get("POSDIAG_THREADS", "").strip()
+    return int(chosen) if chosen.isdigit() and int(chosen) > 0 else max(1, min(4, os.cpu_count() or 1))
 
 
 @dataclass

@@ -10,7 +10,6 @@ reported as not covered. Weight storage types come from the file, so quantised f
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any
 
@@ -19,7 +18,7 @@ import numpy as np
 from posdiag.errors import PosdiagError
 from posdiag.model.gguf_file import GGUFFile, inspect_file
 from posdiag.tools.engine_process import DEFAULT_TIMEOUT, EngineProcess
-from posdiag.tools.engines import Engine
+from posdiag.tools.engines import Engine, engine_threads
 
 CHILD_COMMAND = [sys.executable, "-m", "posdiag.tools.llama_child"]
 """The child that runs llama.cpp (its protocol: posdiag/tools/engine_process.py)."""
@@ -62,7 +61,7 @@ def load_gguf(path: str, *, kv_cache: str = "f32", threads: int | None = None, r
     except ImportError:
         raise PosdiagError("a .gguf candidate needs llama-cpp-python: pip install 'posdiag[gguf]'") from None
     context = info.key("context_length")
-    threads = threads or max(1, min(4, os.cpu_count() or 1))
+    threads = threads or engine_threads()
     process = EngineProcess(list(CHILD_COMMAND), path, timeout=timeout)
     ready = process.request({"open": {"path": path, "n_ctx": int(context) if context else 0, "threads": threads,
                                       "kv_cache": kv_cache, "repack": repack}}, "loading it")["ready"]

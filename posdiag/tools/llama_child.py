@@ -38,10 +38,10 @@ def open_llama(request: dict):
         return params
 
     llama_module.llama_cpp.llama_model_default_params = model_params
+    threads = int(request["threads"])  # prompt batches too: llama-cpp-python's n_threads_batch is every core
     kwargs = {"model_path": request["path"], "n_ctx": int(request.get("n_ctx") or 0), "logits_all": True,
-              "n_gpu_layers": 0, "n_threads": int(request["threads"]), "verbose": False, "seed": 0}
-    settings = {"engine": f"llama.cpp (llama-cpp-python {llama_cpp.__version__})", "device": "cpu",
-                "n_threads": int(request["threads"])}
+              "n_gpu_layers": 0, "n_threads": threads, "n_threads_batch": threads, "verbose": False, "seed": 0}
+    settings = {"engine": f"llama.cpp (llama-cpp-python {llama_cpp.__version__})", "device": "cpu"}
     llm, refused = None, None
     if request.get("kv_cache", "f32") == "f32":
         try:
@@ -55,7 +55,8 @@ def open_llama(request: dict):
     used = getattr(llm.model_params, "use_extra_bufts", None)
     settings["weight_repacking"] = ("unknown to this llama.cpp" if used is None else
                                     "on (use_extra_bufts)" if used else "off (use_extra_bufts=False)")
-    settings.update({"n_ctx": llm.n_ctx(), "n_batch": llm.n_batch, "logits_all": True})
+    settings.update({"n_ctx": llm.n_ctx(), "n_batch": llm.n_batch, "logits_all": True,
+                     "n_threads": llm.context_params.n_threads, "n_threads_batch": llm.context_params.n_threads_batch})
     return llm, settings
 
 

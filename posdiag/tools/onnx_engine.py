@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from posdiag.errors import PosdiagError
-from posdiag.tools.engines import Engine
+from posdiag.tools.engines import Engine, engine_threads
 
 PAST_PREFIXES = ("past_key_values", "past")
 NUMPY = {"tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(float)": np.float32,
@@ -40,7 +40,8 @@ def load_onnx(path: str, *, threads: int | None = None) -> Engine:
     except ImportError:
         raise PosdiagError("a .onnx candidate needs onnxruntime: pip install 'posdiag[onnx]'") from None
     options = ort.SessionOptions()
-    options.intra_op_num_threads = threads or max(1, min(4, os.cpu_count() or 1))
+    options.intra_op_num_threads = options.inter_op_num_threads = threads or engine_threads()
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")  # idle threads sleep, never spin
     options.log_severity_level = 3
     try:
         session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
@@ -49,7 +50,7 @@ def load_onnx(path: str, *, threads: int | None = None) -> Engine:
         raise PosdiagError(f"ONNX Runtime cannot load '{path}': {type(exc).__name__}: {text}") from None
     runner = OnnxRunner(session, path)
     settings = {"engine": f"ONNX Runtime {ort.__version__} (CPU)", "inputs": ", ".join(runner.described()),
-                "threads": options.intra_op_num_threads, "dtype": runner.dtype}
+                "threads": options.intra_op_num_threads, "spinning": "off", "dtype": runner.dtype}
     if runner.fixed_length:
         settings["fixed sequence length"] = runner.fixed_length
     return Engine(impl=runner, name=path, settings=settings, context_length=runner.fixed_length)
