@@ -48,8 +48,8 @@ PROTOCOL = "an object with logits(ids: list[int]) -> array [T, V] (numpy or torc
 def engine_threads(env: dict[str, str] = os.environ) -> int:  # type: ignore[assignment]
     """The threads a native engine (llama.cpp, ONNX Runtime) runs on: POSDIAG_THREADS=N where N is a count (the
     count the command line gives torch), else up to 4 of the machine's cores. Every phase of the engine uses this
-    count (llama.cpp's batch threads too), and its idle threads sleep: beside other work a spinning thread costs
-    more than it computes."""
+    count (llama.cpp's batch threads too). ONNX Runtime's idle threads are told to sleep; llama.cpp's poll for work
+    between graph nodes, so on a busy machine POSDIAG_THREADS=1 (no second thread to poll) is the quiet setting."""
     chosen = env.get("POSDIAG_THREADS", "").strip()
     return int(chosen) if chosen.isdigit() and int(chosen) > 0 else max(1, min(4, os.cpu_count() or 1))
 
