@@ -137,20 +137,35 @@ def test_rope_scaling_keys_dropped_fail_grows_from_position_1(scaled, reader, sm
     assert dropped.metrics["error"] > 1e3 * healthy.metrics["error"]
 
 
-def test_compare_a_file_alone_from_the_command_line(smollm2_gguf, tmp_path):
+def test_compare_a_file_alone_from_the_command_line(smollm2_gguf, tmp_path, monkeypatch):
     """README's `posdiag compare model.gguf` (fewer tokens): PyTorch on the file dequantised is the reference,
-    its header says so, and the F32 twin is at float32 noise."""
+    its header says so, and the F32 twin is at float32 noise. The twin (0.5 GB) and each llama.cpp child's logits
+    go to the temporary directory, and nothing of them is left there once the run is over."""
+    import gc
+    import tempfile
+
     from typer.testing import CliRunner
 
     from posdiag.cli import app
 
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    made, mkdtemp = [], tempfile.mkdtemp  # TemporaryDirectory makes its directory through mkdtemp too
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda *a, **k: made.append(Path(mkdtemp(*a, **k))) or str(made[-1]))
     report = tmp_path / "compare.json"
     out = CliRunner().invoke(app, ["compare", str(smollm2_gguf), "--seq-len", str(N), "--json", str(report)],
                              env={"COLUMNS": "200"})
-    assert out.exit_code == 0, out.output
-    assert "note: dequantised from Q4_1 GGUF by transformers" in out.output
-    assert "PASS compare: position handling at float32 rounding" in out.output
-    assert "weight_repacking off (use_extra_bufts=False)" in out.output
+    output, code = out.output, out.exit_code
+    del out  # the run's objects (the engines it opened) end with it, as they do when the command exits
+    gc.collect()
+    assert made and {p.parent for p in made} == {scratch}, made  # the twin's and the engines' directories
+    assert [p.name for p in scratch.rglob("*") if p.is_file()] == [] and not any(p.exists() for p in made)
+    assert code == 0, output
+    assert "note: dequantised from Q4_1 GGUF by transformers" in output
+    assert "PASS compare: position handling at float32 rounding" in output
+    assert "weight_repacking off (use_extra_bufts=False)" in output
     check = json.loads(report.read_text())["checks"][0]
     assert check["details"]["quantisation_split"]["weights_source"] == \
         "the reference runs the file's own dequantised weights"
