@@ -13,6 +13,7 @@ from plants_fit import interleaved_qk, spurious_scaling, theta_lost, window_decl
 from posdiag import api
 from posdiag.checks.fit.alternatives import plan_alternatives
 from posdiag.checks.fit.edits import deinterleave, interleave
+from posdiag.checks.fit.material import Material
 from posdiag.model.loading import from_module, load_subject
 from posdiag.model.logits import reduce_logits, rows_per_chunk, score_targets
 from posdiag.results import Status
@@ -334,3 +335,93 @@ def test_windows_are_tried_only_where_the_config_has_the_field():
     assert windows("mistral", 1024, sliding_window=32768, max_position_embeddings=65536) == (
         ["window 16", "window 64", "window 256", "window 512"],
         {"the declared 32768-token window, which the material's 1024-token rows never reach"})
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory):
+    """window-text as shipped and with its window dropped, loaded once, and the tokenizer that turns --text into ids."""
+    from posdiag.model.tokenizer import load_tokenizer
+
+    healthy = load_subject(str(WINDOWED))
+    dropped = load_subject(str(window_declared(WINDOWED, tmp_path_factory.mktemp("fit") / "dropped", None)))
+    tokenizer, _ = load_tokenizer(healthy)
+    return healthy, dropped, lambda text: tuple(int(i) for i in tokenizer(text)["input_ids"])
+
+
+def test_a_one_sentence_text_is_a_skip_saying_how_much_text_would_decide(windowed):
+    """`check fixtures/window-text --text "The quick brown fox..."` FAILed "does not predict text under any
+    configuration tried": on 43 characters the best loss (3.66 nats) lies above the sentence's own unigram entropy
+    (3.07), at z = 1.2 with per-character losses spread ~3 nats. Neither twin is decided on it; each SKIP says how
+    many tokens would decide at the measured gain and spread."""
+    from posdiag.options import RunOptions
+
+    healthy, dropped, ids = windowed
+    fox = RunOptions(token_ids=ids("The quick brown fox jumps over the lazy dog."))
+    for subject in (healthy, dropped):
+        result = fit_with(subject, fox)
+        assert result.status is Status.SKIP, result.summary
+        assert result.summary.startswith("cannot tell from 43 tokens (--text) whether this checkpoint predicts text")
+        needed = int(result.summary.split("about ")[1].split(" tokens would decide")[0])
+        assert needed > 43 and "without --text fit scores its shipped prose" in result.summary
+
+
+def test_a_paragraph_of_text_decides_both_ways(windowed):
+    """279 characters of prose as --text: the healthy model PASSes, the twin without its window FAILs naming the
+    16-token window (measured z = 9.5)."""
+    from importlib import resources
+
+    from posdiag.options import RunOptions
+
+    healthy, dropped, ids = windowed
+    prose = resources.files("posdiag.data").joinpath("prose.txt").read_text(encoding="utf-8")
+    paragraph = RunOptions(token_ids=ids(prose[prose.index("Volunteers filled"):prose.index("A good recipe")].strip()))
+    assert fit_with(healthy, paragraph).status is Status.PASS
+    broken = fit_with(dropped, paragraph)
+    assert broken.status is Status.FAIL and broken.summary.startswith("the weights fit a 16-token sliding window")
+
+
+def fit_with(subject, options):
+    return api.run_checks(subject, ["fit"], options).checks[0]
+
+
+def _scored(losses, targets):
+    import numpy as np
+
+    from posdiag.checks.fit.judging import Scored
+
+    return Scored("candidate", np.asarray(losses, dtype=float), np.zeros(len(losses), dtype=bool),
+                  np.asarray(targets))
+
+
+def test_predicting_no_text_is_a_fail_only_beyond_noise():
+    """The same excess over the unigram entropy (+0.5 nats, per-target spread 2) is a FAIL over 400 targets
+    (z = 5.0) and a SKIP over 24 (z = 1.2), whose reason says how many targets would reach z = 3: 24 (3 / 1.2)^2."""
+    import numpy as np
+
+    from posdiag.checks.fit.undecided import predicts_no_text
+
+    for n, verdict in ((400, "fail"), (24, "skip")):
+        targets = np.arange(n) % 4  # four tokens, equally frequent: unigram surprisal log 4 for every target
+        losses = math.log(4) + 0.5 + 2.0 * np.where(np.arange(n) % 2, 1.0, -1.0)
+        material = Material(torch.zeros(1, n, dtype=torch.long), torch.zeros(1, n), "text (--text)", math.log(4))
+        broken, cannot = predicts_no_text([_scored(losses, targets)], material)
+        assert bool(broken) is (verdict == "fail") and bool(cannot) is (verdict == "skip"), (broken, cannot)
+    assert "z = 1.2" in cannot and "about 151 tokens would decide" in cannot
+
+
+def test_a_gain_short_of_the_bound_is_undecided_not_a_pass():
+    """An alternative gaining more than MIN_GAIN at z < Z_BOUND: the material cannot confirm it, so no PASS (the
+    window-dropped twin on 99 characters of prose PASSed with its fix at +1.45 nats, z = 4.4)."""
+    from posdiag.checks.fit.alternatives import Alternative
+    from posdiag.checks.fit.judging import MIN_GAIN, Z_BOUND, Comparison
+    from posdiag.checks.fit.undecided import undecided
+
+    material = Material(torch.zeros(1, 100, dtype=torch.long), torch.zeros(1, 100), "text (--text, 100 tokens)", 3.0)
+    scored = _scored([1.0] * 99, [0] * 99)
+    alt = Alternative("window 16", "a 16-token sliding window", "no sliding window")
+    open_ = Comparison(alt, scored, gain=10 * MIN_GAIN, z=Z_BOUND / 2)
+    assert "cannot decide on 100 tokens (--text): window 16 gains" in undecided([open_], material)
+    assert "about 400 tokens would decide" in undecided([open_], material)
+    for settled in (Comparison(alt, scored, 10 * MIN_GAIN, Z_BOUND), Comparison(alt, scored, MIN_GAIN / 2, 4.0),
+                    Comparison(alt, scored, -1.0, -3.0)):
+        assert undecided([settled], material) == ""

@@ -22,10 +22,12 @@ SKIP, cheaply, when the configured model predicts like an untrained one: no bett
 destroyed twin of it (the copy's source replaced by fresh tokens, the prose shuffled), whatever its loss. The first
 row and its twin decide where they settle it (default-init models: one forward), else the first rows and their
 twins, before the rest of the material or any alternative runs (Gemma's scaled embeddings, large random weights).
-Also SKIP when no candidate beats the targets' unigram entropy. Masked LMs and encoder-decoders are not scored (a
-pseudo-likelihood costs a forward per masked set). Alternatives are made in memory and undone exactly (edits.py);
-the checkpoint on disk is never touched. Logits are reduced chunk by chunk (posdiag.model.logits): a forward never
-holds full-vocabulary logits for more rows than one chunk.
+Also SKIP when no candidate beats the targets' unigram entropy, and when the material cannot decide (undecided.py:
+every candidate above the unigram entropy but not beyond noise, or an alternative gaining without reaching the
+bound; the SKIP says how many targets would decide) — one sentence of --text is never a verdict. Masked LMs and
+encoder-decoders are not scored (a pseudo-likelihood costs a forward per masked set). Alternatives are made in
+memory and undone exactly (edits.py); the checkpoint on disk is never touched. Logits are reduced chunk by chunk
+(posdiag.model.logits): a forward never holds full-vocabulary logits for more rows than one chunk.
 """
 
 from __future__ import annotations
@@ -41,13 +43,13 @@ from posdiag.checks.fit.judging import (
     compare,
     copy_accuracy,
     not_its_task,
-    predicts_no_text,
     score,
 )
 from posdiag.checks.fit.material import COPY_DISTANCES, TEXT_TOKENS, Material, copy_rows, plan_material
 from posdiag.checks.fit.refine import refined
 from posdiag.checks.fit.report import fail_summary, pass_summary, tables
 from posdiag.checks.fit.screen import screened
+from posdiag.checks.fit.undecided import predicts_no_text, undecided
 from posdiag.model.logits import LOGIT_BUDGET
 from posdiag.model.memory import forward_refusal
 from posdiag.model.subject import Subject
@@ -133,17 +135,25 @@ def _judge(subject: Subject, options: RunOptions, material: Material, configured
            comparisons: list[Comparison], notes: list[str]) -> CheckResult:
     if not comparisons:
         return SPEC.result(Status.SKIP, f"no alternative could be applied: {'; '.join(notes)}")
-    best = min([configured] + [c.scored for c in comparisons], key=lambda s: s.loss)
-    broken = predicts_no_text(best, material)
+    candidates = [configured] + [c.scored for c in comparisons]
+    best = min(candidates, key=lambda s: s.loss)
+    broken, cannot_tell = predicts_no_text(candidates, material)
     if broken:  # the screen found a trained model: no configuration tried makes it predict text
         return SPEC.result(Status.FAIL, broken, {"loss": configured.loss, "best_loss": best.loss,
                                                  "unigram": material.unigram},
                            {"source": material.source, "notes": notes, "candidates": _candidates(comparisons)},
                            tables(configured, comparisons, {}, max(comparisons, key=lambda c: c.gain)))
-    why = below_unigram(best, material.unigram) or not_its_task(best, material)
+    why = cannot_tell or below_unigram(best, material.unigram) or not_its_task(best, material)
     if why:
-        return SPEC.result(Status.SKIP, why, {"loss": configured.loss, "unigram": material.unigram})
+        return SPEC.result(Status.SKIP, why, {"loss": configured.loss, "unigram": material.unigram,
+                                              "targets": material.count},
+                           {"source": material.source, "notes": notes, "candidates": _candidates(comparisons)})
     winners = [c for c in comparisons if c.beats]
+    why = "" if winners else undecided(comparisons, material)
+    if why:  # a gain the material could not confirm: neither a PASS nor a FAIL
+        return SPEC.result(Status.SKIP, why, {"loss": configured.loss, "targets": material.count},
+                           {"source": material.source, "notes": notes, "candidates": _candidates(comparisons)},
+                           tables(configured, comparisons, {}, max(comparisons, key=lambda c: c.z)))
     decisive = max(winners, key=lambda c: c.gain) if winners else max(comparisons, key=lambda c: c.z)
     decisive, searched = refined(subject, material, configured, comparisons, decisive)
     copies = _copy_evidence(subject, options, material, configured, decisive)

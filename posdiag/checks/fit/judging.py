@@ -111,18 +111,6 @@ def below_unigram(best: Scored, unigram: float) -> str:
     return ""
 
 
-def predicts_no_text(best: Scored, material: Material) -> str:
-    """Why a model the screen found trained is broken under every configuration tried, or "": on text, its best
-    candidate does worse than the targets' own in-sample frequencies (a trained text model: SmolLM2-135M 2.9 nats
-    against a unigram entropy of 5.4 on the shipped prose; its q/k rows permuted by a wrong converter, 5.8 under every
-    candidate). Repeated sequences are not text: a model that does not copy them is judged by not_its_task."""
-    if material.distances or best.loss <= material.unigram:
-        return ""
-    return (f"this checkpoint does not predict text under any configuration tried: best loss {best.loss:.2f} nats "
-            f"({best.label}), above the targets' own unigram entropy {material.unigram:.2f}, while it gains from "
-            "context like a trained model; its weights or their layout are broken in a way no alternative undoes")
-
-
 def copy_accuracy(scored: Scored, distances: tuple[int, ...], material: Material) -> dict[int, float]:
     """Accuracy per copy distance (rows of `material`, each with its distance)."""
     per_row = (material.targets >= 0).sum(dim=1).tolist()
