@@ -77,16 +77,19 @@ def probe_length(subject: Any, options: RunOptions) -> int:
     from posdiag.errors import PosdiagError
 
     declared = subject.max_positions
-    if options.token_ids is not None:
+    if options.token_ids is not None:  # the text sets the length: the error names the text, not an unpassed option
         length = len(options.token_ids)
+        given, fix = f"--text gives {length} tokens, which", "; shorten the text"
     elif options.seq_len is not None:
         length = options.seq_len
+        given, fix = f"--seq-len {length}", ""
     else:
         length = DEFAULT_SEQ_LEN if declared is None else min(DEFAULT_SEQ_LEN, declared)
+        given, fix = f"--seq-len {length}", ""
     if length < 4:
-        raise PosdiagError(f"--seq-len {length} is too short: the probes need at least 4 tokens")
+        raise PosdiagError(f"{given} is too short: the probes need at least 4 tokens")
     if declared is not None and length > declared:
-        raise PosdiagError(f"--seq-len {length} exceeds the model's declared context of {declared} tokens")
+        raise PosdiagError(f"{given} exceeds the model's declared context of {declared} tokens{fix}")
     return length
 
 

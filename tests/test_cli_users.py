@@ -222,6 +222,23 @@ def test_usage_errors_come_before_loading(args, message, tmp_path, monkeypatch):
     assert len(lines) == 1 and lines[0].startswith("posdiag: error:") and message in lines[0], result.output
 
 
+def test_unknown_kernel_implementation_is_one_line_before_loading(monkeypatch):
+    from posdiag.checks.kernels.scenarios import unknown_implementation
+
+    def no_load(settings):
+        raise AssertionError("the model was loaded before a usage error")
+
+    monkeypatch.setattr("posdiag.cli.kernels.load_model", no_load)
+    result = invoke("kernels", ROOT / "fixtures" / "llama-tiny", "--impl", "sdpa[math],bogus", "-q")
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("posdiag: error: --impl bogus: not an attention implementation")
+    assert "sdpa[math]" in lines[0] and lines[0].endswith("or a hub kernel ORG/REPO)"), lines[0]  # whole, not cut
+    for name in ("eager", "sdpa", "sdpa[cudnn]", "flash_attention_2", "flex_attention", "kernels-community/flash-attn"):
+        assert unknown_implementation(name) is None, name
+    assert unknown_implementation("sdpa[fast]") and unknown_implementation("flash")
+
+
 @pytest.mark.parametrize("spec", ["fixtures/llama-tiny-typo", "./fixtures/llama-tiny-typo", "fixtures/a/b"])
 def test_mistyped_local_path_is_one_line_at_once(spec):
     start = time.perf_counter()
@@ -232,6 +249,22 @@ def test_mistyped_local_path_is_one_line_at_once(spec):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "does not exist" in lines[0] and "hub" not in lines[0], done.stderr
     assert elapsed < 2.0, f"{elapsed:.2f} s"
+
+
+@pytest.mark.parametrize("as_file", [False, True], ids=["inline", "file"])
+def test_text_longer_than_the_context_names_the_text(fixtures_dir, tmp_path, as_file):
+    """window-text reads characters (a 1024-token context): 1200 of them are too many, and the error says so in
+    the text's terms, never blaming a --seq-len nobody passed (inline, such a text is no file name either)."""
+    text = "the cat sat on the mat. " * 50
+    given = text
+    if as_file:
+        given = tmp_path / "long.txt"
+        given.write_text(text)
+    result = invoke("check", fixtures_dir / "window-text", "--text", given, "--only", "shuffle", "-q")
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "--seq-len" not in lines[0], result.output
+    assert "--text gives 1200 tokens" in lines[0] and "declared context of 1024 tokens" in lines[0], result.output
 
 
 def test_debug_adds_the_traceback_and_keeps_exit_2():

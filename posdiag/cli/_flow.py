@@ -61,11 +61,15 @@ def text_of(value: str) -> str:
 
     path = Path(value)
     try:
-        if len(value) < 4096 and path.is_file():
-            return path.read_text(encoding="utf-8")
+        is_file = len(value) < 4096 and path.is_file()
+    except OSError:  # longer than a file name may be (ENAMETOOLONG): the text itself
+        is_file = False
+    if not is_file:
+        return value
+    try:
+        return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise PosdiagError(f"--text {value}: cannot read it as UTF-8 text ({type(exc).__name__})") from None
-    return value
 
 
 def tokenize(model: str, text: str, revision: str | None, trust_remote_code: bool) -> tuple[int, ...]:

@@ -96,9 +96,22 @@ def kernels(model: KernelsModelArg = None, synthetic: SyntheticOpt = False, impl
     # the kernels check alone, eager as the baseline, one pass per input
     settings = Settings(model=model, **load, **run, **output, attn_implementation="eager", permutations=1)
     if impl:
-        names = [n.strip() for n in impl.split(",") if n.strip()]
-        settings = replace(settings, check_options={"kernels": {"implementations": names}})
+        settings = replace(settings, check_options={"kernels": {"implementations": _implementations(impl)}})
     _model(settings)
+
+
+def _implementations(impl: str) -> list[str]:
+    """--impl's names, each one transformers knows (a typo is one line, exit 2, before the model loads)."""
+    from posdiag.checks.kernels.scenarios import unknown_implementation
+
+    names = [n.strip() for n in impl.split(",") if n.strip()]
+    for name in names:
+        why = unknown_implementation(name)
+        if why:
+            fail(f"--impl {name}: {why}")
+    if not names:
+        fail("--impl names no implementation")
+    return names
 
 
 def _model(settings: Settings) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from posdiag.checks.kernels.scenarios import SDPA_BACKENDS, Run, Scenario, split_name
+from posdiag.checks.kernels.scenarios import SDPA_BACKENDS, Run, Scenario, split_name, unknown_implementation
 from posdiag.model.caches import cache_keyword
 from posdiag.model.precision import REFERENCE_FRACTION, FinerRun, reference_dtype, run_finer, streamed_bytes
 from posdiag.model.subject import Subject
@@ -206,8 +206,11 @@ def implementation(subject: Subject, name: str) -> Iterator[str]:
     configs = _configs(model)
     saved = [(c, c._attn_implementation_internal) for c in configs]
     note = ""
+    unknown = unknown_implementation(name)  # transformers' own refusal lists its names in 300+ characters
     name, backend = split_name(name)
     try:
+        if unknown:
+            raise Refused(unknown)
         if name != "eager" and name == "sdpa" and subject.family.eager_only:
             raise Refused(f"{subject.family.name} refuses sdpa in transformers 5.x (eager only)")
         try:

@@ -29,6 +29,23 @@ CPU_BACKENDS = ("flash", "math")
 COMPILED_EXTRAS = ("flex_attention",)  # the CPU build has a flash kernel and math; efficient and cuDNN are CUDA kernels
 
 
+def known_implementations() -> list[str]:
+    """The attention implementations transformers registers here (eager, sdpa, flash_attention_2...), and SDPA
+    pinned to each of its backends; a hub kernel (ORG/REPO) is known by its form (unknown_implementation)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    names = ["eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]
+    at = names.index("sdpa") + 1 if "sdpa" in names else len(names)
+    return names[:at] + [f"sdpa[{b}]" for b in SDPA_BACKENDS] + names[at:]
+
+
+def unknown_implementation(name: str) -> str | None:
+    """Why `name` is no attention implementation transformers could switch to; None where it is one."""
+    if name in known_implementations() or "/" in name:  # ORG/REPO[:kernel]: a hub kernel transformers fetches
+        return None
+    return f"not an attention implementation (known: {', '.join(known_implementations())}; or a hub kernel ORG/REPO)"
+
+
 def split_name(name: str) -> tuple[str, str | None]:
     """("sdpa", "cudnn") for "sdpa[cudnn]"; (name, None) for any other implementation."""
     if name.startswith("sdpa[") and name.endswith("]") and name[5:-1] in SDPA_BACKENDS:
