@@ -70,3 +70,14 @@ def test_relative_leak_far_back_is_found(family):
 def test_table_lists_both_paths():
     result = causal(zoo.tiny_model("gpt_neo"))
     assert [row[0] for row in result.tables[0].rows] == ["default mask", "explicit mask"]
+
+
+def test_the_default_length_typed_or_not_sweeps_the_same():
+    """--seq-len 64 is the documented default: typed, it sweeps what the default sweeps (the first 32 positions, the
+    `positions` setting), not 64; a longer sweep is that setting's."""
+    model = zoo.tiny_model("llama")
+    default, typed = causal(model, RunOptions()), causal(model, RunOptions(seq_len=64))
+    assert default.details["seq_len"] == typed.details["seq_len"] == 32
+    assert default.summary == typed.summary and default.metrics == typed.metrics
+    wider = causal(model, RunOptions(seq_len=64, check_options={"causal": {"positions": 48}}))
+    assert wider.details["seq_len"] == 48 and wider.status is Status.PASS, wider.summary

@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import torch
 
-from posdiag.checks import CheckSpec, _image_mask
+from posdiag.checks import CheckSpec, Option, _image_mask
 from posdiag.model.arbitration import arbitrate
 from posdiag.model.introspect import attention_free, recurrent_mixers
 from posdiag.model.jitter import FLOOR_SOURCE, jittered
 from posdiag.model.probe import Row, run_rows
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import layer_name, per_token_change
-from posdiag.options import RunOptions, probe_ids, probe_length
+from posdiag.options import RunOptions, probe_ids
 from posdiag.results import CheckResult, Status, Table
 from posdiag.verdict import FloorVerdict, agreement_tolerance, judge_agreement
 
@@ -42,12 +42,12 @@ SPEC = CheckSpec(
     title="Causal masking (no position sees the future)",
     proves="no output depends on a later token, under the model's default mask and posdiag's explicit one",
     applies_to=("causal", "seq2seq"),
+    options={
+        "positions": Option(32, "positions swept: every (query, key) pair among the probe's first N tokens. The sweep "
+                                "costs N forwards of N tokens, so it covers this many whatever the probe length "
+                                "(--seq-len or --text); raise it to sweep a longer probe"),
+    },
 )
-
-
-# The sweep costs one sequence per position (T rows of T tokens), so without an explicit
-# --seq-len it covers the first SWEEP_LENGTH positions: every (query, key) pair among them.
-SWEEP_LENGTH = 32
 # Edited copies per forward. Each forward also carries the baseline and its jittered twin, so
 # every comparison is within one batch; each chunk is reduced to leak matrices at once, so
 # memory stays at one chunk of hidden states whatever T is: as many rows as fit in a tenth of
@@ -71,9 +71,8 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
                                       "future to leak")
     if subject.family.not_causal:
         return SPEC.result(Status.NA, f"not causal by design: {subject.family.not_causal}")
-    ids = probe_ids(subject, options)[0]
-    if options.seq_len is None and options.token_ids is None:
-        ids = ids[: min(SWEEP_LENGTH, probe_length(subject, options))]
+    # The same sweep whether the probe length is the default or typed: one rule, not "--seq-len given or not".
+    ids = probe_ids(subject, options)[0][: max(2, int(SPEC.setting(options, "positions")))]
     alt = _replacements(subject, ids, options.seed)
     results, explicit_not_run = _paths_judged(subject, ids, alt, options.seed)
     image = _image_mask.probe(subject, options.seed)  # token_type_ids masks: image tokens see each other
