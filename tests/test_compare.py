@@ -177,3 +177,66 @@ def test_cli_plot_png_or_a_clear_usage_error(fixtures_dir, tmp_path):
     else:
         assert result.exit_code == 0, result.output
         assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def _checkpoints(fixtures_dir, *names):
+    from posdiag.model.loading import load_subject
+
+    return [load_subject(str(fixtures_dir / n)) for n in names]
+
+
+@pytest.mark.parametrize("broken, how", [("gpt2-tiny-zeroed-wpe", "differs"),
+                                         ("gpt2-tiny-missing-wpe", "missing from the candidate's checkpoint")])
+def test_a_broken_position_table_is_named_not_excused(fixtures_dir, broken, how):
+    """GPT-2's table is absolute: its row 0 reaches the first token, so a zeroed or missing table is as wrong at
+    position 0 as elsewhere (1.1x the median), which once read "weights, norms or another per-token computation,
+    not positions". The stored tensors say which: only transformer.wpe.weight changed."""
+    ref, cand = _checkpoints(fixtures_dir, "gpt2-tiny", broken)
+    result = compare_subjects(ref, cand, RunOptions()).result
+    assert result.status is Status.FAIL, result.summary
+    assert "not positions" not in result.summary
+    assert f"the weights differ only in the position table: transformer.wpe.weight (position table) {how}" in \
+        result.summary, result.summary
+    assert result.details["weights"]["position_only"] is True
+    assert "the absolute position table (its row 0 reaches the first token too)" in result.summary
+
+
+def test_a_relative_position_model_with_a_changed_norm_names_the_weights(fixtures_dir, tmp_path):
+    """llama-tiny (RoPE) with one norm weight changed in its safetensors: uniform from position 0 still rules
+    positions out, and the diff names the norm; the identical pair PASSes without reading the tensors again."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    twin = tmp_path / "llama-norm"
+    shutil.copytree(fixtures_dir / "llama-tiny", twin)
+    tensors = load_file(twin / "model.safetensors")
+    tensors["model.layers.0.input_layernorm.weight"] = tensors["model.layers.0.input_layernorm.weight"] * 1.5
+    save_file(tensors, twin / "model.safetensors", metadata={"format": "pt"})
+    (ref,) = _checkpoints(fixtures_dir, "llama-tiny")
+    (cand,) = _checkpoints(tmp_path, "llama-norm")
+    result = compare_subjects(ref, cand, RunOptions()).result
+    assert result.status is Status.FAIL and result.details["pattern"] == "position-uniform", result.summary
+    assert "weights, norms or another per-token computation, not positions" in result.summary
+    assert "the weights differ: model.layers.0.input_layernorm.weight differs" in result.summary, result.summary
+    assert result.details["weights"]["position_only"] is False
+    same = compare_subjects(ref, _checkpoints(fixtures_dir, "llama-tiny")[0], RunOptions()).result
+    assert same.status is Status.PASS and "weights" not in same.details, same.summary
+
+
+def test_checkpoints_with_identical_tensors_say_the_difference_is_not_in_the_weights(fixtures_dir, tmp_path):
+    """The same tensors under another config (a lower rms_norm_eps... here GPT-2's layer_norm_epsilon): the diff
+    finds nothing, and says the difference is in the configuration or the code."""
+    import json as json_module
+    import shutil
+
+    twin = tmp_path / "gpt2-eps"
+    shutil.copytree(fixtures_dir / "gpt2-tiny", twin)
+    config = json_module.loads((twin / "config.json").read_text())
+    config["layer_norm_epsilon"] = 0.1
+    (twin / "config.json").write_text(json_module.dumps(config))
+    (ref,) = _checkpoints(fixtures_dir, "gpt2-tiny")
+    (cand,) = _checkpoints(tmp_path, "gpt2-eps")
+    result = compare_subjects(ref, cand, RunOptions()).result
+    assert result.status is Status.FAIL, result.summary
+    assert "stored tensors are identical: the difference is in the configuration or the code" in result.summary

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from posdiag.checks import CheckSpec
-from posdiag.model.checkpoint import in_checkpoint
+from posdiag.model.checkpoint import in_checkpoint, is_position_key
 from posdiag.model.subject import Subject
 from posdiag.options import RunOptions
 from posdiag.results import CheckResult, Status, Table
@@ -27,16 +27,6 @@ SPEC = CheckSpec(
     title="Position parameters loaded",
     proves="the checkpoint itself supplies every position parameter the model uses (none re-initialised)",
 )
-
-
-# Substrings that name position parameters across families (learned tables, sinusoidal
-# tables, relative position biases, ALiBi slopes saved as weights).
-POSITION_PATTERNS = ("position", "wpe", "embed_positions", "relative_attention_bias", "pos_emb", "alibi", "rotary")
-
-
-def is_position_key(name: str) -> bool:
-    lowered = name.lower()
-    return any(p in lowered for p in POSITION_PATTERNS) and "token_type" not in lowered
 
 
 def run(subject: Subject, options: RunOptions) -> CheckResult:

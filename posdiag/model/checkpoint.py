@@ -80,6 +80,17 @@ def checkpoint_dtype(config: Any, weights: dict[str, Any]) -> torch.dtype | None
     return declared if isinstance(declared, torch.dtype) else None
 
 
+# Substrings that name position parameters across families (learned tables, sinusoidal
+# tables, relative position biases, ALiBi slopes saved as weights).
+POSITION_PATTERNS = ("position", "wpe", "embed_positions", "relative_attention_bias", "pos_emb", "alibi", "rotary")
+
+
+def is_position_key(name: str) -> bool:
+    """A tensor name that holds position parameters (`load` checks them; a checkpoint diff names them first)."""
+    lowered = name.lower()
+    return any(p in lowered for p in POSITION_PATTERNS) and "token_type" not in lowered
+
+
 def in_checkpoint(name: str, keys: set[str]) -> bool:
     """Checkpoints name tensors with or without the base-model prefix: match on suffixes."""
     if name in keys:

@@ -25,7 +25,11 @@ Position pattern (computed at the first layer where the error appears, the layer
 cause): a relative position encoding (RoPE, ALiBi, a relative bias) cannot change a token that
 sees only itself, so a position bug in a causal stack leaves position 0 at the noise floor and
 the error rises as tokens see more, and more distant, keys. A weight or norm bug acts on every
-token: it is already there at position 0, at the level of the rest.
+token: it is already there at position 0, at the level of the rest — and so does a bug in an
+absolute position table (learned, sinusoidal), whose row 0 is added to the first token: for those
+models a uniform error names the table among the causes, never "not positions". Where both sides
+are safetensors checkpoints, a FAIL also names the stored tensors that differ, position
+parameters first (posdiag.model.checkpoint_diff): the weights, not the error's shape, say which.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from posdiag.tools.compare.helpers import (
     parse_layer_map,
 )
 from posdiag.tools.compare.measuring import (
+    ABSOLUTE,
     UNIFORM_START_FRACTION,
     LayerProfile,
     estimated_floor,
@@ -138,7 +143,8 @@ def compare_subjects(reference: Subject, candidate: Subject, options: RunOptions
     passes_before = _passes(reference, candidate)
     cmp_dtype = coarser(reference.dtype, candidate.dtype)
     floor_subject = candidate if epsilon(candidate.dtype) > epsilon(reference.dtype) else reference
-    walk = _Walk(reference, candidate, ids, name_of(cmp_dtype), floor_subject, layer_map)
+    absolute = any(str(s.position_kind) in ABSOLUTE for s in (reference, candidate))
+    walk = _Walk(reference, candidate, ids, name_of(cmp_dtype), floor_subject, layer_map, absolute)
     for stack in reference.stacks:
         broken = _compare_stack(walk, stack)
         if broken is not None:
@@ -158,6 +164,7 @@ class _Walk:
     dtype_name: str  # the coarser of the two dtypes: the one compared in
     floor_subject: Subject  # the model in that dtype, run again finer for the floor
     layer_map: dict[int, int] | None
+    absolute: bool  # either side adds an absolute position table (it reaches position 0)
     profiles: list[LayerProfile] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     logits_stats: dict[str, Any] = field(default_factory=dict)
@@ -202,7 +209,7 @@ def _compare_stack(walk: _Walk, stack: str) -> tuple[Status, str] | None:
         else:
             flog = None if out_f is None else (base.logits[0], out_f.logits[0])
             prof, walk.logits_stats = logits_profile(out_r.logits[0], out_c.logits[0], flog, walk.dtype_name,
-                                                     reference.kind, stack)
+                                                     reference.kind, stack, walk.absolute)
             walk.profiles.append(prof)
     return None
 
@@ -224,4 +231,4 @@ def _hidden_profiles(walk: _Walk, stack: str, out_r, out_c, base, out_f) -> None
         floor = (rel_error(base.hidden[fi][0], out_f.hidden[fi][0]) if out_f is not None
                  else estimated_floor(ri, walk.dtype_name))
         walk.profiles.append(layer_profile(name, ri, ci, a, b, floor, floor_pos, walk.dtype_name, walk.reference.kind,
-                                           stack))
+                                           stack, walk.absolute))

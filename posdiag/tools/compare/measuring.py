@@ -15,8 +15,11 @@ from posdiag.verdict import FAIL_RATIO, MACHINE_EPSILON, noise_floor
 # the typical error elsewhere carries the bug itself (a weight or norm bug; measured 0.27-1.1 for
 # a wrong norm epsilon in Llama/Qwen2/GPT-2 at both inits); a relative-position bug leaves it at
 # the floor (measured exactly 0.0). Between the two (the error at position 0 real but more than
-# 10x below the rest) the data says "grows, but not from zero": reported as such.
+# 10x below the rest) the data says "grows, but not from zero": reported as such. Only relative
+# positions spare position 0: an absolute table adds its row 0 to the first token, so a zeroed or
+# missing GPT-2 table is as uniform (1.1x the median elsewhere) as a wrong norm weight.
 UNIFORM_START_FRACTION = 0.1
+ABSOLUTE = ("learned", "sinusoidal")  # position kinds whose table reaches position 0
 
 
 @dataclass(frozen=True)
@@ -60,21 +63,22 @@ def estimated_floor(index: int, dtype: str) -> float:
 
 
 def layer_profile(name: str, ri: int | None, ci: int | None, a: torch.Tensor, b: torch.Tensor, floor: float,
-             floor_pos: torch.Tensor | None, dtype: str, kind: str, stack: str) -> LayerProfile:
+             floor_pos: torch.Tensor | None, dtype: str, kind: str, stack: str, absolute: bool = False) -> LayerProfile:
+    """ABSOLUTE: the model adds a position table (learned or sinusoidal), which reaches position 0 too."""
     error = rel_error(a, b)
     per_pos = per_position_error(a, b)
     floor = noise_floor(floor, dtype)
     tolerance = FAIL_RATIO * floor
     ratio = error / floor
-    pattern = _pattern(per_pos, tolerance, causal=(stack == "decoder" and kind != "encoder"))
+    pattern = _pattern(per_pos, tolerance, causal=(stack == "decoder" and kind != "encoder"), absolute=absolute)
     return LayerProfile(name, ri, ci, error, floor, tolerance, ratio, tuple(per_pos.tolist()), pattern)
 
 
 def logits_profile(ref: torch.Tensor, cand: torch.Tensor, floor_pair: tuple[torch.Tensor, torch.Tensor] | None,
-            dtype: str, kind: str, stack: str) -> tuple[LayerProfile, dict[str, Any]]:
+            dtype: str, kind: str, stack: str, absolute: bool = False) -> tuple[LayerProfile, dict[str, Any]]:
     ref, cand = ref.double().cpu(), cand.double().cpu()
     floor_rel = rel_error(*floor_pair) if floor_pair is not None else estimated_floor(1, dtype)
-    prof = layer_profile("logits", None, None, ref, cand, floor_rel, None, dtype, kind, stack)
+    prof = layer_profile("logits", None, None, ref, cand, floor_rel, None, dtype, kind, stack, absolute)
     log_p = torch.log_softmax(ref, dim=-1)
     log_q = torch.log_softmax(cand, dim=-1)
     kl = (log_p.exp() * (log_p - log_q)).sum(-1).clamp_min(0.0)
@@ -100,7 +104,7 @@ def logits_profile(ref: torch.Tensor, cand: torch.Tensor, floor_pair: tuple[torc
     return prof, stats
 
 
-def _pattern(e: torch.Tensor, tolerance: float, causal: bool) -> dict[str, Any]:
+def _pattern(e: torch.Tensor, tolerance: float, causal: bool, absolute: bool = False) -> dict[str, Any]:
     """How the error depends on position (only meaningful where the layer differs)."""
     n = e.numel()
     if n < 4 or not bool(torch.isfinite(e).all()):
@@ -132,6 +136,11 @@ def _pattern(e: torch.Tensor, tolerance: float, causal: bool) -> dict[str, Any]:
     elif start <= tolerance:
         out["pattern"] = "position-dependent"
         out["why"] = f"at the floor at position 0, error from position {onset} on"
+    elif out["start_ratio"] >= UNIFORM_START_FRACTION and absolute:
+        out["pattern"] = "position-uniform"
+        out["why"] = (f"already at position 0 ({start:.2g}, {out['start_ratio']:.2g}x the median elsewhere): the "
+                      "absolute position table (its row 0 reaches the first token too), weights, norms or another "
+                      "per-token computation")
     elif out["start_ratio"] >= UNIFORM_START_FRACTION:
         out["pattern"] = "position-uniform"
         out["why"] = (f"already at position 0 ({start:.2g}, {out['start_ratio']:.2g}x the median elsewhere): "

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from posdiag.model.checkpoint_diff import checkpoint_diff
 from posdiag.model.subject import Subject
 from posdiag.results import CheckResult, Status, Table
 from posdiag.tools.compare.measuring import LayerProfile
@@ -76,12 +77,28 @@ def finish(profiles: list[LayerProfile], logits_stats: dict[str, Any], length: i
         status = Status.WARN if low else Status.FAIL
         lead = (f"inconclusive in {dtype}: within {PASS_RATIO:g}x of rounding; compare in float32" if low
                 else "differs")
+        weights = _weights_clause(reference, candidate, details, notes)
         summary = (f"{lead} from {first.name} on (error {first.error:.3g} = {first.ratio:.3g}x noise floor); "
-                   f"{pattern.get('pattern', 'pattern unknown')}: {pattern.get('why', '')}{logit_txt} ({where})")
+                   f"{weights}{pattern.get('pattern', 'pattern unknown')}: {pattern.get('why', '')}{logit_txt} "
+                   f"({where})")
     if notes:
         details["notes"] = notes
     result = CheckResult("compare", status, summary, metrics, details, (table,), forward_passes=passes)
     return Comparison(result, tuple(profiles), length)
+
+
+def _weights_clause(reference: Subject, candidate: Subject, details: dict[str, Any], notes: list[str]) -> str:
+    """What the stored tensors say, ahead of the error's shape ("" where either side has no safetensors): read only
+    on a difference, so a passing comparison never reads both checkpoints again."""
+    try:
+        diff = checkpoint_diff(reference, candidate)
+    except Exception as exc:  # an unreadable file was already refused at load; this is only the diagnosis
+        notes.append(f"the checkpoints' tensors could not be compared ({type(exc).__name__}: {str(exc)[:120]})")
+        return ""
+    if diff is None:
+        return ""
+    details["weights"] = diff.to_dict()
+    return diff.sentence() + "; "
 
 
 def early_result(status: Status, summary: str, length: int, info: dict[str, Any], reference: Subject,
