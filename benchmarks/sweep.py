@@ -39,7 +39,9 @@ PLAIN = "tests/test_findings_plain.py"  # the plain-transformers reproductions (
 @dataclass(frozen=True)
 class Finding:
     """One upstream finding: a check FAILs (or WARNs) on a path of a stock model for a reason shown in plain
-    transformers. A verdict is this finding only when its summary matches the fingerprint (path and kind)."""
+    transformers (or in llama.cpp, for an `engine` finding). A verdict is this finding only when its summary matches
+    the fingerprint (path and kind). The tests read the table to know what to expect on the installed versions
+    (tests/sweep_support.pinned): the FAIL where the finding holds, a PASS where upstream fixed it."""
 
     path: str  # the failing path as the check's summary names it first ("static/decode", "row 'a right-padded'")
     kind: str  # WRONG, or for a crash its exception type ("RuntimeError")
@@ -47,23 +49,30 @@ class Finding:
     test: str  # the test that reproduces it in plain transformers (path::name)
     message: str = ""  # for a crash: a fragment of the exception's message
     design: bool = False  # faithful to the published architecture: by design, not a bug
-    since: str = ""  # the first transformers release it holds on ("": every release tested before it)
+    since: str = ""  # the first `engine` release it holds on ("": every release tested before it)
     fixed_in: str = ""  # the first release where upstream no longer shows it ("": holds on the newest tested)
+    engine: str = "transformers"  # the distribution whose releases `since` and `fixed_in` count ("llama-cpp-python")
 
     def holds(self, version: str | None = None) -> bool:
-        """Whether this finding holds on transformers `version` (the installed one by default)."""
+        """Whether this finding holds on `version` of its engine (the installed one by default; a finding of an
+        engine that is not installed does not hold)."""
         from packaging.version import Version
 
-        v = Version(version or _installed_transformers())
+        version = version or _installed(self.engine)
+        if version is None:
+            return False
+        v = Version(version)
         return (not self.since or v >= Version(self.since)) and (not self.fixed_in or v < Version(self.fixed_in))
 
     def versions(self) -> str:
-        """The releases it holds on, as the page shows them."""
+        """The releases it holds on, as the page shows them (prefixed by the engine where it is not transformers)."""
         if self.since and self.fixed_in:
-            return f"{self.since} to before {self.fixed_in}"
-        if self.since:
-            return f"{self.since} and later"
-        return f"before {self.fixed_in}" if self.fixed_in else "every release tested"
+            span = f"{self.since} to before {self.fixed_in}"
+        elif self.since:
+            span = f"{self.since} and later"
+        else:
+            span = f"before {self.fixed_in}" if self.fixed_in else "every release tested"
+        return span if self.engine == "transformers" else f"{self.engine}: {span}"
 
     def matches(self, summary: str) -> bool:
         """The summary names this path first and fails it the way this finding does."""
@@ -86,10 +95,13 @@ def _static_crash(path: str, what: str, **versions: str) -> Finding:
                   **versions)
 
 
-def _installed_transformers() -> str:
-    import transformers
+def _installed(distribution: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
 
-    return transformers.__version__
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return None
 
 
 # The transformers release the rows of benchmarks/sweep.jsonl without a "transformers" field were swept on.
@@ -214,12 +226,57 @@ FINDINGS: dict[str, dict[str, Finding | tuple[Finding, ...]]] = {
                                 "from_the_dynamic_one", since="5.25.0")),
            "cache": Finding("static/decode", WRONG, INKLING_BIAS, CONTINUATION)}
        for t in ("inkling_text", "inkling_mm_model")},
-    # Falcon with ALiBi (the zoo's falcon_alibi: the sweep's falcon type is built with RoPE)
-    "falcon_alibi": {"kernels": Finding("", WRONG, "eager adds ALiBi twice (once folded into the mask, once in the "
-                                        "attention): eager and SDPA disagree", "tests/test_kernels.py::"
-                                        "test_falcon_alibi_eager_adds_alibi_twice", fixed_in="5.25.0"),
-                     "shift": Finding("", WRONG, "the ALiBi bias is computed in bfloat16: positions past 256 round",
-                                      "tests/test_shift.py::test_falcon_alibi_bias_is_computed_in_bfloat16")},
+    # ---- beyond the sweep's models (keys that are no model type, so no sweep row is judged by them):
+    # "zoo:<family>" a tiny model of posdiag.testing.zoo; "<type>:<variant>" the type under a config the sweep does
+    # not build; "llama.cpp:<what>" llama.cpp's behaviour, versioned by llama-cpp-python (the `engine`).
+    # Falcon with ALiBi (the sweep's falcon type is built with RoPE)
+    "zoo:falcon_alibi": {
+        "kernels": Finding("", WRONG, "eager adds ALiBi twice (once folded into the mask, once in the attention): "
+                           "eager and SDPA disagree", "tests/test_kernels.py::test_falcon_alibi_eager_adds_alibi_twice",
+                           fixed_in="5.25.0"),
+        "shift": Finding("", WRONG, "the ALiBi bias is computed in bfloat16: positions past 256 round",
+                         "tests/test_shift.py::test_falcon_alibi_bias_is_computed_in_bfloat16"),
+        "cache": _static_crash("static/decode", "crashes with a static cache (ALiBi is built over the query length, "
+                               "not the static key length)"),
+        "generate": _crash("static/single", "ValueError", "too many values to unpack", "generate() with a static "
+                           "cache crashes", f"{PLAIN}::test_cached_path_crashes")},
+    "zoo:gpt_neo": {name: Finding(path, WRONG, "a static cache longer than the local window reads the wrong rows of "
+                                  "the causal buffer (sliced by the key length, max_cache_len)", CONTINUATION)
+                    for name, path in (("cache", "static/decode"), ("generate", "static/single"))},
+    # transformers' own default GraniteMoeHybrid config: every layer Mamba, and a cache of linear-attention layers only
+    # is refused by the mask builder (Cache.get_seq_length up to 5.24, Cache.get_mask_sizes from 5.25)
+    "granitemoehybrid:all-mamba": {name: tuple(
+        _crash(path, "ValueError", refused_by, "every cached forward crashes", f"{PLAIN}::test_cached_path_crashes",
+               **versions) for refused_by, versions in (("get_seq_length", {"fixed_in": "5.25.0"}),
+                                                         ("get_mask_sizes", {"since": "5.25.0"})))
+        for name, path in (("cache", "dynamic/decode"), ("generate", "dynamic/single"))},
+    # the thinker given a sliding window (its config documents one; the sweep builds the default, None)
+    "qwen3_omni_moe_thinker:sliding_window": {name: Finding(path, WRONG, "the cache built from the config evicts keys "
+                                                            "past the window, the attention uses none",
+                                                            "tests/test_sweep_omni.py::test_qwen3_omni_thinker_cache_"
+                                                            "evicts_past_a_window_its_attention_ignores")
+                                              for name, path in (("cache", "dynamic/decode"),
+                                                                 ("generate", "dynamic/single"))},
+    "qwen3_vl_moe:sliding_window": {"cache": Finding("dynamic/decode", WRONG, "the cache built from the config evicts "
+                                                     "keys past the window, the attention uses none",
+                                                     "tests/test_sweep_sliding.py::test_a_window_the_forward_ignores_"
+                                                     "fails_cache_and_none_passes")},
+    # RobertaForCausalLM with is_decoder=True (the sweep builds roberta as a masked LM)
+    "roberta:is_decoder": {"generate": Finding("dynamic/single", WRONG, "generate() numbers positions from 0, the "
+                                               "forward from padding_idx + 1", f"{PLAIN}::test_roberta_decoder_"
+                                               "generate_numbers_positions_from_0")},
+    "llama.cpp:qwen2": {"compare": Finding("= sliding_window", WRONG, "llama.cpp's qwen2 graph has no sliding window: "
+                                           "a Qwen2 that uses its window differs from the window on",
+                                           "tests/test_gguf.py::test_llama_cpp_qwen2_has_no_sliding_window",
+                                           engine="llama-cpp-python")},
+    "llama.cpp:llama": {"load": Finding("while loading it", "PosdiagError", "the Llama loader refuses a rotary size "
+                                        "(rope.dimension_count) other than the head size", "tests/test_gguf_real.py::"
+                                        "test_a_wrong_rope_dimension_count_is_refused_in_one_line",
+                                        "llama.cpp failed on", design=True, engine="llama-cpp-python")},
+    "llama.cpp:server": {"compare": Finding("prompt route", WRONG, "the prompt route's echoed log-probs are shifted by "
+                                            "one position (llama-cpp-python #1983)", "tests/test_served.py::"
+                                            "test_the_shifted_prompt_route_is_named_on_the_real_file",
+                                            engine="llama-cpp-python")},
 }
 
 
@@ -473,7 +530,7 @@ def _findings_table() -> list[str]:
     """FINDINGS as the page shows it: what each entry fails, how (its fingerprint), and the plain reproduction."""
     lines = ["The fingerprint a verdict must match to count as the finding (anything else is unclassified): the path "
              "the check's summary names first, and how it fails there.", "",
-             "| model type | check | path | fails as | what | bug or by design | transformers | reproduced in |",
+             "| model type | check | path | fails as | what | bug or by design | releases | reproduced in |",
              "|---" * 8 + "|"]
     for model_type, name, f in every_finding():
         how = "wrong values" if f.kind == WRONG else f"crash: {f.kind} (`{f.message}`)"

@@ -10,6 +10,7 @@ from pathlib import Path
 from posdiag.api import run_checks
 from posdiag.model.loading import from_module
 from posdiag.options import RunOptions
+from posdiag.results import Status
 from posdiag.testing.multimodal import small_model
 
 SHORT = RunOptions(seq_len=12, check_options={"cache": {"decode_steps": 3}, "generate": {"new_tokens": 3}})
@@ -41,5 +42,20 @@ WRONG = "wrong values"  # benchmarks/sweep.py's Finding.kind of a path that runs
 
 
 def holds(model_type: str, check: str) -> bool:
-    """Whether the upstream finding listed for (model_type, check) holds on the installed transformers."""
+    """Whether the upstream finding listed for (model_type, check) holds on the installed versions (transformers,
+    or the finding's engine)."""
     return sweep_module().finding(model_type, check) is not None
+
+
+def pinned(result, model_type: str, check: str, status: Status = Status.FAIL) -> bool:
+    """`result` (a CheckResult of `check`) as the findings table predicts it on the installed versions: where the
+    finding listed for (model_type, check) holds, STATUS with a summary matching its fingerprint; where none holds
+    (upstream fixed it, or it is not installed), a PASS. True where it holds, for the test's own assertions on the
+    failing path; every test that expects an upstream FAIL goes through here, so an upstream fix flips it."""
+    found = sweep_module().finding(model_type, check)
+    if found is None:
+        assert result.status is Status.PASS, f"no finding holds for {model_type} {check}: {result.summary}"
+        return False
+    assert result.status is status and found.matches(result.summary), \
+        f"{model_type} {check} ({found.what}): {result.status.value} {result.summary}"
+    return True

@@ -5,6 +5,7 @@ reason; planted decode-position and buffer-length bugs FAIL with the step named.
 import plants_cache as plants
 import pytest
 from sweep_rows import CORE_FAMILIES, exhaustive
+from sweep_support import pinned
 
 from posdiag.api import run_checks
 from posdiag.model.families import family_for
@@ -20,12 +21,12 @@ def cache(model):
     return run_checks(from_module(model), ["cache"], OPTIONS).check("cache")
 
 
-# Upstream bugs of stock transformers 5.24 on a path it accepts (a StaticCache, which generate() builds for
-# cache_implementation="static" whatever the class declares): the check FAILs them, naming the path.
-STATIC_CACHE_BUGS = {
-    "gpt_neo": "differ",  # its causal buffer is sliced by the key length, max_cache_len with a static cache
-    "falcon_alibi": "crashed",  # ALiBi is built over the query length, not the static key length
-}
+# Upstream bugs of stock transformers on a path it accepts (a StaticCache, which generate() builds for
+# cache_implementation="static" whatever the class declares), listed in the findings table (zoo:<family>): the check
+# FAILs them where they hold on the installed transformers, naming the path, and PASSes where upstream fixed them.
+# GPT-Neo's causal buffer is sliced by the key length, max_cache_len with a static cache; Falcon-ALiBi's bias is built
+# over the query length, not the static key length.
+STATIC_CACHE_BUGS = ("gpt_neo", "falcon_alibi")
 
 
 @pytest.mark.parametrize("family", exhaustive(zoo.FAMILIES, CORE_FAMILIES | set(STATIC_CACHE_BUGS)))
@@ -35,9 +36,7 @@ def test_healthy_family_passes_or_skips(family):
     if zoo.model_kind(family) == "encoder":
         assert result.status is Status.NA and "encoder" in result.summary
         return
-    if family in STATIC_CACHE_BUGS:
-        assert result.status is Status.FAIL, result.summary
-        assert result.summary.startswith("static/") and STATIC_CACHE_BUGS[family] in result.summary
+    if family in STATIC_CACHE_BUGS and pinned(result, f"zoo:{family}", "cache"):
         dynamic = {k: v for k, v in result.details["paths"].items() if k.startswith("dynamic/")}
         assert dynamic and all(v["status"] is Status.PASS for v in dynamic.values()), dynamic
         return
@@ -55,6 +54,8 @@ def test_healthy_family_passes_or_skips(family):
 def test_static_cache_bug_is_in_float64_too():
     """GPT-Neo's static-cache error is a bug, not rounding: the float64 re-run keeps it."""
     result = cache(zoo.tiny_model("gpt_neo"))
+    if not pinned(result, "zoo:gpt_neo", "cache"):
+        return
     arbitration = result.details["arbitration"]
     assert arbitration["ran"] and arbitration["dtype"] == "float64"
     assert "a bug" in arbitration["decided"]["static/decode"]

@@ -152,10 +152,11 @@ def test_a_decode_paths_static_cache_keeps_room_past_the_probe():
     the chunked paths' holds exactly the probe). GPT-Neo cuts its position buffer (max_position_embeddings square) by
     the cache length: the sweep's GPT-Neo (window 256 = its context, so the probe runs to the context) crashes on the
     static decode path, as docs/support.md has it; a cache sized to the probe hid that."""
-    from sweep_support import run_named, sweep_model
+    from sweep_support import pinned, run_named, sweep_model
 
     result = run_named(sweep_model("gpt_neo"), ["cache"])["cache"]
-    assert result.status is Status.FAIL, result.summary
+    if not pinned(result, "gpt_neo", "cache"):  # upstream fixed: every path passes, the static decode included
+        return
     assert result.summary.startswith("static/decode crashed: RuntimeError"), result.summary
     chunked = result.details["paths"]["static/chunked_prefill"]  # exactly the probe: within the buffer, judged
     assert "crashed" not in chunked and chunked["status"] is Status.PASS, chunked

@@ -6,7 +6,7 @@ The support matrix in docs/support.md comes from the same runs on every family
 
 import pytest
 from sweep_rows import exhaustive
-from sweep_support import holds
+from sweep_support import holds, pinned
 
 from posdiag.api import run_checks
 from posdiag.model.loading import from_module
@@ -14,6 +14,8 @@ from posdiag.results import Status
 from posdiag.testing import zoo
 
 QUIRKY = ["roberta", "opt", "gpt_neo", "falcon_alibi", "t5", "modernbert", "gemma3", "mpt"]
+UPSTREAM = {"falcon_alibi": ("cache", "generate", "kernels"), "gpt_neo": ("cache", "generate")}
+"""The listed findings (benchmarks/sweep.py, keys zoo:<family>) a default run of these families reaches."""
 
 
 @pytest.mark.parametrize("family", exhaustive(QUIRKY, always=("gpt_neo", "falcon_alibi")))  # the two with findings
@@ -25,13 +27,15 @@ def test_no_check_errors_at_default_settings(family):
         if c.status is Status.SKIP:
             assert c.summary, f"{c.name} skipped without a reason"
     failing = {c.name for c in report.checks if c.status is Status.FAIL}
-    # The expected FAILs on healthy tiny models are real transformers bugs (docs/support.md, findings):
-    # Falcon-alibi's eager path adds ALiBi twice up to 5.24 (kernels) and crashes with a static cache (cache,
-    # generate); GPT-Neo gives wrong logits with a static cache (cache, generate). GPT-2 and GPT-Neo number a
-    # left-padded row from its first padding column when called without position_ids: documented, the caller's
-    # contract (a WARN).
-    upstream = {"falcon_alibi": {"cache", "generate"} | ({"kernels"} if holds("falcon_alibi", "kernels") else set()),
-                "gpt_neo": {"cache", "generate"}}
-    assert failing == upstream.get(family, set()), failing
+    # The expected FAILs on healthy tiny models are real transformers bugs, each as the findings table has it on the
+    # installed transformers (docs/support.md, findings): Falcon-alibi's eager path adds ALiBi twice up to 5.24
+    # (kernels) and crashes with a static cache (cache, generate); GPT-Neo gives wrong logits with a static cache
+    # (cache, generate). GPT-2 and GPT-Neo number a left-padded row from its first padding column when called without
+    # position_ids: documented, the caller's contract (a WARN).
+    reached = UPSTREAM.get(family, ())
+    for name in ("cache", "generate", "kernels"):
+        if name in reached:
+            pinned(report.check(name), f"zoo:{family}", name)
+    assert failing == {name for name in reached if holds(f"zoo:{family}", name)}, failing
     warned = {c.name for c in report.checks if c.status is Status.WARN}
     assert ("batch" in warned) == (family == "gpt_neo"), warned

@@ -8,6 +8,9 @@ by more than TWIN_MARGIN times what the healthy twin differs: float64 rounding i
 float32 step inside a float64 model (Mamba's and Bamba's scans: their twins agree to ~4e-8), and every bug below is
 1e-5 or more. Crashes are shown as the exception the finding's fingerprint names (the same entry the sweep classifies
 its verdicts with), next to the path that runs.
+
+Each reproduction asks the table whether its finding holds on the installed transformers: where upstream has fixed it
+(the entry's `fixed_in`), the two computations must agree and the crashing call must run.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 import transformers
 from sweep_support import WRONG, sweep_module
 
+from posdiag.testing import zoo
 from posdiag.testing.multimodal import small_model
 
 BUG, TWIN_MARGIN = 1e-6, 1e3
@@ -42,14 +46,21 @@ def finding(model_type: str, check: str):
 _BUILT: dict[str, torch.nn.Module] = {}
 
 
-def model64(model_type: str, **overrides) -> torch.nn.Module:
-    """The sweep's tiny model of `model_type` in float64 (MoE experts through the eager loop: grouped_mm has no
+def small(key: str, **overrides) -> torch.nn.Module:
+    """The model a findings key names: posdiag.testing.zoo's tiny model for "zoo:<family>", else the sweep's tiny model
+    of the type before any ":<variant>" (the variant's config given as `overrides`)."""
+    kind, _, family = key.partition(":")
+    return zoo.tiny_model(family, **overrides) if kind == "zoo" else small_model(kind, **overrides)
+
+
+def model64(key: str, **overrides) -> torch.nn.Module:
+    """The model of findings key `key` (`small`) in float64 (MoE experts through the eager loop: grouped_mm has no
     float64 kernel), built once per session. Tests that change a model change a copy."""
-    key = f"{model_type} {sorted(overrides.items())}"
-    if key not in _BUILT:
+    built = f"{key} {sorted(overrides.items())}"
+    if built not in _BUILT:
         warnings.filterwarnings("ignore")
-        _BUILT[key] = _float64(small_model(model_type, **overrides))
-    return _BUILT[key]
+        _BUILT[built] = _float64(small(key, **overrides))
+    return _BUILT[built]
 
 
 def _float64(model: torch.nn.Module) -> torch.nn.Module:
@@ -80,8 +91,11 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-def assert_bug(bug: float, twin: float) -> None:
-    assert bug > BUG and bug > TWIN_MARGIN * twin, f"the bug differs {bug:.3g}, the healthy twin {twin:.3g}"
+def assert_as_found(key: str, check: str, bug: float, twin: float) -> None:
+    """Where the finding holds, the buggy computation differs (more than BUG, and TWIN_MARGIN times its twin); where
+    upstream fixed it, it does not."""
+    differs = bug > BUG and bug > TWIN_MARGIN * twin
+    assert differs == (finding(key, check) is not None), f"the bug differs {bug:.3g}, the healthy twin {twin:.3g}"
 
 
 def cache_of(out):
@@ -147,14 +161,16 @@ of these logits) is no rounding: GraniteMoeHybrid's is 2e-7 here, Lara-mini's 2e
 
 @pytest.mark.parametrize("model_type", sorted(STATE_PATHS))
 def test_generate_continued_or_drafted_differs_from_plain_generate(model_type):
-    assert finding(model_type, "state").test.endswith(test_generate_continued_or_drafted_differs_from_plain_generate
-                                                      .__name__)
+    found = finding(model_type, "state")
+    assert found is None or found.test.endswith(test_generate_continued_or_drafted_differs_from_plain_generate
+                                                .__name__)
     path = STATE_PATHS[model_type]
     bug, twin = path(model64(model_type)), path(model64("llama"))
     if path is _prompt_lookup:
-        assert twin == 0.0 and bug > LOOKUP_EXACT, f"the bug differs {bug:.3g}, the healthy twin {twin:.3g}"
+        assert twin == 0.0 and (bug > LOOKUP_EXACT) == (found is not None), \
+            f"the bug differs {bug:.3g}, the healthy twin {twin:.3g}"
     else:
-        assert_bug(bug, twin)
+        assert_as_found(model_type, "state", bug, twin)
 
 
 @pytest.mark.parametrize("model_type", ["zamba", "zaya"])
@@ -180,11 +196,12 @@ CONTINUATIONS = {
     "recurrent_gemma": ({}, lambda m, ids: _continue(m, ids, 6, 3), lambda m, ids: _continue(m, ids, 6, 1)),
     # Bamba: a cached step without position_ids is numbered arange(new tokens) from 0; with explicit ids it agrees.
     "bamba": ({}, lambda m, ids: _continue(m, ids, 6, 1, position_ids=False), lambda m, ids: _continue(m, ids, 6, 1)),
-    # GPT-Neo: its causal buffer is sliced by the key length, which is max_cache_len with a StaticCache, so a local
-    # layer whose window is shorter than the cache reads the wrong window's rows; the DynamicCache agrees. (The
-    # sweep's window spans the whole context: there a cache longer than the buffer crashes, below.)
-    "gpt_neo": (dict(window_size=4), lambda m, ids: _continue(m, ids, 6, 1, cache=_static(m, 16)),
-                lambda m, ids: _continue(m, ids, 6, 1)),
+    # GPT-Neo (the zoo's: a local window of 8): its causal buffer is sliced by the key length, which is max_cache_len
+    # with a StaticCache, so a local layer whose window is shorter than the cache reads the wrong window's rows; the
+    # DynamicCache agrees. (The sweep's window spans the whole context: there a cache longer than the buffer crashes,
+    # below.)
+    "zoo:gpt_neo": ({}, lambda m, ids: _continue(m, ids, 6, 1, cache=_static(m, 16)),
+                    lambda m, ids: _continue(m, ids, 6, 1)),
     # Inkling (v1), full-attention layers only: with a StaticCache the relative bias reads the query offset after
     # cache.update grew it (one step too far); the DynamicCache agrees.
     "inkling_text": (dict(layer_types=["hybrid", "hybrid"], swa_num_attention_heads=4, swa_num_key_value_heads=2,
@@ -202,7 +219,7 @@ def test_cached_continuation_differs_from_the_full_forward(model_type):
     with torch.no_grad():
         full = model(ids).logits[:, 6:]
         bug, twin = rel(buggy(model, ids), full), rel(healthy(model, ids), full)
-    assert_bug(bug, twin)
+    assert_as_found(model_type, "cache", bug, twin)
 
 
 def test_recurrent_gemma_cached_step_without_ids_restarts_at_0():
@@ -216,8 +233,9 @@ def test_recurrent_gemma_cached_step_without_ids_restarts_at_0():
         full = model(ids).logits[:, 6:]
         bug = rel(_continue(model, ids, 6, 1, position_ids=False), full)
         twin = rel(_continue(model, ids, 6, 1), full)
-    if sweep_module().finding("recurrent_gemma", "cache").path == "dynamic/decode":
-        assert_bug(bug, twin)
+    found = finding("recurrent_gemma", "cache")
+    if found is not None and found.path == "dynamic/decode":
+        assert bug > BUG and bug > TWIN_MARGIN * twin, (bug, twin)
     else:
         assert bug < 1e-9 and twin < 1e-9, (bug, twin)
 
@@ -297,7 +315,8 @@ PADDINGS = {
 @pytest.mark.parametrize("model_type", sorted(PADDINGS))
 def test_padded_row_differs_from_itself_alone(model_type):
     bug_padding, twin_model, twin_padding = PADDINGS[model_type]
-    assert_bug(_padded(model64(model_type), **bug_padding), _padded(twin_model(), **twin_padding))
+    assert_as_found(model_type, "batch", _padded(model64(model_type), **bug_padding),
+                    _padded(twin_model(), **twin_padding))
 
 
 # ------------------------------------------------------------------ generate() on a left-padded batch
@@ -348,7 +367,7 @@ def test_left_padded_generate_differs_from_each_row_alone(model_type):
             bug, twin = _generate_row_alone(model, 1), _generate_row_alone(model, 0)
         finally:
             torch.set_default_dtype(previous)
-    assert_bug(bug, twin)
+    assert_as_found(model_type, "generate", bug, twin)
 
 
 # ------------------------------------------------------------------ a static cache against the dynamic one
@@ -364,7 +383,7 @@ def test_static_cache_generate_differs_from_the_dynamic_one(model_type):
         static = model.generate(ids, cache_implementation="static", **greedy)
         dynamic = model.generate(ids, **greedy)
         forward = model(ids, decoder_input_ids=dynamic.sequences[:, :1]).logits[:, -1]
-    assert_bug(rel(static.logits[0], forward), rel(dynamic.logits[0], forward))
+    assert_as_found(model_type, "generate", rel(static.logits[0], forward), rel(dynamic.logits[0], forward))
 
 
 # ------------------------------------------------------------------ PaliGemma: SDPA not causal on text alone
@@ -379,7 +398,7 @@ def test_paligemma_sdpa_is_not_causal_on_text():
     with torch.no_grad():
         bug = rel(sdpa(ids).logits, eager(ids).logits)
         twin = rel(sdpa(ids, token_type_ids=suffix).logits, eager(ids, token_type_ids=suffix).logits)
-    assert_bug(bug, twin)
+    assert_as_found("paligemma", "kernels", bug, twin)
 
 
 # ------------------------------------------------------------------ crashes on cached paths transformers accepts
@@ -450,6 +469,16 @@ CRASHES = {
     # window-long sliding layers; the dynamic cache runs.
     **{(t, "generate"): (INKLING, lambda m: _generate(m, cache_implementation="static"), _generate)
        for t in ("inkling_text", "inkling2_text", "inkling2_loop_text")},
+    # Falcon with ALiBi (the zoo's): the bias is built over the query length, not a static cache's key length, and
+    # generate() with a static cache fails to unpack; the dynamic cache runs.
+    ("zoo:falcon_alibi", "cache"): ({}, lambda m: _decode_step(m, _static(m, 16)), _generate),
+    ("zoo:falcon_alibi", "generate"): ({}, lambda m: _generate(m, cache_implementation="static"), _generate),
+    # GraniteMoeHybrid as its own default config has it (every layer Mamba): the mask builder refuses a cache of
+    # linear-attention layers only, so any cached forward raises; it runs uncached.
+    **{("granitemoehybrid:all-mamba", check): (dict(layer_types=["linear_attention"] * 2), crashing,
+                                               lambda m: m(ids_of(1, 12), use_cache=False))
+       for check, crashing in (("cache", lambda m: _decode_step(m, transformers.DynamicCache(config=m.config))),
+                               ("generate", _generate))},
 }
 
 
@@ -457,7 +486,29 @@ CRASHES = {
 def test_cached_path_crashes(model_type, check):
     overrides, crashing, twin = CRASHES[model_type, check]
     key = f"float32 {model_type} {sorted(overrides.items())}"
-    model = _BUILT.setdefault(key, small_model(model_type, **overrides))
+    if key not in _BUILT:
+        _BUILT[key] = small(model_type, **overrides)
+    model = _BUILT[key]
     with torch.no_grad():
         _raises_as_found(model_type, check, lambda: crashing(model))
         twin(model)
+
+
+# ------------------------------------------------------------------ RoBERTa as a decoder: generate() against the forward
+def test_roberta_decoder_generate_numbers_positions_from_0():
+    """RobertaForCausalLM (is_decoder=True) numbers positions from padding_idx + 1 when called without position_ids
+    (RoBERTa's table), but generate() hands it position_ids from the mask, from 0: the first generated logits differ
+    from the forward's on the same prompt. BERT's table starts at 0, and there the two agree."""
+    sizes = dict(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                 max_position_embeddings=64, is_decoder=True)
+    ids = ids_of(1, 10)
+    differs = {}
+    for name, config, model_class in (("roberta", transformers.RobertaConfig, transformers.RobertaForCausalLM),
+                                      ("bert", transformers.BertConfig, transformers.BertLMHeadModel)):
+        torch.manual_seed(0)
+        model = _float64(model_class(config(**sizes)))
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
+                                 num_beams=1, output_logits=True, return_dict_in_generate=True, pad_token_id=1)
+            differs[name] = rel(out.logits[0], model(ids).logits[:, -1])
+    assert_as_found("roberta:is_decoder", "generate", differs["roberta"], differs["bert"])

@@ -5,6 +5,7 @@ SKIP with a reason; planted generation/decode position bugs FAIL with the row an
 import plants_cache as plants
 import pytest
 from sweep_rows import CORE_FAMILIES, exhaustive
+from sweep_support import pinned
 from test_cache import STATIC_CACHE_BUGS
 
 from posdiag.api import run_checks
@@ -26,9 +27,7 @@ def test_healthy_family_passes_or_skips(family):
     if zoo.model_kind(family) == "encoder":
         assert result.status is Status.NA and result.summary
         return
-    if family in STATIC_CACHE_BUGS:  # upstream bugs on generate(cache_implementation="static")
-        assert result.status is Status.FAIL, result.summary
-        assert result.summary.startswith("static/") and STATIC_CACHE_BUGS[family] in result.summary
+    if family in STATIC_CACHE_BUGS and pinned(result, f"zoo:{family}", "generate"):  # cache_implementation="static"
         runs = result.details["runs"]
         assert runs["dynamic/single"]["status"] is Status.PASS and runs["dynamic/batch"]["status"] is Status.PASS
         return

@@ -9,6 +9,7 @@ forward pass by 0.84 (relative). BERT, with no offset, agrees. The regression te
 import pytest
 import torch
 import transformers
+from sweep_support import pinned
 
 from posdiag.api import run_checks
 from posdiag.model.families import family_for
@@ -44,13 +45,14 @@ def test_decoder_configured_bert_is_judged_as_a_causal_decoder():
 
 
 def test_roberta_generate_positions_regression():
-    """Upstream bug (transformers 5.24): generate() gives RoBERTa positions from 0, its forward from pad+1."""
+    """Upstream bug (transformers 5.24, 5.25; the findings table's roberta:is_decoder): generate() gives RoBERTa
+    positions from 0, its forward from pad+1."""
     model = decoder(transformers.RobertaConfig, transformers.RobertaForCausalLM, is_decoder=True)
     report = run_checks(from_module(model), ["causal", "generate"])
     assert report.check("causal").status is Status.PASS, report.check("causal").summary
     generate = report.check("generate")
-    assert generate.status is Status.FAIL, generate.summary
-    assert "step 0" in generate.summary and generate.metrics["ratio"] > 1e4
+    if pinned(generate, "roberta:is_decoder", "generate"):
+        assert "step 0" in generate.summary and generate.metrics["ratio"] > 1e4
 
 
 def test_causal_head_without_is_decoder_sees_the_future():
