@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 import transformers
+from sweep_support import holds, pinned
 
 from posdiag.api import run_checks
 from posdiag.model.classes import auto_class
@@ -111,13 +112,13 @@ def test_hunyuan_vl_xdrope_is_no_rotation_for_image_tokens():
     def pair_norms(x):
         return (x[..., :half] ** 2 + x[..., half:] ** 2).sqrt()
 
-    for streams, bound in (([5, 5, 5], 1e-6), ([5, 9, 3], None)):  # a text token, then an image token
+    distorted = holds("hunyuan_vl", "rope")  # where upstream fixed it, an image token is rotated like a text token
+    for streams, image in (([5, 5, 5], False), ([5, 9, 3], True)):  # a text token, then an image token
         cos, sin = rotary(q, torch.tensor(streams)[:, None, None])
         rotated, _ = hy.apply_rotary_pos_emb(q, q, cos.double(), sin.double())
         change = float((pair_norms(rotated) - pair_norms(q)).abs().max())
-        assert change < 1e-6 if bound else change > 1e-2, (streams, change)
-    result = _status(_subject("hunyuan_vl"), "rope")
-    assert result.status is Status.FAIL and "mRoPE rotation disagrees" in result.summary, result.summary
+        assert change > 1e-2 if image and distorted else change < 1e-6, (streams, change)
+    pinned(_status(_subject("hunyuan_vl"), "rope"), "hunyuan_vl", "rope")
 
 
 def test_qwen2_vl_chunked_mrope_passes():  # the healthy sibling: chunked sections, pair halves share a stream
@@ -148,4 +149,7 @@ def test_moshi_cached_decoding_past_its_sliding_window_differs_from_the_forward(
     """Moshi's decoder with a sliding window shorter than the probe: cached decoding (and generate()) past the window
     differs from the full forward (0.2 relative, the same in float64); with the window beyond the probe both PASS."""
     result = _status(_subject("moshi", sliding_window=window), "cache", seq_len=16)
-    assert result.status is (Status.FAIL if window < 256 else Status.PASS), result.summary
+    if window < 256:
+        pinned(result, "moshi", "cache")
+    else:
+        assert result.status is Status.PASS, result.summary

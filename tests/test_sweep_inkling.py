@@ -17,7 +17,7 @@ import warnings
 import pytest
 import torch
 import transformers
-from sweep_support import WRONG, sweep_module
+from sweep_support import WRONG, holds, pinned, sweep_module
 
 from posdiag.api import run_checks
 from posdiag.model.loading import from_module
@@ -50,7 +50,8 @@ def test_inkling_static_cache_offsets_its_relative_bias_and_inkling2_passes(mode
     if model_type == "inkling2_text":
         assert result.status is Status.PASS, result.summary
         return
-    assert result.status is Status.FAIL, result.summary
+    if not pinned(result, "inkling_text", "cache"):
+        return
     paths = result.details["paths"]
     assert {name for name, p in paths.items() if p["status"] is Status.FAIL} == {
         "static/decode", "static/chunks", "static/chunked_prefill"}, result.summary
@@ -69,7 +70,7 @@ def test_inkling_static_cache_query_offset_is_read_before_the_update_grows_it():
         offset = cache.get_query_offset(1)
         assert int(offset) == 10
         model(ids[:, 10:], cache=cache, use_cache=True)
-    assert int(offset) == 12  # the value read earlier moved with the cache
+    assert int(offset) == (12 if holds("inkling_text", "cache") else 10)  # the value read earlier moved with the cache
 
 
 @pytest.mark.parametrize("model_type", ["inkling_text", "inkling2_text", "inkling2_loop_text"])
@@ -79,12 +80,7 @@ def test_inkling_static_generate_past_the_sliding_window_crashes(model_type):
     FAIL naming the exception. 5.25 fixed the crash: Inkling2 then PASSes, and Inkling (v1) FAILs with wrong values,
     its static cache's relative bias one step off (the `cache` finding, now reached by generate too)."""
     result = _run(model_type, "generate")
-    found = sweep_module().finding(model_type, "generate")
-    if found is None:
-        assert result.status is Status.PASS, result.summary
-        return
-    assert result.status is Status.FAIL and found.matches(result.summary), result.summary
-    if found.kind != WRONG:
+    if pinned(result, model_type, "generate") and sweep_module().finding(model_type, "generate").kind != WRONG:
         assert "static/single crashed: RuntimeError" in result.summary, result.summary
         assert "must match the size of tensor b" in result.summary, result.summary
 
@@ -102,8 +98,8 @@ def test_inkling_static_generate_crash_shows_with_a_probe_the_window_holds():
     subject = from_module(small_model("inkling_text", **SMALL), name="inkling_text")
     options = RunOptions(seq_len=4, check_options={"generate": {"new_tokens": 3}})
     result = run_checks(subject, ["generate"], options).check("generate")
-    assert result.status is Status.FAIL, result.summary
-    assert sweep_module().finding("inkling_text", "generate").matches(result.summary), result.summary
+    if not pinned(result, "inkling_text", "generate"):
+        return
     assert result.details["alone_prompt_length"] == 12 and result.details["prompt_lengths"] == [4, 3, 2]
     runs = result.details["runs"]
     assert runs["dynamic/single"]["status"] is Status.PASS and runs["dynamic/batch"]["status"] is Status.PASS

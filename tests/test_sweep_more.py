@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sweep_support import SHORT, run_named, sweep_model
+from sweep_support import SHORT, pinned, run_named, sweep_model
 
 from posdiag.api import run_checks
 from posdiag.model.classes import auto_class
@@ -49,10 +49,10 @@ def test_trocr_positions_skip_and_its_left_padded_generate_is_an_upstream_findin
     assert found["positions"].status is Status.NA and "takes no position_ids" in found["positions"].summary
     assert found["batch"].status is Status.PASS, found["batch"].summary  # right padding (left: not the same input)
     generate = found["generate"]
-    assert generate.status is Status.FAIL and "dynamic/batch" in generate.summary, generate.summary
-    assert "float64" in generate.summary  # decided there: not rounding
-    single = generate.details["runs"]["dynamic/single"]
-    assert single["status"] is Status.PASS, single
+    if pinned(generate, "trocr", "generate"):
+        assert "float64" in generate.summary  # decided there: not rounding
+        single = generate.details["runs"]["dynamic/single"]
+        assert single["status"] is Status.PASS, single
 
 
 def test_gpt2_left_padded_generate_passes_where_trocr_fails():
@@ -114,9 +114,9 @@ def test_prophetnet_refused_cache_paths_are_named_and_static_cache_is_an_upstrea
     assert paths["dynamic/decode"]["status"] is Status.PASS, paths["dynamic/decode"]
     assert "only supported for `decoder_input_ids` of length 1" in paths["dynamic/chunks"]["refused"]
     assert paths["dynamic/chunks"]["status"] is Status.SKIP
-    assert cache.status is Status.FAIL and "static" in cache.summary and "crashed" in cache.summary, cache.summary
+    pinned(cache, "prophetnet", "cache")
     generate = found["generate"]
-    assert generate.status is Status.FAIL and "static" in generate.summary, generate.summary
+    pinned(generate, "prophetnet", "generate")
     assert generate.details["runs"]["dynamic/batch"]["status"] is Status.PASS
     for name in ("shift", "table"):
         assert found[name].status not in (Status.ERROR, Status.FAIL), (name, found[name].summary)
@@ -127,9 +127,9 @@ def test_cpmant_is_decoded_as_generate_feeds_it_and_static_cache_is_an_upstream_
     paths = found["cache"].details["paths"]
     for name in ("dynamic/decode", "dynamic/chunks", "dynamic/chunked_prefill"):
         assert paths[name]["status"] is Status.PASS, (name, paths[name])
-    assert found["cache"].status is Status.FAIL and "index_copy_" in found["cache"].summary
+    pinned(found["cache"], "cpmant", "cache")
     generate = found["generate"]
-    assert generate.status is Status.FAIL and "static" in generate.summary, generate.summary
+    pinned(generate, "cpmant", "generate")
     assert generate.details["runs"]["dynamic/single"]["status"] is Status.PASS
     batch = found["batch"]
     assert batch.status is Status.NA and "dummy parameter" in batch.summary, batch.summary  # it reads no mask
@@ -160,7 +160,8 @@ def _additive_yoso_mask(model):
 
 def test_yoso_padding_mask_is_a_no_op_upstream_finding_and_fixed_mask_passes():
     batch = _run(_model("yoso"), ["batch"])["batch"]
-    assert batch.status is Status.FAIL and "right-padded" in batch.summary and "float64" in batch.summary
+    if pinned(batch, "yoso", "batch"):
+        assert "float64" in batch.summary
     fixed = _run(_additive_yoso_mask(_model("yoso")), ["batch"])["batch"]
     assert fixed.status is Status.PASS, fixed.summary
 

@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 import transformers
+from sweep_support import holds, pinned
 
 from posdiag.api import run_checks
 from posdiag.model.loading import from_module
@@ -56,7 +57,10 @@ def test_a_window_the_forward_ignores_fails_cache_and_none_passes(window):
     # Qwen3-VL-MoE with a window set by hand: the forward attends every token, the DynamicCache keeps window - 1
     # (0.2 relative past the window, the same in float64). Its checkpoints set none: the default PASSes.
     result = _cache("qwen3_vl_moe", sliding_window=window, max_position_embeddings=32)
-    assert result.status is (Status.PASS if window is None else Status.FAIL), result.summary
+    if window is None:
+        assert result.status is Status.PASS, result.summary
+    else:
+        pinned(result, "qwen3_vl_moe:sliding_window", "cache")
 
 
 def test_reference_sliding_window_cache_passes_against_the_forward_with_its_prefill_declared(ocr):
@@ -105,5 +109,8 @@ def test_moshi_forward_ignores_the_window_its_cache_applies(dtype):
         return ((a - b).norm() / b.norm()).item()
 
     assert rel(steps[:window], full[:window]) < rounding  # within the window the three agree
+    if not holds("moshi", "cache"):  # fixed upstream: decoding is the forward, whichever side changed
+        assert rel(steps, full) < rounding
+        return
     assert rel(steps, windowed) < rounding
     assert rel(steps[window:], full[window:]) > 0.05

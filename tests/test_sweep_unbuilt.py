@@ -7,6 +7,7 @@ import collections
 
 import pytest
 import torch
+from sweep_support import pinned
 
 from posdiag.testing.multimodal import TEXT_SIZES, small_config, small_model
 
@@ -133,8 +134,10 @@ def test_blt_generate_crashes_upstream_and_a_healthy_decoder_passes():
 
     blt = from_module(small_model("blt"), name="blt")
     report = {c.name: c for c in run_checks(blt, ["generate", "cache"], RunOptions(seq_len=12)).checks}
-    assert report["generate"].status.value == "fail" and "num_hidden_layers" in report["generate"].summary
-    assert report["cache"].status.value == "skip" and "DynamicCache" in report["cache"].summary
+    if pinned(report["generate"], "blt", "generate"):
+        assert report["cache"].status.value == "skip" and "DynamicCache" in report["cache"].summary
+    else:  # upstream fixed: the cache it builds is judged too
+        assert report["cache"].status.value == "pass", report["cache"].summary
     healthy = from_module(zoo.tiny_model("llama"), name="llama")
     (check,) = run_checks(healthy, ["generate"], RunOptions(seq_len=12)).checks
     assert check.status.value == "pass"
