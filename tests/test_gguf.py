@@ -6,6 +6,7 @@ planted port bug FAILs with its shape and, for a boundary, the boundary's name. 
 
 import pytest
 from gguf_convert import write_gguf
+from sweep_support import pinned
 
 from posdiag.model.loading import from_module
 from posdiag.options import RunOptions
@@ -82,11 +83,13 @@ def test_dropped_sliding_window_is_a_step_at_the_window(tmp_path):
 
 
 def test_llama_cpp_qwen2_has_no_sliding_window(tmp_path):
-    """A finding about the engine, not a plant: llama.cpp's qwen2 graph attends to every key, so a
-    Qwen2 that uses its window (use_sliding_window=True) differs from the window on."""
+    """A finding about the engine, not a plant (the findings table's llama.cpp:qwen2, keyed by llama-cpp-python's
+    version): llama.cpp's qwen2 graph attends to every key, so a Qwen2 that uses its window (use_sliding_window=True)
+    differs from the window on."""
     result = compare(tmp_path, zoo.tiny_model("qwen2", init="strong"))
-    assert result.status is Status.FAIL and result.details["pattern"] == "step at a length"
-    assert result.details["boundary"] == f"sliding_window {zoo.SLIDING_WINDOW}"
+    if pinned(result, "llama.cpp:qwen2", "compare"):
+        assert result.details["pattern"] == "step at a length"
+        assert result.details["boundary"] == f"sliding_window {zoo.SLIDING_WINDOW}"
 
 
 def compare_quantised(tmp_path, model, plant=None, qtype="Q8_0"):
