@@ -12,6 +12,7 @@ import pytest
 import transformers
 from packaging.version import Version
 from rich.console import Console
+from sweep_support import pinned
 
 from posdiag.api import run_checks
 from posdiag.model.classes import auto_class
@@ -82,9 +83,10 @@ def test_healthy_vlm(model_type):
         assert status[name].status is Status.PASS, (name, status[name].summary)
     for name, check in status.items():
         if model_type == "paligemma" and name == "kernels":
-            # transformers 5.24: PaliGemma's SDPA path lets text tokens see later ones (prefix-LM mask without
-            # token_type_ids) while eager stays causal; a real disagreement, reported, not a posdiag error.
-            assert check.status is Status.FAIL, check.summary
+            # transformers 5.24, 5.25 (the findings table): PaliGemma's SDPA path lets text tokens see later ones
+            # (prefix-LM mask without token_type_ids) while eager stays causal; a real disagreement, reported, not a
+            # posdiag error.
+            pinned(check, "paligemma", "kernels")
             continue
         assert check.status in (Status.PASS, Status.SKIP, Status.NA), (name, check.summary)
         assert check.status is Status.PASS or check.summary
