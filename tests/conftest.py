@@ -21,6 +21,7 @@ def isolate(env=os.environ) -> None:
         hub.HF_HUB_OFFLINE = True
 
 
+CALLER_THREADS = os.environ.get("OMP_NUM_THREADS")  # read before posdiag.cli sets it from POSDIAG_THREADS
 isolate()
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,7 +46,7 @@ def _quiet_transformers():
     # One intra-op thread per xdist worker on a 2-core machine: two workers of two threads each oversubscribe the
     # cores and every matmul waits on the other worker's threads. An OMP_NUM_THREADS the caller set is kept.
     before = torch.get_num_threads()
-    if not os.environ.get("OMP_NUM_THREADS"):
+    if not CALLER_THREADS:
         workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
         torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // workers)))
     yield
