@@ -336,6 +336,25 @@ def test_help_is_whole_in_80_columns():
     assert "--sweep-to" in runner.invoke(app, ["kernels", "--help"]).output
 
 
+def test_help_names_arguments_one_way_and_only_the_options_a_command_has(fixtures_dir):
+    """Usage lines write a required argument bare and an optional one in brackets, every command alike; each help
+    ends with its exit codes and names --fail-on/--require only where the command takes them; MODEL names .gguf."""
+    usage = {"shuffle": "[MODEL]", "check": "[MODEL]", "rope": "MODEL", "kernels": "[MODEL]",
+             "compare": "REFERENCE [CANDIDATE]"}
+    for command, arguments in usage.items():
+        text = runner.invoke(app, [command, "--help"], env={"COLUMNS": "200"}).output
+        assert text.splitlines()[0].endswith(f" {command} [OPTIONS] {arguments}"), text.splitlines()[0]
+        assert "Exit codes:" in text and "130 interrupted" in text, command
+        options = {line.split()[0] for line in text.splitlines() if line.strip().startswith("--")}
+        for gate in ("--fail-on", "--require"):
+            assert (gate in text) == (gate in options), (command, gate)
+        if command != "compare":
+            assert ".gguf file" in text.split("Options:")[0], command
+    assert "--fail-on" not in runner.invoke(app, ["kernels", "--help"]).output
+    result = invoke("shuffle", fixtures_dir / "make_fixtures.py")
+    assert result.exit_code == 2 and "a .gguf file" in result.output, result.output
+
+
 def test_show_config_shows_only_the_same_from_either_source(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     typed = invoke("check", "fixtures/llama-tiny", "--only", "shuffle,load", "--show-config").output

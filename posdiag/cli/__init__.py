@@ -10,11 +10,13 @@ Heavy imports (torch, transformers) happen inside commands so `posdiag --help` i
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from collections.abc import Callable
 from typing import Annotated, Any
 
 import typer
+from typer.core import TyperCommand
 
 from posdiag._version import __version__
 from posdiag.cli import check, compare, kernels, rope
@@ -39,12 +41,17 @@ def _threads_before_torch(env: dict[str, str] = os.environ) -> None:  # type: ig
 
 _threads_before_torch()
 
-EXIT_CODES = (
-    "Exit codes: 0 no check failed (warnings and skips allowed unless --fail-on refuses them); "
-    "1 a position bug found (a check failed), or the gate policy refused a result (--fail-on, --require); "
-    "2 usage or load error; 3 posdiag could not run a check (an internal error, not a finding about the "
-    "model: please report it) and nothing else failed the gate."
-)
+def exit_codes(gate: tuple[str, ...] = ("--fail-on", "--require"), found: str = "a position bug found (a check "
+               "failed)", internal: str = "posdiag could not run a check (an internal error, not a finding about the "
+               "model: please report it)") -> str:
+    """The exit-code paragraph of a help page, naming only the gate options the command has."""
+    allowed = "warnings and skips allowed" + (" unless --fail-on refuses them" if "--fail-on" in gate else "")
+    refused = f", or the gate policy refused a result ({', '.join(gate)})" if gate else ""
+    return (f"Exit codes: 0 no check failed ({allowed}); 1 {found}{refused}; 2 usage or load error; 3 {internal}, "
+            "and nothing else failed the gate; 130 interrupted (Ctrl-C).")
+
+
+EXIT_CODES = exit_codes()
 
 app = typer.Typer(
     name="posdiag",
@@ -85,9 +92,33 @@ def _interruptible(command: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+class _Command(TyperCommand):
+    """Arguments on the usage line as click writes them, for every command alike: a required one bare (MODEL,
+    REFERENCE), an optional one in brackets ([MODEL], [CANDIDATE]); typer writes a required one in braces."""
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            if param.param_type_name == "argument":  # typer may ship its own click: its classes are not click's
+                name = (param.metavar or param.name or "").upper()
+                pieces.append(name if param.required else f"[{name}]")
+        return pieces
+
+
+def _epilog(command: Callable[..., Any]) -> str:
+    """Each command's exit codes, with the gate options it takes and what its 1 and 3 mean."""
+    params = inspect.signature(command).parameters
+    gate = tuple(f"--{name.replace('_', '-')}" for name in ("fail_on", "require") if name in params)
+    if command is compare.compare:
+        return exit_codes(gate, "the candidate differs from its reference (the comparison failed)",
+                          "posdiag could not run the comparison (an internal error: please report it), or the engine "
+                          "running the candidate crashed")
+    return exit_codes(gate)
+
+
 for command in (check.shuffle, check.check, compare.compare, kernels.kernels, rope.rope):
-    app.command(short_help=(command.__doc__ or "").strip().splitlines()[0],
-                epilog=None if command is compare.compare else EXIT_CODES)(_interruptible(command))
+    app.command(cls=_Command, short_help=(command.__doc__ or "").strip().splitlines()[0],
+                epilog=_epilog(command))(_interruptible(command))
 del command
 
 __all__ = ["app", "main"]

@@ -20,10 +20,12 @@ from posdiag.cli.groups import Given, Opt, takes
 from posdiag.cli.options import GATE, LOAD, OUTPUT, RUN, DType, Settings, load_options
 
 CandidateArg = Annotated[str | None, typer.Argument(
+    metavar="CANDIDATE",
     help="The port to check: hub id, directory, a .gguf file (llama.cpp), or module.path:factory returning a "
          "torch.nn.Module or an engine (an object with logits(ids) -> [T, V]). Left out when REFERENCE is a .gguf "
          "file: llama.cpp runs it against PyTorch running the same file dequantised.", show_default=False)]
 ReferenceArg = Annotated[str, typer.Argument(
+    metavar="REFERENCE",
     help="The trusted model: hub id, directory, module.path:factory, or (alone) a .gguf file.", show_default=False)]
 
 

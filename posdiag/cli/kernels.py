@@ -65,7 +65,8 @@ SDtypeOpt = Annotated[str,
                                    help="Model: load dtype (auto = the checkpoint's). Synthetic: float32, bfloat16, "
                                         "float16 or float64.")]
 KernelsModelArg = Annotated[str | None, typer.Argument(
-    help="Hub id, local checkpoint directory, or module.path:factory (omit with --synthetic).", show_default=False)]
+    metavar="MODEL", help="Hub id, local checkpoint directory, .gguf file, or module.path:factory (omit with "
+                          "--synthetic).", show_default=False)]
 
 SHAPE = Group("shape", {  # kernels --synthetic only
     "batch": Opt(BatchOpt, 2), "heads": Opt(HeadsOpt, 8), "kv_heads": Opt(KvHeadsOpt), "q_len": Opt(QLenOpt, 256),

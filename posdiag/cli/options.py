@@ -33,12 +33,12 @@ class Device(str, enum.Enum):
     mps = "mps"
 
 
-ModelArg = Annotated[str,
-                     typer.Argument(metavar="MODEL", help="Hub id, local checkpoint directory, or module.path:factory.",
-                                    show_default=False)]
-OptionalModelArg = Annotated[str | None, typer.Argument(metavar="MODEL",
-    help="Hub id, local checkpoint directory, or module.path:factory (default: `model` in the config file).",
+ModelArg = Annotated[str, typer.Argument(
+    metavar="MODEL", help="Hub id, local checkpoint directory, .gguf file, or module.path:factory.",
     show_default=False)]
+OptionalModelArg = Annotated[str | None, typer.Argument(
+    metavar="MODEL", help="Hub id, local checkpoint directory, .gguf file, or module.path:factory (default: `model` "
+                          "in the config file).", show_default=False)]
 RevisionOpt = Annotated[str | None,
                         typer.Option("--revision", metavar="REV", help="Hub revision (branch, tag or commit).")]
 TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow the checkpoint's own Python code to run.")]

@@ -29,7 +29,8 @@ def check_spec(spec: str, local: Path) -> bool:
     is_local = local.exists()
     if is_local:
         if not local.is_dir():
-            raise PosdiagError(f"'{spec}' is a file; MODEL is a checkpoint directory, a hub id, or module:factory")
+            raise PosdiagError(f"'{spec}' is a file, not a .gguf file; MODEL is a checkpoint directory, a .gguf "
+                               "file, a hub id, or module:factory")
         if not (local / "config.json").is_file():
             raise PosdiagError(f"'{spec}' has no config.json: not a transformers checkpoint directory")
     elif spec.startswith((".", "/", "~")) or spec.count("/") > 1:
