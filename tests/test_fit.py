@@ -83,20 +83,22 @@ def test_planted_copies_fail_naming_the_alternative(tmp_path, plant, names):
 @pytest.mark.parametrize("family, init", [(f, "default") for f in ("llama", "gpt2", "qwen2", "gemma3", "phi",
                                                                     "gpt_neox", "opt", "bloom")]
                          + [("gpt2", "strong"), ("llama", "strong")])
-def test_untrained_models_skip_after_one_forward(family, init):
+def test_untrained_models_are_settled_after_one_forward(family, init):
     """At chance (default init): the context gain over the destroyed twin, paired by target token, is bounded within
-    +-0.1 nats by the first row and its twin alone (one forward). Confidently wrong (large random weights): the
-    paired gains spread so widely that the whole material and a twin of all of it (three forwards) neither bound the
-    gain near 0 nor put it above 0: SKIP, saying it cannot tell. Never a verdict either way."""
+    +-0.1 nats by the first row and its twin alone (one forward); built in memory, nothing was trained: N/A, which
+    never fails a gate. Confidently wrong (large random weights): the paired gains spread so widely that the whole
+    material and a twin of all of it (three forwards) neither bound the gain near 0 nor put it above 0: SKIP, saying
+    it cannot tell. Never a verdict either way."""
     subject = from_module(zoo.tiny_model(family, init=init))
     start = subject.forward_count
     result = fit(subject)
-    assert result.status is Status.SKIP, result.summary
     if init == "default":
+        assert result.status is Status.NA, result.summary
         assert "predicts like an untrained one" in result.summary
-        assert "settled on the screen's first row" in result.summary
+        assert "settled on the screen's first row" in result.summary and "built in memory" in result.summary
         assert subject.forward_count - start == 1
     else:
+        assert result.status is Status.SKIP, result.summary
         assert "cannot tell whether the model is trained" in result.summary, result.summary
         assert subject.forward_count - start == 3
     assert abs(result.metrics["context_gain"]) < 3 * result.metrics["context_gain_error"] + 0.1
@@ -130,10 +132,29 @@ def test_the_screen_pairs_each_twin_target_with_the_same_token():
     assert screen.gain == 0 and screen.spread == 0 and screen.untrained
 
 
-@pytest.mark.parametrize("family", ["bert", "t5"])
-def test_masked_and_seq2seq_models_skip_with_the_reason(family):
+def test_an_untrained_checkpoint_stays_a_skip(fixtures_dir):
+    """The same measurement on weights loaded from a checkpoint (llama-tiny: random weights saved as safetensors)
+    is a SKIP: a checkpoint is meant to carry training, and weights that do not use their context may be a trained
+    model broken past use, which `--fail-on skip` must still catch."""
+    result = fit(load_subject(str(fixtures_dir / "llama-tiny")))
+    assert result.status is Status.SKIP and "predicts like an untrained one" in result.summary, result.summary
+    assert "built in memory" not in result.summary
+
+
+@pytest.mark.parametrize("family, kind", [("bert", "encoder"), ("t5", "seq2seq")])
+def test_masked_and_seq2seq_models_are_not_applicable(family, kind):
+    """By design: fit scores next-token predictions of plain text; an encoder makes none, an encoder-decoder
+    predicts from an input fit does not have. N/A, not a SKIP: `--fail-on skip` passes every BERT and T5."""
     result = fit(from_module(zoo.tiny_model(family)))
-    assert result.status is Status.SKIP and "not a causal LM" in result.summary
+    assert result.status is Status.NA and result.summary, result.summary
+    assert ("predicts no next token" if kind == "encoder" else "an encoder-decoder (seq2seq)") in result.summary
+
+
+def test_a_factory_model_without_a_config_is_not_applicable():
+    from posdiag.model.loading import load_subject as load
+
+    result = fit(load("fixtures.custom_model:healthy"))
+    assert result.status is Status.NA and "no configuration to vary" in result.summary, result.summary
 
 
 def test_alternatives_cover_each_layer_type_and_partial_rotary():

@@ -285,3 +285,71 @@ def test_pytest_plugin_refuses_skips_and_warnings_unless_told(pytester):
     result.assert_outcomes(passed=1, failed=2)
     result.stdout.fnmatch_lines(["*gate: shuffle skip, and the gate fails on skip*",
                                  "*gate: shuffle warn, and the gate fails on warn*"])
+
+
+PLUGIN_REQUIRE = '''
+import pytest
+from posdiag.results import CheckResult, Report, Status
+from posdiag.testing.pytest_plugin import PosdiagFixture
+
+class Canned(PosdiagFixture):
+    def __init__(self, **statuses):
+        self.statuses = statuses
+
+    def check(self, model, checks=None, fail_on=(), require=None, **kwargs):
+        from posdiag.api import gate_policy
+        from tests_info import MODEL
+        results = tuple(CheckResult(n, Status(s), "said so") for n, s in self.statuses.items())
+        return Report(MODEL, results, policy=gate_policy(fail_on, require))
+
+def test_only_the_required_must_pass():
+    canned = Canned(shuffle="pass", cache="pass", fit="skip", rope="warn", table="n/a")
+    canned.assert_ok(None, require=["shuffle", "cache"])
+
+def test_a_required_check_that_skips_fails():
+    Canned(shuffle="pass", cache="skip").assert_ok(None, require=["shuffle", "cache"])
+
+def test_a_fail_anywhere_fails():
+    Canned(shuffle="pass", cache="pass", fit="fail").assert_ok(None, require=["shuffle", "cache"])
+
+def test_told_to_refuse_skips_it_does():
+    Canned(shuffle="pass", cache="pass", fit="skip").assert_ok(None, require=["shuffle", "cache"], allow_skips=False)
+'''
+
+
+def test_require_means_only_the_required_checks_must_pass(pytester):
+    """`assert_ok(model, require=[...])` held every other check to PASS too (its default refusal of skips and
+    warnings stayed on), so fit's SKIP failed the docs/ci.md example on every fresh decoder. Named, the required
+    checks must PASS; the rest may skip, warn or be n/a; a FAIL anywhere, or a required check that skips, fails."""
+    pytester.makepyfile(test_require=PLUGIN_REQUIRE, tests_info=f"from posdiag.results import ModelInfo\n"
+                        f"MODEL = {MODEL!r}\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", "-v")
+    result.assert_outcomes(passed=1, failed=3)
+    result.stdout.fnmatch_lines(["*test_only_the_required_must_pass PASSED*", "*gate: cache required, but skip*",
+                                 "*FAIL fit: said so*", "*gate: fit skip, and the gate fails on skip*"])
+
+
+DOCS_EXAMPLE = '''
+from posdiag.testing import zoo
+
+def test_positions(posdiag):
+    posdiag.assert_ok(zoo.tiny_model("llama"), require=["shuffle", "cache"])  # docs/ci.md, on a fresh Llama
+    posdiag.assert_ok(zoo.tiny_model("llama"))  # every check: fit is n/a on an untrained model built in memory
+'''
+
+
+def test_the_documented_require_example_passes_on_a_fresh_llama(pytester):
+    pytester.makepyfile(test_docs_example=DOCS_EXAMPLE)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist")
+    result.assert_outcomes(passed=1)
+
+
+@pytest.mark.parametrize("fixture", ["bert-tiny", "t5-tiny"])
+def test_encoders_and_seq2seq_read_ok_under_fail_on_skip(fixtures_dir, fixture):
+    """Every check that does not run on BERT or T5 does not apply by design (n/a): `check --fail-on skip` passes
+    and the panel reads OK, where fit's SKIP once made it "not a full bill of health" and failed the gate."""
+    result = invoke("check", fixtures_dir / fixture, "--fail-on", "skip")
+    assert result.exit_code == 0, result.output
+    import re
+
+    assert "OK — no position bug found" in result.output and not re.search(r"\d+ skip", result.output)

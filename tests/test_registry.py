@@ -111,7 +111,7 @@ def test_baseline_metrics_come_from_the_spec():
     assert watched_metrics("causal") == {}
 
 
-def test_checks_that_do_not_apply_to_an_encoder_skip_on_one():
+def test_checks_that_do_not_apply_to_an_encoder_are_na_on_one():
     """applies_to is what the checks do: on an encoder the others say so, each with its own reason."""
     from posdiag.api import run_checks
     from posdiag.model.loading import from_module
@@ -124,8 +124,8 @@ def test_checks_that_do_not_apply_to_an_encoder_skip_on_one():
     names = [n for n in checks.REGISTRY if not checks.registered(n).applies(subject.kind)]
     assert set(names) == {"cache", "generate", "state", "causal", "fit"}
     report = run_checks(subject, names, RunOptions(seq_len=8))
-    # by design n/a; `fit` SKIPs: a masked LM could be scored by a pseudo-likelihood, which is not run
-    expected = {"cache": Status.NA, "generate": Status.NA, "state": Status.NA, "causal": Status.NA, "fit": Status.SKIP}
+    # by design n/a, every one (fit scores next-token predictions, which an encoder does not make)
+    expected = {"cache": Status.NA, "generate": Status.NA, "state": Status.NA, "causal": Status.NA, "fit": Status.NA}
     assert all(c.status is expected[c.name] and c.summary for c in report.checks), report.checks
 
 

@@ -55,7 +55,7 @@ class CheckSpec:
     name:       the stable name (JSON, JUnit, --only/--skip); equals the module's name.
     title:      a few words for reports and `posdiag check --list`.
     proves:     what a PASS proves, one line.
-    applies_to: the model kinds it judges (Subject.kind); on the others it SKIPs with its own reason.
+    applies_to: the model kinds it judges (Subject.kind); on the others it is N/A, with its own reason.
     options:    the `[checks.NAME]` settings it reads, each with its default and the reason for it.
     baseline:   metrics `--baseline` watches, with the direction that is good ("higher" | "lower").
     run:        `run(subject, options) -> CheckResult`, bound by the registry from the module.

@@ -3,11 +3,13 @@
     def test_positions(posdiag):
         posdiag.assert_ok(build_my_model())                 # every applicable check
         posdiag.assert_ok(build_my_model(), checks=["shuffle"])
-        posdiag.assert_ok(build_my_model(), require=["shuffle", "cache"])  # these must pass, not only not fail
+        posdiag.assert_ok(build_my_model(), require=["shuffle", "cache"])  # these must pass; the rest must not fail
         posdiag.assert_ok(build_my_model(), allow_skips=True)  # a check that could not run is accepted
 
 By default a test passes only when every check passed or does not apply (n/a): a SKIP (not run) or a WARN (not
 decided) was not judged, so it does not pass a unit test unless the test says so (allow_skips / allow_warnings).
+A test that names `require` says which checks must pass: those must PASS, the others may skip or warn (a FAIL or an
+internal error anywhere still fails it), unless allow_skips=False / allow_warnings=False says otherwise.
 
 A failure shows the report (one line per check, with the numbers), not a traceback into posdiag.
 Registered through the `pytest11` entry point, so installing posdiag is enough.
@@ -29,14 +31,20 @@ class PosdiagFixture:
 
         return check_model(model, checks, **kwargs)
 
-    def assert_ok(self, model: Any, checks: Iterable[str] | None = None, *, allow_warnings: bool = False,
-                  allow_skips: bool = False, fail_on: str | Iterable[str] | None = None,
+    def assert_ok(self, model: Any, checks: Iterable[str] | None = None, *, allow_warnings: bool | None = None,
+                  allow_skips: bool | None = None, fail_on: str | Iterable[str] | None = None,
                   require: str | Iterable[str] | None = None, **kwargs: Any):
-        """Fail the test when the gate does not pass: a check fails, posdiag cannot run one, a check warns or
-        skips (unless allow_warnings / allow_skips), or the policy refuses a result (`require`d checks that did
-        not pass, n/a included). Returns the report."""
-        statuses = set(_split(fail_on)) | (set() if allow_warnings else {"warn"}) | (set() if allow_skips else
-                                                                                     {"skip"})
+        """Fail the test when the gate does not pass: a check fails, posdiag cannot run one, the policy refuses a
+        result (`require`d checks that did not pass, n/a included), or a check warns or skips. Unsaid, warnings and
+        skips fail the test when nothing is required (every check must pass or be n/a) and are allowed when
+        `require` names the checks that must pass; allow_warnings / allow_skips decide either way. Returns the
+        report."""
+        named = bool(_split(require))
+        statuses = set(_split(fail_on))
+        if not (named if allow_warnings is None else allow_warnings):
+            statuses.add("warn")
+        if not (named if allow_skips is None else allow_skips):
+            statuses.add("skip")
         report = self.check(model, checks, fail_on=sorted(statuses), require=require, **kwargs)
         if report.exit_code != 0:
             from posdiag.results import Status

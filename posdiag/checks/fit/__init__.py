@@ -18,14 +18,16 @@ config.json is beaten by x10 (+0.159 nats, z = 9.2); q/k rows interleaved by the
 few distances is shown for the configuration and, on a FAIL, the decisive alternative (evidence, not the decision: the
 θ-lost copy copies better than the healthy model at distances 64 and 256, worse only at 512).
 
-SKIP, cheaply, when the configured model predicts like an untrained one: no better on its material than on a
-destroyed twin of it (the copy's source replaced by fresh tokens, the prose shuffled), whatever its loss. The first
-row and its twin decide where they settle it (default-init models: one forward), else the first rows and their
-twins, before the rest of the material or any alternative runs (Gemma's scaled embeddings, large random weights).
+SKIP (N/A for a model built in memory), cheaply, when the configured model predicts like an untrained one: no
+better on its material than on a destroyed twin of it (the copy's source replaced by fresh tokens, the prose
+shuffled), whatever its loss. The first row and its twin decide where they settle it (default-init models: one
+forward), else the first rows and their twins, before the rest of the material or any alternative runs (Gemma's
+scaled embeddings, large random weights).
 Also SKIP when no candidate beats the targets' unigram entropy, and when the material cannot decide (undecided.py:
 every candidate above the unigram entropy but not beyond noise, or an alternative gaining without reaching the
-bound; the SKIP says how many targets would decide) — one sentence of --text is never a verdict. Masked LMs and
-encoder-decoders are not scored (a pseudo-likelihood costs a forward per masked set). Alternatives are made in
+bound; the SKIP says how many targets would decide) — one sentence of --text is never a verdict. N/A by design:
+encoders and encoder-decoders (no plain next-token stream to score), factory models without a transformers config
+(nothing to vary), and an untrained model built in memory (nothing trained to fit). Alternatives are made in
 memory and undone exactly (edits.py); the checkpoint on disk is never touched. Logits are reduced chunk by chunk
 (posdiag.model.logits): a forward never holds full-vocabulary logits for more rows than one chunk.
 """
@@ -73,9 +75,9 @@ SPEC = CheckSpec(
 
 
 def run(subject: Subject, options: RunOptions) -> CheckResult:
-    why = _not_scored(subject)
-    if why:
-        return SPEC.result(Status.SKIP, why)
+    why = _not_applicable(subject)
+    if why:  # by design: nothing fit could score, whatever the weights (never fails a gate unless required)
+        return SPEC.result(Status.NA, why)
     material = plan_material(subject, options, options.for_check("fit"))
     if material is None:
         return SPEC.result(Status.SKIP, f"the declared context ({subject.max_positions} tokens) is too short "
@@ -91,8 +93,10 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
         return SPEC.result(Status.SKIP, f"cannot score the model's predictions ({type(exc).__name__}: "
                            f"{str(exc)[:160]})")
     if why:
-        return SPEC.result(Status.SKIP, why, {"loss": configured.loss, "targets": configured.losses.size,
-                                              "context_gain": screen.gain, "context_gain_error": screen.spread})
+        built = screen.untrained and not subject.load_info.files
+        return SPEC.result(Status.NA if built else Status.SKIP, why + (_BUILT if built else ""),
+                           {"loss": configured.loss, "targets": configured.losses.size,
+                            "context_gain": screen.gain, "context_gain_error": screen.spread})
     alternatives, notes = plan_alternatives(subject, int(material.ids.shape[1]))
     if not alternatives:
         return SPEC.result(Status.SKIP, f"no alternative configuration to score against ({subject.position_kind}"
@@ -103,12 +107,25 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     return result
 
 
-def _not_scored(subject: Subject) -> str:
+# A model built in memory (a factory, an nn.Module: no weights loaded) that the screen's equivalence test finds
+# untrained is the fresh initialisation a unit test builds: no training to fit, by construction (N/A). The same
+# measurement on a checkpoint stays a SKIP: a checkpoint is meant to carry training, and weights that do not use their
+# context may be a trained model broken past use, which `--fail-on skip` must still catch.
+_BUILT = "; built in memory with no weights loaded, it carries no training for a configuration to fit"
+
+
+def _not_applicable(subject: Subject) -> str:
+    """Why fit cannot apply to this model by design, or "": it scores the next-token predictions of a causal LM
+    against the transformers config it was loaded with."""
+    if subject.kind == "encoder":
+        return ("a bidirectional encoder predicts no next token: fit scores left-to-right predictions under each "
+                "configuration, which a masked LM does not make (a masked-token pseudo-likelihood would be another "
+                "check)")
     if subject.kind != "causal":
-        return (f"not a causal LM ({subject.kind}): masked and encoder-decoder models would need a pseudo-likelihood "
-                "(a forward per masked set), not run")
+        return (f"an encoder-decoder ({subject.kind}) predicts its output from an input (corrupted spans, a source "
+                "sentence): there is no plain text stream to score under each configuration")
     if not subject.is_hf:
-        return "factory model without a transformers config: no configuration to vary"
+        return "a factory model without a transformers config: no configuration to vary"
     return ""
 
 
