@@ -66,8 +66,15 @@ def test_piped_report_keeps_every_number_and_verdict(args, tmp_path):
         assert cell in text, f"{cell!r} is not whole in the piped report"
     for check in data["checks"]:
         assert check["status"].upper() in text
-    # stderr holds nothing but the one line per finished check a log without a terminal gets
-    assert all(line.startswith("posdiag: ") and line.endswith(" s)") for line in err.splitlines()), err
+        for table in check["details"].get("tables", []):  # a title wider than its table is not wrapped
+            assert any(table["title"] in line for line in text.splitlines()), table["title"]
+    padded = [line for line in text.splitlines() if line != line.rstrip()]
+    assert not padded, f"{len(padded)} lines end in spaces: {padded[:2]}"
+    # stderr holds nothing but a line as the model loads and the one line per finished check a log gets
+    loads, *finished = err.splitlines()
+    assert loads == f"posdiag: loading {args[1]} ...", err  # stderr's alone: stdout is the report
+    assert "posdiag: loading" not in text
+    assert all(line.startswith("posdiag: ") and line.endswith((" s)", " ...")) for line in finished), err
 
 
 def test_piped_synthetic_kernels_are_whole_and_quiet(tmp_path):
@@ -262,8 +269,8 @@ def test_text_longer_than_the_context_names_the_text(fixtures_dir, tmp_path, as_
         given.write_text(text)
     result = invoke("check", fixtures_dir / "window-text", "--text", given, "--only", "shuffle", "-q")
     assert result.exit_code == 2, result.output
-    lines = result.output.strip().splitlines()
-    assert len(lines) == 1 and "--seq-len" not in lines[0], result.output
+    loads, *lines = result.output.strip().splitlines()  # the error, after the line saying the model loads
+    assert loads.startswith("posdiag: loading ") and len(lines) == 1 and "--seq-len" not in lines[0], result.output
     assert "--text gives 1200 tokens" in lines[0] and "declared context of 1024 tokens" in lines[0], result.output
 
 
@@ -399,7 +406,7 @@ def test_a_log_without_a_terminal_gets_one_line_per_finished_check(fixtures_dir)
     with its verdict and seconds; -q keeps stderr silent."""
     result = invoke("check", fixtures_dir / "llama-tiny", "--only", "shuffle,causal")
     assert result.exit_code == 0, result.output
-    lines = [line for line in result.stderr.splitlines() if line.startswith("posdiag: ")]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("posdiag: ") and " loading " not in line]
     assert [line.split()[1:3] for line in lines] == [["shuffle", "PASS"], ["causal", "PASS"]], result.stderr
     assert all(line.endswith(" s)") for line in lines)
     quiet = invoke("check", fixtures_dir / "llama-tiny", "--only", "shuffle", "-q")

@@ -211,7 +211,7 @@ def test_compare_fail_on_and_require_gate_a_warn():
     base = ["compare", "tests.engines_demo:reference", "tests.engines_demo:quantised_rotary_layout", "--seq-len", "32",
             "--quiet"]
     plain = CliRunner().invoke(app, base)
-    assert plain.exit_code == 0 and plain.output.startswith("WARN compare: inconclusive"), plain.output
+    assert plain.exit_code == 0 and plain.stdout.startswith("WARN compare: inconclusive"), plain.output
     for gate in (["--fail-on", "warn"], ["--require", "compare"]):
         out = CliRunner().invoke(app, base + gate)
         assert out.exit_code == 1, out.output

@@ -82,11 +82,12 @@ def test_the_command_line_runs_a_graph_and_refuses_a_broken_file(graphs, tmp_pat
     out = CliRunner().invoke(app, ["compare", "tests.engines_demo:reference", str(graphs["llama", "dynamic"]),
                                    "--seq-len", "32", "-q"])
     assert out.exit_code == 0, out.output
-    assert out.output.startswith("PASS compare: same function within float32 rounding")
+    assert out.stdout.startswith("PASS compare: same function within float32 rounding")
     broken = tmp_path / "broken.onnx"
     broken.write_bytes(b"not a graph")
     out = CliRunner().invoke(app, ["compare", "tests.engines_demo:reference", str(broken)])
-    assert out.exit_code == 2 and out.output.startswith("posdiag: error: ONNX Runtime cannot load"), out.output
+    assert out.exit_code == 2, out.output
+    assert out.stderr.splitlines()[-1].startswith("posdiag: error: ONNX Runtime cannot load"), out.output
     assert "Traceback" not in out.output
 
 

@@ -180,7 +180,7 @@ def test_the_command_line_names_an_absent_server_in_one_line(smollm2_dir):
 
     out = CliRunner().invoke(app, ["compare", str(smollm2_dir), f"http://127.0.0.1:{free_port()}/v1"])
     assert out.exit_code == 3, out.output
-    assert out.output.strip().startswith("posdiag: error: the server at http://127.0.0.1:")
+    assert out.stderr.splitlines()[-1].startswith("posdiag: error: the server at http://127.0.0.1:")
     assert "could not be reached while listing its models" in out.output and "Traceback" not in out.output
     out = CliRunner().invoke(app, ["compare", "fixtures/llama-tiny", "fixtures/llama-tiny", "--served-model", "m"])
     assert out.exit_code == 2 and "--served-model: for a server candidate" in out.output, out.output

@@ -81,6 +81,21 @@ def without_profiler_noise() -> Iterator[None]:
             sys.stderr.write("".join(kept))
 
 
+@contextlib.contextmanager
+def loading(spec: str) -> Iterator[None]:
+    """While MODEL loads (seconds to minutes): a spinner on a terminal; anywhere else (a CI log, a pipe) one line
+    on stderr, `posdiag: loading MODEL ...`, so the wait is not silence, and stdout stays the report's alone."""
+    from rich.console import Console
+
+    err = Console(stderr=True)
+    if err.is_terminal:
+        with err.status(f"loading {spec}…"):
+            yield
+        return
+    print(f"posdiag: loading {spec} ...", file=sys.stderr, flush=True)
+    yield
+
+
 def write_output(path: str, text: str, debug: bool) -> None:
     """Write text to stdout when path is `-`, else to the file (a file that cannot be written is exit 2)."""
     if path == "-":
@@ -90,7 +105,8 @@ def write_output(path: str, text: str, debug: bool) -> None:
 
 
 def console_for(*paths: str | None) -> Console:
-    """The console for the human-readable output: stderr when a report file (--json, --junit...) goes to stdout."""
-    from rich.console import Console
+    """The console for the human-readable output: stderr when a report file (--json, --junit...) goes to stdout.
+    Outside a terminal no line is wrapped and none ends in spaces (report.fit.sink_console)."""
+    from posdiag.report.fit import sink_console
 
-    return Console(stderr=True) if "-" in paths else Console()
+    return sink_console(stderr="-" in paths)

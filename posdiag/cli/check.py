@@ -13,7 +13,7 @@ import typer
 
 from posdiag.cli import validate
 from posdiag.cli._flow import emit, load_model, run_options
-from posdiag.cli._io import fail, guarded
+from posdiag.cli._io import console_for, fail, guarded, loading
 from posdiag.cli.groups import Given, takes
 from posdiag.cli.options import CONFIG, GATE, LOAD, OUTPUT, RUN, OptionalModelArg, Settings, resolve
 
@@ -68,7 +68,7 @@ def run_command(ctx: typer.Context, given: Settings, fixed_checks: list[str] | N
         fail(f"no check left to run (--only {','.join(settings.only or [])} --skip {','.join(settings.skip or [])})")
     policy = guarded(lambda: gate_policy(settings.fail_on, settings.require), debug)
     err = Console(stderr=True)
-    with err.status(f"loading {settings.model}…"):
+    with loading(settings.model):
         subject = guarded(lambda: _junit_if_aborted(settings, lambda: load_model(settings)), debug)
     try:
         options = guarded(lambda: _junit_if_aborted(settings, lambda: run_options(settings, subject)), debug)
@@ -170,7 +170,6 @@ def _first_baseline(report, path: str):
 
 def _show_config(settings: Settings) -> None:
     """The effective settings of this command, where each came from, and the per-check tables."""
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"effective configuration (file: {settings.config_file or 'none'})", title_justify="left")
@@ -184,5 +183,5 @@ def _show_config(settings: Settings) -> None:
     for name, opts in settings.check_options.items():
         for key, value in opts.items():
             table.add_row(f"checks.{name}.{key}", repr(value), "config file")
-    Console().print(table)
+    console_for().print(table)
 

@@ -15,7 +15,7 @@ import typer
 
 from posdiag.cli import validate
 from posdiag.cli._flow import quiet_transformers, tokenize
-from posdiag.cli._io import console_for, fail, guarded, write_output
+from posdiag.cli._io import console_for, fail, guarded, loading, write_output
 from posdiag.cli.groups import Given, Opt, takes
 from posdiag.cli.options import GATE, LOAD, OUTPUT, RUN, DType, Settings, load_options
 
@@ -193,17 +193,14 @@ def _layer_map(text: str):
 
 
 def _load_both(reference: Settings, candidate: Settings, served: dict):
-    from rich.console import Console
-
     from posdiag.model.loading import load_subject
 
-    err = Console(stderr=True)
     ref_opts, cand_opts = load_options(reference), load_options(candidate)
     quiet_transformers()
-    with err.status(f"loading {reference.model}…"):
+    with loading(reference.model):
         checked = guarded(lambda: _one_gguf_file(reference.model, candidate.model), reference.debug)
         ref = guarded(lambda: load_subject(reference.model, ref_opts, checked=checked), reference.debug)
-    with err.status(f"loading {candidate.model}…"):
+    with loading(candidate.model):
         cand = guarded(lambda: _load_candidate(candidate.model, cand_opts, checked, served), reference.debug)
     return ref, cand
 

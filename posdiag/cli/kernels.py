@@ -19,7 +19,7 @@ import typer
 
 from posdiag.cli import validate
 from posdiag.cli._flow import emit, load_model, run_options
-from posdiag.cli._io import console_for, fail, guarded, without_profiler_noise, write_output
+from posdiag.cli._io import console_for, fail, guarded, loading, without_profiler_noise, write_output
 from posdiag.cli.groups import Given, Group, Opt, takes
 from posdiag.cli.options import LOAD, OUTPUT, RUN, DType, Settings
 
@@ -122,7 +122,7 @@ def _model(settings: Settings) -> None:
 
     debug = settings.debug
     err = Console(stderr=True)
-    with err.status(f"loading {settings.model}…"):
+    with loading(settings.model):
         subject = guarded(lambda: load_model(settings), debug)
     options = guarded(lambda: run_options(settings, subject), debug)
     with err.status("comparing attention implementations…"):

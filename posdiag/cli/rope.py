@@ -12,7 +12,7 @@ import typer
 
 from posdiag.cli import validate
 from posdiag.cli._flow import load_model, quiet_transformers
-from posdiag.cli._io import console_for, fail, guarded, write_output
+from posdiag.cli._io import console_for, fail, guarded, loading, write_output
 from posdiag.cli.groups import Given, takes
 from posdiag.cli.options import LOAD, OUTPUT, RUN, ModelArg, Settings
 
@@ -54,7 +54,10 @@ def rope(model: ModelArg, target_length: TargetOpt = None, config_only: ConfigOn
     if factory and config_only:
         fail("--config-only needs a config.json, a checkpoint directory or a hub id, not a module:factory")
     loaded = factory or (gguf and not config_only)
-    subject = guarded(lambda: load_model(settings), debug) if loaded else None
+    subject = None
+    if loaded:
+        with loading(model):
+            subject = guarded(lambda: load_model(settings), debug)
     config = subject.config if loaded else guarded(lambda: _read_config(settings), debug)
     specs = rope_math.rope_specs(config) if getattr(config, "model_type", "custom") != "custom" else []
     if not specs and static_only:
@@ -159,7 +162,7 @@ def _run_probe(settings: Settings, subject: Any, target_length: int | None, copy
     debug = settings.debug
     err = Console(stderr=True)
     if subject is None:
-        with err.status(f"loading {settings.model}…"):
+        with loading(settings.model):
             subject = guarded(lambda: load_model(settings), debug)
     options = RunOptions(seed=settings.seed,
                          check_options={"rope": {"target_length": target_length}} if target_length else {})

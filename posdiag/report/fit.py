@@ -1,7 +1,8 @@
 """Tables printed whole at any width and in any sink: a number or a verdict is never cut with `…`.
 
 - Not a terminal (a pipe, a file, a CI log): the table is printed at the width it needs, whatever the
-  console's width (rich would squeeze it into 80 columns and cut cells).
+  console's width (rich would squeeze it into 80 columns and cut cells), its title on a line of its own when
+  wider than the table; sink_console's consoles wrap no line and write no trailing spaces.
 - A terminal too narrow for the table: short cells first (numbers in 3 significant digits, long reasons
   moved below the table as numbered notes), then rich's word wrapping if it cuts nothing, and as a last
   resort one line per row (`key: column value · column value ...`), which wraps between words only.
@@ -13,6 +14,8 @@ import copy
 import dataclasses
 import io
 import re
+import sys
+from typing import TextIO
 
 from rich.console import Console, RenderableType
 from rich.measure import Measurement
@@ -24,6 +27,39 @@ NUMBER = re.compile(r"(?<![\w.])-?\d+\.\d+(?:e[+-]?\d+)?(?![\w.])|(?<![\w.])-?\d
 PROSE = 24  # a text cell longer than this (with spaces) is a reason, printed below a narrow table
 
 
+UNWRAPPED = 100_000  # a pipe's console width: no line is wrapped, a table takes the width it needs
+
+
+class TrimmedLines(io.TextIOBase):
+    """A text stream that writes each finished line without its trailing spaces (rich pads every table cell and
+    title to its column's width: a piped `check` report had lines of ~390 columns, most of them spaces)."""
+
+    def __init__(self, target: TextIO) -> None:
+        self.target, self.pending = target, ""
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return getattr(self.target, "encoding", None) or "utf-8"
+
+    def write(self, text: str) -> int:
+        *lines, self.pending = (self.pending + text).split("\n")
+        if lines:
+            self.target.write("".join(line.rstrip(" ") + "\n" for line in lines))
+        return len(text)
+
+    def flush(self) -> None:  # a line without its newline yet stays pending: its padding may still come
+        self.target.flush()
+
+
+def sink_console(stderr: bool = False) -> Console:
+    """The console for a report on stdout (stderr): a terminal's as rich makes it; anywhere else (a pipe, a file, a
+    CI log) every line whole, never wrapped at COLUMNS or 80, without trailing spaces."""
+    console = Console(stderr=stderr)
+    if console.is_terminal:
+        return console
+    return Console(file=TrimmedLines(sys.stderr if stderr else sys.stdout), width=UNWRAPPED)
+
+
 def natural_width(console: Console, renderable: RenderableType) -> int:
     """The width the renderable takes when nothing limits it."""
     return Measurement.get(console, console.options.update_width(100_000), renderable).maximum
@@ -33,6 +69,10 @@ def print_table(console: Console, table: Table, *, prose: bool = False) -> None:
     """Print table whole. prose=True: a table whose text columns may wrap (the overview of checks)."""
     natural = natural_width(console, table)
     if not console.is_terminal:
+        if table.title and len(str(table.title)) > natural:  # rich would wrap it at the table's width
+            print_line(console, Text(str(table.title), style="italic"))
+            table = copy.copy(table)
+            table.title = None
         _print_at(console, table, max(console.width, natural))
         return
     if natural <= console.width or (prose and _whole(console, table, table)):
