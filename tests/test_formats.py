@@ -39,6 +39,7 @@ def test_every_format_renders_what_its_renderer_does():
     assert formats.FORMATS["github"].format(REPORT) == format_github(REPORT)
     text = formats.FORMATS["console"].format(REPORT)
     assert "FAIL" in text and "shuffle" in text and "\x1b[" not in text  # the console view, without styles
+    assert all(line == line.rstrip() for line in text.splitlines())  # as piped: no padding
 
 
 def test_format_option_reads_the_registry():

@@ -47,12 +47,15 @@ class ConsoleFormat(ReportFormat):
         render(report, console, quiet=quiet)
 
     def format(self, report: Report) -> str:
+        """As piped (report.fit.sink_console): no line wrapped, none padded."""
         import io
 
         from rich.console import Console
 
+        from posdiag.report.fit import UNWRAPPED, TrimmedLines
+
         buffer = io.StringIO()
-        self.show(report, Console(file=buffer, width=120, color_system=None, force_terminal=False))
+        self.show(report, Console(file=TrimmedLines(buffer), width=UNWRAPPED, color_system=None, force_terminal=False))
         return buffer.getvalue()
 
 
