@@ -144,3 +144,38 @@ def test_example_ci_files_are_valid_yaml(path):
 
     data = yaml.safe_load((Path(__file__).parent.parent / path).read_text())
     assert data
+
+
+def test_the_api_keeps_transformers_notices_about_its_own_calls_out_of_the_callers_output():
+    """state runs generate() with the model as its own assistant, and transformers answers that call with a
+    deprecation notice about its own internals. Through the API (a user's test) posdiag holds such notices back
+    around its calls only: the caller's logging level is as it was, and its own warnings still show."""
+    import logging
+
+    import transformers
+
+    from posdiag.api import check_model
+
+    class Kept(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.DEBUG)
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    library = logging.getLogger("transformers")
+    kept, verbosity = Kept(), transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_warning()  # a user's default (the suite runs at error)
+    transformers.utils.logging.warning_once.cache_clear()  # each notice is shown once per process
+    library.addHandler(kept)
+    try:
+        report = check_model(zoo.tiny_model("llama"), checks=["state"])
+        assert report.check("state").status is Status.PASS, report.check("state").summary
+        assert not [m for m in kept.messages if "deprecated" in m], kept.messages
+        assert transformers.logging.get_verbosity() == logging.WARNING  # the caller's level, untouched
+        transformers.logging.get_logger("transformers.generation.utils").warning("the caller's own notice")
+        assert kept.messages == ["the caller's own notice"]
+    finally:
+        library.removeHandler(kept)
+        transformers.logging.set_verbosity(verbosity)

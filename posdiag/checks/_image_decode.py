@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from posdiag.model.caches import cache_keyword
+from posdiag.model.quiet import transformers_quiet
 from posdiag.model.subject import Subject
 from posdiag.results import CheckResult, Status
 from posdiag.tools import mrope, rope_math
@@ -215,7 +216,7 @@ def generate_after_image(subject: Subject, prompt: ImagePrompt, new_tokens: int,
         run.invalid = f"the plain forward of posdiag's image prompt raised {_named(exc)}"
         return run
     try:
-        with torch.inference_mode(), watching(subject) as watch:
+        with torch.inference_mode(), watching(subject) as watch, transformers_quiet():
             out = model.generate(**prompt.inputs(), attention_mask=torch.ones_like(prompt.ids),
                                  max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                                  output_logits=True, return_dict_in_generate=True, pad_token_id=pad,

@@ -7,12 +7,14 @@ and tell a crash on a path transformers accepts from a request transformers refu
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from posdiag.errors import describe_error, refused_by_generation
+from posdiag.model.quiet import transformers_quiet
 from posdiag.model.subject import Subject
 
 
@@ -191,7 +193,8 @@ def generate_guarded(model: torch.nn.Module, call: Callable[..., Any], *args: An
     ran: list[int] = []
     hook = model.register_forward_pre_hook(lambda *_: ran.append(1))
     try:
-        return call(*args), "", ""
+        with transformers_quiet():  # its notices about posdiag's call are not the caller's (model/quiet.py)
+            return call(*args), "", ""
     except Exception as exc:  # a path transformers accepts that crashes: users hit it
         refused = refused_by_generation(exc) and not ran
         return None, "" if refused else describe_error(exc), describe_error(exc) if refused else ""

@@ -18,6 +18,7 @@ from posdiag.checks._cache_plan import declared_boundaries, original_context
 from posdiag.errors import describe_error, raised_in_generation
 from posdiag.model.caches import cache_keyword, cache_layer_note, cache_support, takes_cache, text_config
 from posdiag.model.outputs import output_of
+from posdiag.model.quiet import transformers_quiet
 from posdiag.model.subject import Subject
 
 PAST_BOUNDARY = 12  # tokens the long input runs past the largest boundary it must cross
@@ -223,7 +224,7 @@ class _Calls:
                       return_dict_in_generate=True, pad_token_id=self.pad, eos_token_id=None,
                       forced_eos_token_id=None, forced_bos_token_id=None, attention_mask=torch.ones_like(ids))
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), transformers_quiet():
                 out = model.generate(ids, **kwargs, **extra)
         except Exception as exc:
             if raised_in_generation(exc):
