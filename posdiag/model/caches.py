@@ -7,8 +7,7 @@ and tell a crash on a path transformers accepts from a request transformers refu
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
