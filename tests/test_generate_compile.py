@@ -1,8 +1,8 @@
 """generate() runs without transformers' automatic compile unless --compile asks for the compiled path.
 
 transformers compiles the static-cache forward by itself on accelerators (94 s of a 1B model's generate on an
-H200, 22 s without): posdiag decides instead, and the result says which path it judged. The compiled path on CPU
-(torch.compile + a C compiler) takes ~100 s on the tiny Llama, so this suite checks what is handed to generate()."""
+H200, 22 s without): posdiag decides instead, and the result says which path it judged. Here the suite checks what
+is handed to generate(); tests/test_generate_compiled_run.py runs the compiled path itself on a one-layer Llama."""
 
 from dataclasses import replace
 from pathlib import Path
@@ -39,7 +39,10 @@ def test_generate_hands_its_choice_to_generate_and_reports_it(monkeypatch):
     assert seen and all(s["disable_compile"] is True and s["compile_config"] is None for s in seen)
     seen.clear()
     asked = run_checks(subject, ["generate"], replace(RunOptions(), compile=True)).check("generate")
-    assert asked.details["compiled"] is True and "the compiled path judged" in asked.summary
+    # the spy kept every call eager: the report says so, read from the run, instead of echoing the option
+    # (tests/test_generate_compiled_run.py compiles for real)
+    assert asked.details["compile_asked"] is True and asked.details["compiled"] is False
+    assert "--compile asked, but no forward call ran compiled" in asked.summary
     static = [s for s in seen if s["cache_implementation"] == "static"]
     assert static and all(s["compile_config"] is not None and not s["disable_compile"] for s in static)
     assert all(s["disable_compile"] for s in seen if s not in static)  # a dynamic cache is never compiled

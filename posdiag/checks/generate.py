@@ -33,7 +33,8 @@ from posdiag.model.caches import (
     cache_layer_note,
     cache_support,
     compile_kwargs,
-    compile_note,
+    compiled_forwards,
+    compiled_path,
     generate_guarded,
     new_cache,
     static_cache_refusal,
@@ -66,6 +67,7 @@ class Run:
     token_failure: tuple[int, int, float, float] | None = None  # (row, step, gap, tie tolerance)
     crashed: str = ""  # the exception a generate() call transformers accepts raised
     refused: str = ""  # transformers' generation code refused the call before the model ran (a config error)
+    compiled_calls: tuple[int, int] = (0, 0)  # (model, module) calls that ran compiled: read, not assumed
 
     @property
     def name(self) -> str:
@@ -166,8 +168,10 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     verdicts = {r.name: (FloorVerdict(Status.FAIL, r.max_error, noise_floor(first.floor, dtype), float("inf"),
                                       "a token differs beyond a near-tie") if r.token_failure else
                          judge_agreement(r.max_error, first.floor, dtype)) for r in first.done}
-    arbitration = arbitrate(subject, measure, first.floor, verdicts, dtype,
-                            lambda m: (m.floor, {r.name: r.max_error for r in m.done}), subset=True)
+    compiled = {r.name: r.compiled_calls for r in first.done if r.compiled_calls[0]}  # float64 must compile them too
+    arbitration = arbitrate(subject, measure, first.floor, verdicts, dtype, lambda m: (
+        m.floor, {r.name: r.max_error for r in m.done}), subset=True, prefer="whole" if compiled else None,
+        reached=lambda m, _: all(r.compiled_calls == compiled[r.name] for r in m.done if r.name in compiled))
     verdicts.update(arbitration.verdicts)
     lengths = (len(prompts[0]), [len(prompts[r]) for r in batch_rows])
     result = _report(subject, first, verdicts, arbitration, lengths, new_tokens)
@@ -186,7 +190,7 @@ class Measurement:
     cache_note: str
     static_note: str = ""  # why no static-cache run (transformers cannot build the cache)
     floor_source: str = ""  # what measured the floor, where not the default of the model's kind
-    compiled: bool = False  # generate() ran with transformers' compile of the static-cache forward (--compile)
+    compiled: bool = False  # --compile asked for transformers' compile of the static-cache forward (see Run)
 
     @property
     def done(self) -> list[Run]:
@@ -207,19 +211,19 @@ def _measure(subject: Subject, prompts: list[torch.Tensor], batch_rows: list[int
                       forced_bos_token_id=None)
     decoder_start: list[int] = []  # what generate() put before the first decoder step (seq2seq)
 
-    def generate(ids: torch.Tensor, attn: torch.Tensor, impl: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def generate(ids: torch.Tensor, attn: torch.Tensor, impl: str | None) -> tuple[torch.Tensor, ...]:
         # only a static cache is compiled (transformers compiles no dynamic-cache generate)
         extra: dict[str, Any] = {"cache_implementation": impl, **compile_kwargs(compiled and impl == "static")}
         if cache_note:  # generate() would size its cache from the wrong layer count: hand it ours
             extra = {"cache": new_cache(subject, impl or "dynamic", max_len=ids.shape[1] + new_tokens + 1,
                                         encoder_len=ids.shape[1])}
-        with torch.inference_mode():
+        with torch.inference_mode(), compiled_forwards(model) as calls:
             out = model.generate(ids, attention_mask=attn, **extra, **gen_kwargs)
         subject.forward_count += len(out.logits)
         logits = torch.stack(out.logits, 1)
         if seq2seq:
             decoder_start.append(int(out.sequences[0, 0]))
-        return logits, out.sequences[:, -logits.shape[1]:]
+        return logits, out.sequences[:, -logits.shape[1]:], calls.counts
 
     refused = static_cache_refusal(subject)  # a static cache users cannot build: no static run
     runs = _generated(model, generate, prompts[0], (batch, mask, batch_rows), refused, only)
@@ -278,7 +282,7 @@ def _generated(model: Any, generate: Any, alone: torch.Tensor, padded: tuple[tor
             result, run_.crashed, run_.refused = generate_guarded(model, generate, ids, attn,
                                                                   None if kind == "dynamic" else "static")
             if result is not None:
-                run_.logits, run_.tokens = result
+                run_.logits, run_.tokens, run_.compiled_calls = result
     return runs
 
 
@@ -319,9 +323,9 @@ def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict],
     failing = [r for r in m.runs if status_of[r.name] is Status.FAIL]
     status = Status.worst(list(status_of.values()))
     rows, (alone, lens) = [], lengths
-    details: dict[str, Any] = {"compiled": m.compiled, "prompt_lengths": lens, "alone_prompt_length": alone,
-                               "new_tokens": new_tokens,
-                               "padding": "right (encoder input)" if seq2seq else "left",
+    tail, compiled = compiled_path(subject, m.compiled, {r.name: r.compiled_calls[0] for r in m.runs})
+    details: dict[str, Any] = {**compiled, "prompt_lengths": lens, "alone_prompt_length": alone,
+                               "new_tokens": new_tokens, "padding": "right (encoder input)" if seq2seq else "left",
                                "floor_source": m.floor_source or (
                                    ("padded encoder batch vs each encoder alone" if seq2seq else
                                     "short prompt prefixes vs the teacher-forced forward") + " (max per position)"),
@@ -339,7 +343,6 @@ def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict],
                                    "first_difference": where, "notes": r.notes, "reason": verdicts[r.name].reason}
     table = Table("generate() vs teacher-forced forward", ("run", "rows", "max step error", "noise floor", "ratio",
                                                            "first row/step that differs"), tuple(rows))
-    tail = compile_note(subject, m.compiled)
     refused = [f"{r.name} refused by transformers ({r.refused})" for r in m.runs if r.refused]
     window = _window_refusal(subject, lens[0], new_tokens) if alone == lens[0] else ""
     for key, note in (("pad_note", m.pad_note), ("cache_note", m.cache_note), ("static_not_run", m.static_note),
@@ -372,8 +375,7 @@ def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict],
 
 
 def _prompt_words(alone: int, lens: list[int]) -> str:
-    """The prompt lengths as the summary says them: the one generated alone apart where it is not the batch's
-    first."""
+    """The prompt lengths as the summary says them (the prompt alone apart where it is not the batch's first)."""
     batch = "/".join(map(str, lens))
     return f"prompts {batch} tokens" if alone == lens[0] else f"prompt {alone} tokens alone, batch {batch}"
 

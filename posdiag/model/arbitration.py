@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
+import torch
+
 from posdiag.model.precision import run_finer
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import dtype_name, release_freed_memory
@@ -19,11 +21,15 @@ T = TypeVar("T")
 
 def arbitrate(subject: Subject, measure: Callable[..., T], measured_floor: float, verdicts: dict[str, FloorVerdict],
               dtype: str, figures: Callable[[T], tuple[float, dict[str, float]]], *,
-              subset: bool = False) -> Arbitration:
+              subset: bool = False, reached: Callable[[T, torch.dtype], bool] | None = None,
+              prefer: str | None = None) -> Arbitration:
     """Decide, don't shrug: comparisons that are above their tolerance, or judged against a degenerate floor,
     are measured again with `measure` re-run in float64 (the model converted module by module) and decided
     there: rounding shrinks by ~1e9, a bug does not. `figures(measurement) -> (floor, {name: error})`.
     With `subset`, `measure(names)` re-runs only the named comparisons (those that passed need no deciding).
+    `reached(measurement, dtype)`: whether the re-run computed the same path (else run_finer tries the next
+    conversion way), `prefer` the way to try first: generate's compiled forward, which the streamed ways' hooks push
+    back to eager (a float64 re-run that ran eager would call a compiled-only bug rounding).
 
     When no float64 run is possible the run-dtype verdict stands where its floor was a measurement; against a
     degenerate floor it becomes a WARN that names the float64 re-run that could not be made."""
@@ -32,7 +38,8 @@ def arbitrate(subject: Subject, measure: Callable[..., T], measured_floor: float
         return Arbitration()
     # Padding rows fully masked in float64 turn NaN and spread through 0-weight attention; the guard zeroes them
     # (a NaN in the run dtype is decided before this: judge_arbitrated never calls it rounding).
-    finer = run_finer(subject, (lambda: measure(set(pending))) if subset else measure, what="re-run")
+    finer = run_finer(subject, (lambda: measure(set(pending))) if subset else measure, what="re-run",
+                      reached=reached, prefer=prefer)
     release_freed_memory()
     if finer.value is None:
         return unarbitrated(pending, measured_floor, dtype, finer.reason)

@@ -7,7 +7,8 @@ and tell a crash on a path transformers accepts from a request transformers refu
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -201,12 +202,46 @@ def generate_guarded(model: torch.nn.Module, call: Callable[..., Any], *args: An
         hook.remove()
 
 
-def compile_note(subject: Subject, compiled: bool) -> str:
-    """Which path was judged, where it is not the plain one of a CPU run."""
-    if compiled:
-        return "; the compiled path judged (torch.compile of the static-cache forward)"
+def compiled_path(subject: Subject, asked: bool, calls: dict[str, int]) -> tuple[str, dict[str, Any]]:
+    """Which path was judged, as the summary's note (where it is not the plain one of a CPU run) and details: read
+    from the run (`calls`: per run, the model's forward calls that ran compiled, counted by compiled_forwards), not
+    from the option, since transformers may keep the forward eager (a model it will not compile, a cache that is not
+    compileable) and torch falls back to eager past its recompile limit."""
+    ran = {name: n for name, n in calls.items() if n}
+    details = {"compiled": bool(ran), "compile_asked": asked, "compiled_calls": ran}
+    if ran:
+        return (f"; the compiled path judged (torch.compile of the static-cache forward: {sum(ran.values())} "
+                "forward calls ran compiled)"), details
+    if asked:
+        return ("; --compile asked, but no forward call ran compiled (transformers kept it eager): the eager path "
+                "judged"), details
     return ("; run without torch.compile (transformers compiles the static-cache forward here by default; --compile "
-            "judges that path)" if subject.device.type != "cpu" else "")
+            "judges that path)" if subject.device.type != "cpu" else ""), details
+
+
+class CompiledCalls(list):
+    """(the model's own call, ran compiled) per forward call of a model and of its modules (compiled_forwards)."""
+
+    @property
+    def counts(self) -> tuple[int, int]:
+        """(the model's calls, all module calls) that ran compiled."""
+        return sum(top and ran for top, ran in self), sum(ran for _, ran in self)
+
+
+@contextmanager
+def compiled_forwards(model: torch.nn.Module) -> Iterator[CompiledCalls]:
+    """Each forward call of `model` and of its modules inside the block, and whether it ran compiled. The hooks'
+    is_compiling() is traced into the compiled graph as True and their appends replayed on every compiled call,
+    while an eager call appends False: what ran, whatever was asked. Modules count too: a compiled forward can still
+    run a part eagerly (a graph break whose frame hit torch's recompile limit)."""
+    calls = CompiledCalls()
+    hooks = [m.register_forward_pre_hook(lambda *_, top=m is model: calls.append((top, torch.compiler.is_compiling())))
+             for m in model.modules()]
+    try:
+        yield calls
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def compile_kwargs(compiled: bool) -> dict[str, Any]:

@@ -67,7 +67,7 @@ class FinerRun(Generic[T]):
 
 def run_finer(subject: Subject, compute: Callable[[], T], preferred: torch.dtype = torch.float64, *,
               reached: Callable[[T, torch.dtype], bool] | None = None, guard_padding: bool = True,
-              what: str = "computation") -> FinerRun[T]:
+              what: str = "computation", prefer: str | None = None) -> FinerRun[T]:
     """compute() with the model's weights in `preferred`, restored exactly afterwards.
 
     Tries the conversion ways in order (module, block, whole; only module on a dispatched model).
@@ -76,6 +76,7 @@ def run_finer(subject: Subject, compute: Callable[[], T], preferred: torch.dtype
     given, says whether the conversion reached the computation (else the next way is tried; e.g.
     everywhere_at_least; none by default: code may cast to float32 on purpose). `preferred` equal to
     the run dtype runs compute() unconverted.
+    `prefer`: a way tried first where it can run ("whole" for a compiled forward: streamed hooks break its graph).
     `what` names the computation in the reason given when nothing finer runs. An attempt that raised
     stopped at the first op without a kernel: its passes are not counted in subject.forward_count."""
     if preferred == subject.dtype:
@@ -85,7 +86,8 @@ def run_finer(subject: Subject, compute: Callable[[], T], preferred: torch.dtype
     failure = ""
     for dtype in candidates:  # last resort: torch's default dtype too, for constants the model builds in it
         ways = conversion_ways(subject, dtype)
-        for how, default in [(how, None) for how in ways] + [(ways[-1], dtype)]:
+        order = (prefer, *(w for w in ways if w != prefer)) if prefer in ways else ways
+        for how, default in [(how, None) for how in order] + [(ways[-1], dtype)]:
             passes = subject.forward_count
             try:
                 with finer_dtype(subject, dtype, how, guard_padding=guard_padding) as done, default_dtype(default):
