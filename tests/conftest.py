@@ -28,6 +28,16 @@ ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures"
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which makes an unset --dist `load`
+def pytest_cmdline_main(config):
+    """With xdist's -n and no --dist given, schedule by loadgroup: a module marked xdist_group runs on one worker
+    (its module fixtures built once) and the groups, the real-model modules, are handed out first; every other test
+    goes one by one as with `load`. Set here rather than in pyproject's addopts, which every run reads: pytest
+    without xdist (`-p no:xdist`, or not installed) refuses `--dist` and exits 4."""
+    if getattr(config.option, "numprocesses", None) and getattr(config.option, "dist", "no") == "no":
+        config.option.dist = "loadgroup"
+
+
 def pytest_configure(config):
     # `sweep` marks one row of an exhaustive per-model-type repetition (the same assertion on one more family). Every
     # row runs in every run (all of them cost ~20 s of one core): the same commit runs the same tests on any day.
