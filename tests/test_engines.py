@@ -18,7 +18,8 @@ from posdiag.options import RunOptions
 from posdiag.results import Status
 from posdiag.testing import zoo
 from posdiag.tools.engines import as_engine, is_engine
-from posdiag.tools.port_compare import classify, compare_engine
+from posdiag.tools.port_compare import compare_engine
+from posdiag.tools.port_shapes import classify
 
 
 def run(ref, engine, **kw):

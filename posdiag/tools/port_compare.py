@@ -43,7 +43,7 @@ from posdiag.tools.compare.measuring import LayerProfile, per_position_error, re
 from posdiag.tools.compare.running import finer_run, run_stack
 from posdiag.tools.compare.verdict import Comparison, bucketed
 from posdiag.tools.engines import Engine
-from posdiag.tools.port_shapes import classify
+from posdiag.tools.port_shapes import judge_profile
 from posdiag.verdict import FAIL_RATIO, noise_floor
 
 
@@ -215,7 +215,7 @@ def _profile(name: str, ref: torch.Tensor, cand: torch.Tensor, covered: int, len
     per = torch.full((length,), math.nan, dtype=torch.float64)
     per[:covered] = per_position_error(ref[:covered], cand)
     error = rel_error(ref[:covered], cand)
-    shape = classify(per, tolerances, boundaries)
+    shape = judge_profile(per, tolerances, boundaries)
     shape["worst_position_ratio"] = float((per[:covered] / (tolerances[:covered] / FAIL_RATIO)).max())
     return LayerProfile(name, None, None, error, floor, float(tolerances[:covered].median()), error / floor,
                         tuple(per.tolist()), shape)
@@ -356,14 +356,23 @@ def _pass_summary(profiles: list[LayerProfile], main: LayerProfile, details: dic
         against = "" if rounding == 0 else (f" against PyTorch on the same dequantised weights (which move the "
                                             f"reference's logits by median {rounding:.2g} per position)")
         return (f"position handling at float32 rounding: the file dequantised to F32 gives logits error "
-                f"{twin.error:.3g} = {twin.ratio:.3g}x noise floor (tolerance {FAIL_RATIO:g}x per position) at every "
-                f"position{against}; the {split['kind']} file within "
+                f"{twin.error:.3g} = {twin.ratio:.3g}x noise floor (tolerance {FAIL_RATIO:g}x per position) "
+                f"{_where(profiles)}{against}; the {split['kind']} file within "
                 f"{FAIL_RATIO:g}x what its quantisation adds (median {split['quantisation_alone']['median']:.2g} per "
                 f"position){also}" + (f"; the file's own line can show nothing beyond its twin's: "
                                       f"{split['file_too_coarse']}" if split.get("file_too_coarse") else ""))
     within = "the quantisation's own error" if quantised else "float32 rounding"
     return (f"same function within {within}: logits error {main.error:.3g} = {main.ratio:.3g}x noise "
-            f"floor (tolerance {FAIL_RATIO:g}x{' per position' if quantised else ''}) at every position{also}")
+            f"floor (tolerance {FAIL_RATIO:g}x{' per position' if quantised else ''}) {_where(profiles)}{also}")
+
+
+def _where(profiles: list[LayerProfile]) -> str:
+    """"at every position", or, where some positions stand over their own tolerance in profiles within the band,
+    which ones (rounding at ill-conditioned positions: the band judges a profile as a whole)."""
+    over = [p for p in profiles if p.pattern.get("positions_over")]
+    if not over:
+        return "at every position"
+    return "as a whole (" + "; ".join(f"{p.name}: {p.pattern['why']}" for p in over) + ")"
 
 
 def _error_table(profiles: list[LayerProfile], quantised: bool) -> Table:

@@ -1,5 +1,12 @@
 """The shape of an engine's per-position error, which names the cause.
 
+judge_profile decides whether a logits profile differs at all: only when its error as a whole stands above the
+band, the root mean square of its per-position errors over that of its floors (profile_ratio) above FAIL_RATIO, or
+a position was not computed (NaN). A shape describes that ratio, never creates a FAIL below it: positions over their
+own tolerance inside a profile within the band are rounding at ill-conditioned positions (the healthy SmolLM2 Q4_1
+file's F32 twin gave 1.7e-5 at position 1 against ~7e-7 elsewhere, a profile 1.82x its floor, and FAILed "grows
+with position from 1"). The shapes (classify):
+
 - grows with position: zero at position 0 (a token that sees only itself cannot feel a relative
   position encoding) and there from the first token that sees another: RoPE base, rotary pairing
   layout, scaling. Above the tolerance from position 1; or later, when the floor is coarse (a
@@ -19,6 +26,7 @@ from typing import Any
 import torch
 
 from posdiag.tools.compare.measuring import UNIFORM_START_FRACTION
+from posdiag.verdict import FAIL_RATIO, within_band
 
 BOUNDARY_SLACK = 2
 """An onset within this many positions after a declared boundary is that boundary."""
@@ -75,3 +83,36 @@ def classify(e: torch.Tensor, tolerance: float | torch.Tensor, boundaries: dict[
         out["why"] = (f"at the floor up to position {onset - 1}, then {float(e[onset]):.2g} at {onset}{where}, "
                       f"{late:.2g} late: {cause}")
     return out
+
+
+def judge_profile(e: torch.Tensor, tolerance: float | torch.Tensor, boundaries: dict[str, int]) -> dict[str, Any]:
+    """classify(), for a profile whose error as a whole clears the band (or has a position not computed); "none"
+    for one within it, with the positions over their own tolerance, if any, said to be rounding. The profile's
+    ratio ("profile_ratio") is in both."""
+    n = e.numel()
+    tol = torch.as_tensor(tolerance, dtype=torch.float64).expand(n)
+    ratio = profile_ratio(e, tol)
+    finite = torch.isfinite(e)
+    if not (bool(finite.all()) and within_band(ratio)):
+        return {**classify(e, tol, boundaries), "profile_ratio": ratio}
+    over = int((e > tol).sum())
+    if not over:
+        return {"pattern": "none", "profile_ratio": ratio}
+    worst = int((e / tol).argmax())
+    return {"pattern": "none", "profile_ratio": ratio, "positions_over": over, "worst_position": worst,
+            "why": (f"{over} of {n} positions over their own tolerance, worst "
+                    f"{FAIL_RATIO * float(e[worst] / tol[worst]):.3g}x its floor at position {worst}, the profile "
+                    f"{ratio:.3g}x its floor: rounding at ill-conditioned positions")}
+
+
+def profile_ratio(e: torch.Tensor, tolerance: torch.Tensor) -> float:
+    """The profile's error over its floor as a whole: the root mean square of the errors over that of the floors
+    (tolerance / FAIL_RATIO), on the positions computed; NaN when none is finite. One scalar floor gives the mean
+    error's ratio; per-position floors (a quantised file's) weigh each position by its own."""
+    finite = torch.isfinite(e)
+    if not bool(finite.any()):
+        return float("nan")
+    floors = tolerance[finite] / FAIL_RATIO
+    denominator = float(floors.square().mean().sqrt())
+    numerator = float(e[finite].square().mean().sqrt())
+    return numerator / denominator if denominator > 0 else (0.0 if numerator == 0 else float("inf"))
