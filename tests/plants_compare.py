@@ -10,6 +10,9 @@ returns a *new* model (the reference is never touched) carrying one bring-up bug
 - `ignore_rope_scaling(model)`: the same weights in a model built from the config with its
   rope scaling block dropped (BUGS.md F: llama3/dynamic scaling never applied).
 - `copy_of(model)`: an identical twin.
+- `rounded_twin(model)`: the same weights rounded the other way: each float32 weight moved to a neighbouring float32
+  (-1, 0 or +1 ulp at random), as a conversion through another precision or rounding mode leaves them. A real
+  difference at float32's rounding, at every position alike.
 """
 
 from __future__ import annotations
@@ -22,6 +25,17 @@ from torch import nn
 
 def copy_of(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model).eval()
+
+
+def rounded_twin(model: nn.Module, seed: int = 0) -> nn.Module:
+    out = copy_of(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in out.parameters():
+            if param.is_floating_point():
+                ulp = torch.nextafter(param, torch.full_like(param, float("inf"))) - param
+                param.add_(ulp * torch.randint(-1, 2, param.shape, generator=gen))
+    return out
 
 
 def _to_interleaved(weight: torch.Tensor, heads: int) -> torch.Tensor:
