@@ -112,8 +112,11 @@ def _prompt_route(reference: Subject, engine: ServedEngine, vocab: Vocabulary, t
                 "tokens": len(ids), "why": _shift_words(best, fit, clear)}
     rows = list(range(len(ids) - 1))
     metrics = position_metrics(scores, list(reply.scored[1:]), ids[1:], rows, vocab, k, [])
-    return {"alignment": fit, "tokens": len(ids),
-            **_judged("prompt", metrics, 0, profiles, floor is not None)}
+    out = {"alignment": fit, "tokens": len(ids), **_judged("prompt", metrics, 0, profiles, floor is not None)}
+    others = min((f["median_max_dlogprob"] for o, f in fits.items() if o != "0"), default=math.inf)
+    if out["status"] == "fail" and aligned * FAIL_RATIO >= others:  # the API's alignment fits no better than a shift:
+        out.update(pattern="no alignment", onset_position=None, why=_no_fit_words(fit))  # a profile would misname it
+    return out
 
 
 def _generation_route(reference: Subject, engine: ServedEngine, vocab: Vocabulary, text: str, n: int, k: int,
@@ -197,6 +200,17 @@ def _shift_words(offset: int, fit: dict[str, Any], clear: bool) -> str:
     return words
 
 
+def _no_fit_words(fit: dict[str, Any]) -> str:
+    """Why a prompt route that fits the reference at no offset names neither a shift nor a position."""
+    fits = fit["fits"]
+    errors = ", ".join(f"{f['median_max_dlogprob']:.2g} at {int(o):+d}" for o, f in fits.items())
+    agree = ", ".join(f"{100 * f['top1_agreement']:.0f}%" for f in fits.values())
+    return (f"no alignment fits: top_logprobs[i] is no closer to the reference's distribution for token i than for "
+            f"its neighbours' (median largest |Δ log-prob| over the top-k {errors}; top-1 agreement {agree}): the "
+            "served scores are not the reference's at any offset (another model or tokenizer, or scores garbled), "
+            "so neither a shift nor a position is named")
+
+
 def _verdict(routes: dict[str, dict[str, Any]], details: dict[str, Any], k: int, passes: int) -> CheckResult:
     failed = {n: r for n, r in routes.items() if r["status"] == "fail"}
     judged = {n: r for n, r in routes.items() if r["status"] != "skip"}
@@ -207,6 +221,8 @@ def _verdict(routes: dict[str, dict[str, Any]], details: dict[str, Any], k: int,
         elif r.get("pattern") == "misaligned":
             how = "shifted by" if r["clear"] else "misaligned, best fit at"
             parts.append(f"prompt route: log-probs {how} {r['offset']:+d} position (never realigned): {r['why']}")
+        elif r.get("pattern") == "no alignment":
+            parts.append(f"prompt route: {r['why']}")
         elif r["status"] == "fail":
             lead = {"grows with position": f"error grows with position from {r['onset_position']}",
                     "step at a length": f"error starts at position {r['onset_position']}",
