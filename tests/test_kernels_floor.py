@@ -109,3 +109,45 @@ def test_arbitration_reruns_the_implementation_in_float64(monkeypatch):
     assert bad.status is Status.FAIL and bad.metrics["implementation"] == plants.BAD_SCALE, bad.summary
     arbitrated = [s["arbitrated"] for s in bad.details["implementations"][plants.BAD_SCALE]["scenarios"].values()]
     assert any("a bug" in reason for a in arbitrated for reason in a.values())
+
+
+def _measured(impl: torch.Tensor, impl64: torch.Tensor | None) -> Evidence:
+    """As _evidence, with eager 1e-6 off the reference (a measured floor: tolerance 2e-6 + atol)."""
+    ev = _evidence(impl, impl64)
+    ref = ev.reference[0].hidden[1]
+    eager = _noise(ref, 1e-6).float()
+    ev.eager = [Run([ev.eager[0].hidden[0], eager], None, ev.eager[0].layer_names)]
+    ev.runs["eager"] = ev.eager
+    return ev
+
+
+def test_rounding_over_a_measured_tolerance_is_decided_in_float64():
+    """3x eager's error in float32 (1.5x the 2x rule) that falls back within the tolerance in float64: rounding."""
+    ref = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    result = judge(_measured(_noise(ref, 3e-6).float(), _noise(ref, 1e-15)))
+    entry = result.details["implementations"]["sdpa"]["scenarios"]["unpadded"]
+    assert entry["ratio"] > 1 and entry["eager_error"] > 1.2e-7  # over a tolerance that measures rounding
+    assert result.status is Status.PASS, result.summary
+    assert "within the tolerance once the implementation runs in float64" in entry["arbitrated"]["block 1"]
+    assert "decided in float64: sdpa, unpadded, block 1" in result.summary
+
+
+def test_a_bug_over_a_measured_tolerance_stays_a_fail_in_float64_or_where_it_cannot_run():
+    ref = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    bug = judge(_measured(_noise(ref, 1e-5).float(), _noise(ref, 1e-5)))  # 5x eager's error, in both dtypes
+    assert bug.status is Status.FAIL, bug.summary
+    assert "a bug (it stays over the tolerance in float64)" in bug.summary
+    alone = judge(_measured(_noise(ref, 1e-5).float(), None))  # no float64 run: the measured FAIL stands
+    assert alone.status is Status.FAIL, alone.summary
+
+
+def test_a_rounding_plant_over_the_2x_rule_passes_and_a_wrong_scale_fails():
+    """sdpa off by 32 units of float32 exceeds FlashAttention's 2x in float32 and falls back within it in float64
+    (was a FAIL: only a degenerate floor was re-run); a wrong softmax scale stays over it there."""
+    good = _kernels(zoo.tiny_model("llama"), [plants.register_rounding()])
+    assert good.status is Status.PASS, good.summary
+    decided = [s["arbitrated"] for s in good.details["implementations"][plants.ROUNDING]["scenarios"].values()]
+    assert any(decided) and all("rounding" in reason for a in decided for reason in a.values())
+    bad = _kernels(zoo.tiny_model("llama"), [plants.register_bad_scale()])
+    assert bad.status is Status.FAIL and bad.metrics["implementation"] == plants.BAD_SCALE, bad.summary
+    assert "in float64" in bad.summary and "a bug" in bad.summary
