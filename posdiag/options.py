@@ -18,7 +18,7 @@ class LoadOptions:
     max_memory: str | None = None  # accelerate's budget per device, "0=70GiB,cpu=200GiB" (with device_map)
     offload_folder: str | None = None  # disk-offloaded weights (with device_map); None = a temporary folder
     attn_implementation: str = "eager"  # custom masks need eager; kernels compares the rest
-    upcast: bool = True  # run equivariance checks in float32 when the model is half precision
+    upcast: bool = False  # judge a half-precision model in float32 instead of the dtype it runs in
     allow_pickle: bool = False  # never unpickle .bin checkpoints unless asked
     max_batch: int | None = None  # rows per forward; None = all rows a check needs in one call
 

@@ -171,6 +171,37 @@ def judge_arbitrated(error: float, measured_floor: float, dtype: str, error64: f
     return FloorVerdict(Status.FAIL, error, floor, ratio, f"{both}: a bug (it does not shrink with precision)")
 
 
+def lost_in_run_dtype(verdict: FloorVerdict, finer_residual: float) -> bool:
+    """A position signal that a finer run of the same rows shows far above the run dtype's own floor (so the run
+    dtype could hold it), while the run dtype itself shows it within rounding: the dtype as run lost it (positions
+    rounded before the angles, a position table underflowing). That is a bug of the model as users run it, not
+    rounding: rounding leaves a signal that large standing (a healthy model's bfloat16 residual tracks float64's)."""
+    return (verdict.status is not Status.PASS and verdict.residual == verdict.residual
+            and clear_signal(finer_residual / verdict.noise_floor) and not above_rounding(verdict.ratio))
+
+
+def judge_signal_decided(verdict: FloorVerdict, residual: float, floor: float, dtype: str, finer: str,
+                         source: str) -> FloorVerdict:
+    """A position signal the run dtype could not call, decided by the same rows re-run in `finer` (figures
+    `residual`, `floor`). The verdict carries the finer figures; the reason names both runs. A signal lost only in
+    the run dtype (lost_in_run_dtype) FAILs naming that dtype."""
+    decided = judge_position_signal(residual, floor, finer)
+    if dtype in LOW_PRECISION and lost_in_run_dtype(verdict, residual):
+        return FloorVerdict(Status.FAIL, verdict.residual, verdict.noise_floor, verdict.ratio,
+                            f"position signal lost in {dtype} only: {residual:.3g} in {finer} "
+                            f"({residual / verdict.noise_floor:.3g}x the {dtype} floor, which {dtype} can hold) but "
+                            f"{verdict.residual:.3g} = {verdict.ratio:.3g}x its floor as run in {dtype}: positions "
+                            f"or a position table rounded in {dtype}")
+    if not floor > 0 and shrinks_with_precision(verdict.residual, residual):
+        # No floor measured in the finer run: the residual itself fell, so it was rounding.
+        decided = FloorVerdict(Status.FAIL, residual, decided.noise_floor, decided.ratio,
+                               f"outputs merely permute: the residual is rounding ({verdict.residual:.3g} in {dtype}, "
+                               f"{residual:.3g} in {finer})")
+    return FloorVerdict(decided.status, residual, decided.noise_floor, decided.ratio,
+                        f"{decided.reason} in {finer} (inconclusive in {dtype}: {verdict.ratio:.3g}x its floor; "
+                        f"{finer} floor: {source})")
+
+
 # ------------------------------------------------------------------ float64 arbitration: the decision
 # The re-run itself is model plumbing (posdiag.model.arbitration.arbitrate runs the measurement finer); what it
 # decides, and what stands when it cannot run, is the rule here.

@@ -129,5 +129,5 @@ def test_through_the_api_with_max_batch():
     assert result.metrics["noise_floor"] > 1.2e-7  # the jitter reached row 4 (chunk 2, local row 0)
 
 
-def test_bfloat16_upcast_passes():
+def test_bfloat16_as_run_passes():
     assert batch(zoo.tiny_model("qwen2", dtype=torch.bfloat16)).status is Status.PASS

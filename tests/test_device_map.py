@@ -182,8 +182,8 @@ def test_user_offload_folder_is_kept(fixtures_dir, tmp_path):
 
 
 # ----------------------------------------------------------------------------- precision
-def test_half_precision_checkpoint_is_loaded_in_float32(bf16_llama):
-    subject = load_subject(str(bf16_llama), LoadOptions(device_map="auto", max_memory="cpu=0"))
+def test_half_precision_checkpoint_is_loaded_in_float32_with_upcast(bf16_llama):
+    subject = load_subject(str(bf16_llama), LoadOptions(device_map="auto", max_memory="cpu=0", upcast=True))
     assert subject.dtype == torch.float32 and subject.load_dtype == torch.bfloat16
     assert any("loaded in float32 from bfloat16" in n for n in subject.notes)
     with subject.stored_weight("model.layers.0.self_attn.q_proj.weight") as weight:  # offloaded, read as float32
@@ -193,8 +193,9 @@ def test_half_precision_checkpoint_is_loaded_in_float32(bf16_llama):
     subject.close()
 
 
-def test_no_upcast_keeps_half_precision(bf16_llama, tmp_path):
-    result = invoke("shuffle", bf16_llama, "--device-map", "auto", "--max-memory", "cpu=0", "--no-upcast",
+@pytest.mark.parametrize("flag", ["--no-upcast", None])
+def test_half_precision_is_judged_as_run_by_default(bf16_llama, tmp_path, flag):
+    result = invoke("shuffle", bf16_llama, "--device-map", "auto", "--max-memory", "cpu=0", *([flag] if flag else []),
                     "--seq-len", 16, "-q", "--json", tmp_path / "r.json")
     report = json.loads((tmp_path / "r.json").read_text())
     (shuffle,) = report["checks"]
@@ -205,7 +206,8 @@ def test_no_upcast_keeps_half_precision(bf16_llama, tmp_path):
     assert shuffle["metrics"]["ratio"] > 1e4
     model = report["model"]
     assert model["dtype"] == model["check_dtype"] == "bfloat16"
-    assert not any("float32" in n for n in model["notes"])
+    assert not any("upcast from" in n or "loaded in float32" in n for n in model["notes"])
+    assert "judged in bfloat16 as it runs (--upcast judges the function in float32 instead)" in model["notes"]
 
 
 def test_device_map_options_also_come_from_the_api(fixtures_dir):

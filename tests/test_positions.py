@@ -66,7 +66,7 @@ def test_rope_offset_alone_would_prove_nothing():
     assert relative_l2(out.final[1], out.final[0]) < 1e-5
 
 
-def test_bfloat16_model_is_upcast_and_judged():
+def test_bfloat16_model_is_judged_as_run():
     result = positions(zoo.tiny_model("llama", dtype=torch.bfloat16))
     assert result.status is Status.PASS, result.summary
 

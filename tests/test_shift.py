@@ -181,7 +181,7 @@ def test_absolute_leak_in_bfloat16_without_upcast_fails():
     assert judged(zoo.tiny_model("llama").to(torch.bfloat16)).status is Status.PASS
 
 
-def test_bfloat16_model_is_upcast_and_passes():
+def test_bfloat16_model_is_judged_as_run_and_passes():
     assert shift(zoo.tiny_model("qwen2", dtype=torch.bfloat16)).status is Status.PASS
 
 

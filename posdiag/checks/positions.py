@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from posdiag.checks import CheckSpec
-from posdiag.model.arbitration import arbitrate
+from posdiag.model.arbitration import arbitrate, decide_signal
 from posdiag.model.inert import inert, unfaithful_mask_verdict
 from posdiag.model.introspect import mixing_reason, recurrent_mixers, recurrent_reason
 from posdiag.model.jitter import FLOOR_SOURCE, jittered
@@ -154,6 +154,13 @@ class _Probe:
         """The forward (the jittered row's hook on), and whether a token embedding was found to jitter."""
         with jittered(self.subject, self.stack, self.jitter_row, len(self.rows), self.seed) as jitter_found:
             return run_rows(self.subject, self.rows, stack=self.stack), jitter_found
+
+    def signal_figures(self, measured: tuple[Outputs, bool]) -> tuple[float, float, str]:
+        """(residual, floor, floor source) of the non-contiguous numberings at the last layer, for a float64 re-run."""
+        hidden, jitter_found = measured[0].final, measured[1]
+        moved = max(relative_l2(hidden[self.first_variant + i], hidden[0]) for i in range(len(self.variants)))
+        return (moved, relative_l2(hidden[self.jitter_row], hidden[0]) if jitter_found else 0.0,
+                FLOOR_SOURCE if jitter_found else "machine epsilon (no token embedding found to jitter)")
 
     def consistent_figures(self, measured: tuple[Outputs, bool]) -> tuple[float, dict[str, float]]:
         """(floor, {"consistent": error}) at the last layer, for the float64 arbitration."""
@@ -266,6 +273,7 @@ class _Judged:
     first_bad: int | None  # first layer where the consistent permutation breaks
     strongest: int  # the variant that moved the outputs most
     clause: str  # the float64 arbitration's clause for the consistent permutation
+    decided: str = ""  # how a float64 re-run decided the position signal ('' when the run dtype decided it)
 
 
 def _judge(subject: Subject, probe: _Probe, layers: _Layers, details: dict[str, Any],
@@ -282,6 +290,9 @@ def _judge(subject: Subject, probe: _Probe, layers: _Layers, details: dict[str, 
     # are read (an ignoring model gives exactly 0 for every variant); ModernBERT at default init
     # moves only 1.8e-5 under the restart (126x floor at 64 tokens), 3.6e-5 under the gaps.
     signal = judge_position_signal(max(layers.moved[-1]), floor, dtype)
+    if signal.status is Status.WARN:  # between the bands, or inconclusive in half precision: decided in float64
+        signal = decide_signal(subject, signal, probe.measure, probe.signal_figures, dtype)
+        details["decided_in"] = signal.reason
     tol = agreement_tolerance(floor, dtype)
     first_bad = next((l for l in range(len(layers.floors))
                       if perms and max(layers.consistent[l]) > agreement_tolerance(layers.floor_at(l), dtype)), None)
@@ -293,7 +304,7 @@ def _judge(subject: Subject, probe: _Probe, layers: _Layers, details: dict[str, 
     details["consistent_breaks_at"] = None if first_bad is None else layer_name(first_bad, len(layers.floors))
     details["strongest_variant"] = probe.variants[strongest][0]
     return _Judged(agree=agree, signal=signal, tolerance=tol, first_bad=first_bad, strongest=strongest,
-                   clause=arbitration.clause("consistent"))
+                   clause=arbitration.clause("consistent"), decided=details.get("decided_in", ""))
 
 
 def _verdict(subject: Subject, probe: _Probe, judged: _Judged, details: dict[str, Any]) -> tuple[Status, str]:
@@ -333,8 +344,11 @@ def _variants_part(probe: _Probe, judged: _Judged) -> str:
     signal = judged.signal
     name = (probe.variants[judged.strongest][0] if signal.status is not Status.FAIL
             else " and ".join(n for n, _ in probe.variants))
+    if judged.decided and signal.status is not Status.PASS:
+        return f"non-contiguous ids ({name}): {signal.reason}"
     if signal.status is Status.PASS:
-        return f"non-contiguous ids move outputs ({name}: {signal.residual:.3g} = {signal.ratio:.3g}x floor)"
+        decided = f"; {signal.reason}" if judged.decided else ""
+        return f"non-contiguous ids move outputs ({name}: {signal.residual:.3g} = {signal.ratio:.3g}x floor{decided})"
     if signal.status is Status.FAIL:
         return (f"non-contiguous ids ({name}) change nothing: residual {signal.residual:.3g} = "
                 f"{signal.ratio:.3g}x floor (position_ids ignored)")

@@ -32,11 +32,10 @@ from typing import Any
 import torch
 
 from posdiag.checks import CheckSpec
-from posdiag.model.casts import float64_throughout
+from posdiag.model.arbitration import decide_signal
 from posdiag.model.inert import inert, unfaithful_mask_verdict
 from posdiag.model.introspect import attention_free, recurrent_mixers, recurrent_reason
 from posdiag.model.jitter import FLOOR_SOURCE, jittered
-from posdiag.model.precision import run_finer
 from posdiag.model.probe import (
     Row,
     fidelity_rows,
@@ -45,7 +44,7 @@ from posdiag.model.probe import (
     run_rows,
 )
 from posdiag.model.subject import Outputs, Subject
-from posdiag.model.tensors import dtype_name, layer_name, relative_l2, release_freed_memory
+from posdiag.model.tensors import layer_name, relative_l2
 from posdiag.options import RunOptions, probe_ids
 from posdiag.results import CheckResult, Status, Table, combine_stacks
 from posdiag.verdict import (
@@ -53,7 +52,6 @@ from posdiag.verdict import (
     clear_signal,
     judge_position_signal,
     noise_floor,
-    shrinks_with_precision,
     stack_result,
 )
 
@@ -282,7 +280,7 @@ def _judge(subject: Subject, probe: _Probe, layers: _Layers, details: dict[str, 
                                "the consistent permutation is no floor (position ids passed but not honoured)")
     if verdict.status is Status.WARN:
         jitter_at = probe.jitter_row if probe.floor_by_jitter else len(probe.rows)
-        verdict = _decided_finer(subject, verdict, lambda: probe.measure(jitter_at), probe.final_figures, dtype)
+        verdict = decide_signal(subject, verdict, lambda: probe.measure(jitter_at), probe.final_figures, dtype)
         details["decided_in"] = verdict.reason
     return verdict
 
@@ -312,33 +310,6 @@ def _summary(subject: Subject, probe: _Probe, verdict: FloorVerdict, enters: str
         summary += (f"; {name} mixes tokens by {probe.mixing}, not by attention alone: order enters through "
                     "the mixing itself, so this shows order reaches the outputs, not that positions do (see positions)")
     return summary
-
-
-def _decided_finer(subject: Subject, verdict: FloorVerdict, measure, figures, dtype: str) -> FloorVerdict:
-    """A ratio between the bands, or no usable floor: re-run the same rows with the model in float64 (module by
-    module, its float32 casts kept in float64: posdiag.model.casts) and decide there. Measured on Llamas without
-    positions (8 and 64 layers x 256 hidden, 256 tokens): the residual falls from 4.6e-6 / 4.2e-5 in float32 to
-    ~1e-14, at its float64 floor; a position signal stays. When no finer run is possible the WARN stays, saying so."""
-    def compute():
-        with float64_throughout():
-            return measure()
-
-    finer = run_finer(subject, compute)
-    release_freed_memory()
-    if finer.value is None:
-        return FloorVerdict(verdict.status, verdict.residual, verdict.noise_floor, verdict.ratio,
-                            f"{verdict.reason}; the float64 re-run that decides could not run: {finer.reason}")
-    residual, floor, source = figures(finer.value)
-    name = dtype_name(finer.dtype)
-    decided = judge_position_signal(residual, floor, name)
-    # No floor measured: the residual itself fell.
-    if not floor > 0 and shrinks_with_precision(verdict.residual, residual):
-        decided = FloorVerdict(Status.FAIL, residual, decided.noise_floor, decided.ratio,
-                               f"outputs merely permute: the residual is rounding ({verdict.residual:.3g} in {dtype}, "
-                               f"{residual:.3g} in {name})")
-    return FloorVerdict(decided.status, residual, decided.noise_floor, decided.ratio,
-                        f"{decided.reason} in {name} (inconclusive in {dtype}: {verdict.ratio:.3g}x its floor; "
-                        f"{name} floor: {source})")
 
 
 @contextlib.contextmanager

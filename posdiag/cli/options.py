@@ -59,7 +59,8 @@ AttnOpt = Annotated[str,
                                  help="Attention implementation for the checks (eager honours custom masks).")]
 UpcastOpt = Annotated[bool,
                       typer.Option("--upcast/--no-upcast",
-                                   help="Run equivariance checks in float32 when the model is half precision.")]
+                                   help="Judge a half-precision model in float32 instead of the dtype it runs "
+                                        "in (default: as run; float64 re-runs decide either way).")]
 PickleOpt = Annotated[bool,
                       typer.Option("--allow-pickle",
                                    help="Allow loading pickle (.bin) weights, which can execute code.")]
@@ -111,7 +112,7 @@ DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks for err
 LOAD = Group("load", {
     "revision": Opt(RevisionOpt), "trust_remote_code": Opt(TrustOpt, False), "dtype": Opt(DtypeOpt, DType.auto),
     "device": Opt(DeviceOpt, Device.auto), "device_map": Opt(DeviceMapOpt), "max_memory": Opt(MaxMemoryOpt),
-    "offload_folder": Opt(OffloadOpt), "attn_implementation": Opt(AttnOpt, "eager"), "upcast": Opt(UpcastOpt, True),
+    "offload_folder": Opt(OffloadOpt), "attn_implementation": Opt(AttnOpt, "eager"), "upcast": Opt(UpcastOpt, False),
     "allow_pickle": Opt(PickleOpt, False), "max_batch": Opt(MaxBatchOpt),
 })
 RUN = Group("run", {
@@ -147,7 +148,7 @@ class Settings:
     max_memory: str | None = None
     offload_folder: str | None = None
     attn_implementation: str = "eager"  # custom masks need eager
-    upcast: bool = True
+    upcast: bool = False
     allow_pickle: bool = False
     max_batch: int | None = None
     # probing (run_options turns these into posdiag.options.RunOptions)

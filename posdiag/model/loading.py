@@ -1,7 +1,7 @@
 """Loading MODEL (hub id, checkpoint directory, module:factory or an in-memory module) into a Subject.
 
 Every failure becomes a PosdiagError with one line of advice (exit code 2). Half-precision
-models are upcast to float32 when memory allows: equivariance is a property of the function.
+models are judged in the dtype they run in; --upcast judges the function in float32 instead.
 """
 
 from __future__ import annotations
@@ -320,8 +320,13 @@ def _detect_position_kind(subject: Subject) -> None:
 
 
 def _maybe_upcast(subject: Subject) -> None:
-    """Equivariance is a property of the function: test it in float32 when memory allows."""
-    if not subject.options.upcast or subject.dtype not in (torch.float16, torch.bfloat16):
+    """A half-precision model is judged as it runs: bfloat16's bugs (positions rounded before the angles) exist only
+    there, and float64 re-runs decide what rounding cannot. --upcast asks for the function in float32 instead."""
+    if subject.dtype not in (torch.float16, torch.bfloat16):
+        return
+    if not subject.options.upcast:
+        subject.notes.append(f"judged in {dtype_name(subject.dtype)} as it runs (--upcast judges the function in "
+                             "float32 instead)")
         return
     if is_dispatched(subject.model):
         subject.notes.append("kept in half precision: a model dispatched by accelerate cannot be re-cast in place "

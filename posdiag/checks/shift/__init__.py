@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from posdiag.checks import CheckSpec, Option
-from posdiag.checks.shift import judge, ladder
+from posdiag.checks.shift import as_run, judge, ladder
 from posdiag.checks.shift.judge import ABSOLUTE_KINDS, RELATIVE_KINDS
 from posdiag.model.casts import Angles, float64_angles
 from posdiag.model.introspect import recurrent_mixers
@@ -67,26 +67,29 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     return _stacks(subject, options)
 
 
-def _stacks(subject: Subject, options: RunOptions, angles: Angles | None = None) -> CheckResult:
+def _stacks(subject: Subject, options: RunOptions, angles: Angles | None = None,
+            kept: dict[str, as_run.Finer] | None = None) -> CheckResult:
     return combine_stacks(SPEC.name, [stack_result(SPEC.name, stack,
-                                                   lambda s=stack: _run_stack(subject, options, s, angles))
+                                                   lambda s=stack: _run_stack(subject, options, s, angles, kept))
                                       for stack in subject.stacks])
 
 
 def _decided_in_float64(subject: Subject, options: RunOptions) -> CheckResult:
     """In bf16/fp16 the angle-rounding bound is larger than a whole unit shift of an absolute model, so a run
     there cannot decide (a real absolute-position leak passed under --no-upcast): the ladder runs with the
-    model in float64, module by module, and is judged there. Only when no float64 run is possible does the
-    half-precision run speak, saying so. The float64 run keeps no float32 inside (posdiag.model.casts): norms,
-    softmax and the rotary angles m·θ run in float64; a rotary table stored in float32 keeps its rounding, and the
-    rung's bound then takes float32's epsilon."""
+    model in float64, module by module, and is judged there. The float64 run keeps no float32 inside
+    (posdiag.model.casts): norms, softmax and the rotary angles m·θ run in float64; a rotary table stored in float32
+    keeps its rounding, and the rung's bound then takes float32's epsilon. Float64 also removes what exists only in
+    the dtype as run, so the same rows run again as users run them and each rung's drift from float64 is judged
+    (as_run.py). Only when no float64 run is possible does the half-precision run speak, saying so."""
     half = subject.dtype
+    kept: dict[str, as_run.Finer] = {}
 
     def in_float64() -> CheckResult:
         subject.dtype = torch.float64  # masks and rounding bounds of the run that decides
         try:
             with float64_angles(subject.model) as angles:
-                return _stacks(subject, options, angles)
+                return _stacks(subject, options, angles, kept)
         finally:
             subject.dtype = half
 
@@ -98,12 +101,37 @@ def _decided_in_float64(subject: Subject, options: RunOptions) -> CheckResult:
         return replace(result, summary=f"{result.summary} (in {name}; the float64 run that decides could not run: "
                                        f"{finer.reason})")
     result = finer.value
-    return replace(result, summary=f"{result.summary} (decided in {dtype_name(finer.dtype)}: a {name} run cannot "
-                                   f"tell a position leak from its own rounding)",
-                   details={**result.details, "decided_in": dtype_name(finer.dtype), "how": finer.how})
+    result = replace(result, summary=f"{result.summary} (decided in {dtype_name(finer.dtype)}: a {name} run cannot "
+                                     f"tell a position leak from its own rounding)",
+                     details={**result.details, "decided_in": dtype_name(finer.dtype), "how": finer.how})
+    return _judged_as_run(subject, options, result, kept)
 
 
-def _run_stack(subject: Subject, options: RunOptions, stack: str, angles: Angles | None = None) -> CheckResult:
+def _judged_as_run(subject: Subject, options: RunOptions, result: CheckResult,
+                   kept: dict[str, as_run.Finer]) -> CheckResult:
+    """The float64 verdict, and what the dtype as run adds: a FAIL where it drifts from float64 further into the
+    context than at its first positions."""
+    for stack, finer in kept.items():
+        drift = as_run.measure_drift(subject, stack, finer, options.seed)
+        if drift is None:
+            return SPEC.result(Status.FAIL, f"non-finite hidden states under shifted positions as run in "
+                                            f"{subject.dtype_name} (finite in float64)", result.metrics,
+                               {**result.details, "stack": stack})
+        details = {**result.details, "as_run": {"dtype": drift.dtype, "stack": stack, "base_drift": drift.base,
+                                                "drifts": drift.drifts, "bounds": drift.bounds}}
+        metrics = {**result.metrics, "as_run_drift": drift.drifts[drift.worst],
+                   "as_run_ratio": drift.drifts[drift.worst] / drift.bounds[drift.worst]}
+        if drift.breaks is not None and result.status is not Status.FAIL:
+            return replace(result, status=Status.FAIL, summary=f"{as_run.broken_summary(drift, finer.probe)} "
+                                                               f"(float64: {result.summary})",
+                           metrics=metrics, details=details)
+        clause = as_run.held_clause(drift) if result.status is Status.PASS else ""
+        result = replace(result, summary=result.summary + clause, metrics=metrics, details=details)
+    return result
+
+
+def _run_stack(subject: Subject, options: RunOptions, stack: str, angles: Angles | None = None,
+               kept: dict[str, as_run.Finer] | None = None) -> CheckResult:
     """One stack: plan the ladder, measure it in one forward, judge each rung, report."""
     ok, why = subject.explicit_mask_supported
     if not ok:
@@ -117,6 +145,8 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str, angles: Angles
     measured = ladder.measure(subject, probe, stack, options.seed)
     if measured is None:
         return SPEC.result(Status.FAIL, "non-finite hidden states under shifted positions", {}, details)
+    if kept is not None:
+        kept[stack] = as_run.Finer(probe, measured.out.final, measured.delta1)
     if measured.recurrent_mixers:
         details["recurrent_mixers"] = measured.recurrent_mixers
     details["floor_source"] = measured.floor_source
