@@ -494,7 +494,7 @@ def test_cached_path_crashes(model_type, check):
         twin(model)
 
 
-# ------------------------------------------------------------------ RoBERTa as a decoder: generate() against the forward
+# ------------------------------------------------------------------ RoBERTa as a decoder: generate() vs the forward
 def test_roberta_decoder_generate_numbers_positions_from_0():
     """RobertaForCausalLM (is_decoder=True) numbers positions from padding_idx + 1 when called without position_ids
     (RoBERTa's table), but generate() hands it position_ids from the mask, from 0: the first generated logits differ
