@@ -85,32 +85,40 @@ def test_planted_copies_fail_naming_the_alternative(tmp_path, plant, names):
                          + [("gpt2", "strong"), ("llama", "strong")])
 def test_untrained_models_are_settled_after_one_forward(family, init):
     """At chance (default init): the context gain over the destroyed twin, paired by target token, is bounded within
-    +-0.1 nats by the first row and its twin alone (one forward); built in memory, nothing was trained: N/A, which
-    never fails a gate. Confidently wrong (large random weights): the paired gains spread so widely that the whole
-    material and a twin of all of it (three forwards) neither bound the gain near 0 nor put it above 0: SKIP, saying
-    it cannot tell. Never a verdict either way."""
+    +-0.4 nats by the first row and its twin alone (one forward); built in memory, nothing was trained: N/A, which
+    never fails a gate. Confidently wrong (large random weights): the paired gains spread widely, so the first row
+    cannot always settle it; with the whole material and a twin of all of it (three forwards at most) they either
+    bound the gain within +-0.4 nats (N/A) or neither bound it nor put it above 0 (SKIP, saying it cannot tell).
+    Never a verdict either way."""
+    from posdiag.checks.fit.screen import UNTRAINED_GAIN
+
     subject = from_module(zoo.tiny_model(family, init=init))
     start = subject.forward_count
     result = fit(subject)
+    gain, spread = result.metrics["context_gain"], result.metrics["context_gain_error"]
     if init == "default":
         assert result.status is Status.NA, result.summary
         assert "predicts like an untrained one" in result.summary
         assert "settled on the screen's first row" in result.summary and "built in memory" in result.summary
         assert subject.forward_count - start == 1
     else:
-        assert result.status is Status.SKIP, result.summary
-        assert "cannot tell whether the model is trained" in result.summary, result.summary
-        assert subject.forward_count - start == 3
-    assert abs(result.metrics["context_gain"]) < 3 * result.metrics["context_gain_error"] + 0.1
+        assert subject.forward_count - start <= 3
+        if abs(gain) + 3 * spread < UNTRAINED_GAIN:
+            assert result.status is Status.NA and "predicts like an untrained one" in result.summary, result.summary
+        else:
+            assert result.status is Status.SKIP, result.summary
+            assert "cannot tell whether the model is trained" in result.summary, result.summary
+    assert abs(gain) < 3 * spread + UNTRAINED_GAIN
 
 
 def test_the_screen_is_an_equivalence_test():
-    """Untrained only when the gain's interval lies within +-0.1 nats; trained when it lies above 0; a wide interval
+    """Untrained only when the gain's interval lies within +-0.4 nats; trained when it lies above 0; a wide interval
     around a positive gain (the Welch screen's +1.58 at z = 4.7) is neither, so more material is scored."""
     from posdiag.checks.fit.screen import Screen
 
     assert Screen(0.01, 0.02, 100, 5.0, 5.0).untrained
-    assert not Screen(0.05, 0.02, 100, 5.0, 5.0).untrained and not Screen(0.05, 0.02, 100, 5.0, 5.0).trained
+    assert Screen(0.144, 0.018, 1023, 10.9, 11.0).untrained  # fresh SmolLM2 weights on Python's LICENSE.txt
+    assert not Screen(0.3, 0.05, 100, 5.0, 5.0).untrained and not Screen(0.3, 0.15, 100, 5.0, 5.0).trained
     assert Screen(1.579, 0.336, 256, 6.0, 7.6).trained and not Screen(1.579, 0.6, 256, 6.0, 7.6).trained
     assert "cannot tell" in Screen(0.3, 0.2, 256, 6.0, 6.3).reason() and Screen(2.0, 0.1, 9, 3, 5).reason() == ""
 

@@ -214,7 +214,7 @@ def within_finer(error: float, error64: float, tolerance: float, dtype: str, fin
     """The implementation re-run in `finer` against the same tolerance: its own rounding is gone there (the
     reference keeps what eager rounds in float32 inside, its softmax), so rounding falls back within it; a bug
     does not shrink."""
-    both = f"{error:.3g} in {dtype}, {error64:.3g} in {finer}, tolerance {tolerance:.2g}"
+    both = f"{error:.3g} in {dtype}, {error64:.3g} in {finer}, tolerance {tolerance:.3g}"
     if error64 <= tolerance:
         return FloorVerdict(Status.PASS, error, tolerance / FACTOR, error / tolerance,
                             f"{both}: rounding (within the tolerance once the implementation runs in {finer})")
