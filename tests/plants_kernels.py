@@ -12,6 +12,8 @@
   layer through 0 · NaN.
 - register_sdpa_copy(): the healthy twin of the registered ones: plain sdpa under a new name.
 - register_rounding(): sdpa off by 32 units of its dtype: over the 2x rule, yet shrinking with precision.
+- register_half_only_mask_drop(): sdpa that drops the padding mask on half-precision inputs only (a fused
+  half-precision path that takes no mask): right in float32 and float64, wrong as bfloat16 runs.
 Every registered name also gets transformers' sdpa mask builder (without one, transformers hands a
 custom implementation no mask at all).
 """
@@ -63,6 +65,21 @@ def register_bad_scale() -> str:
 
     _register(BAD_SCALE, bad_scale)
     return BAD_SCALE
+
+
+HALF_ONLY_MASK_DROP = "posdiag_plant_half_only_mask_drop"
+
+
+def register_half_only_mask_drop() -> str:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def half_only(module, query, key, value, attention_mask, **kwargs):
+        if query.dtype in (torch.bfloat16, torch.float16):
+            attention_mask = None  # causal order kept (sdpa's is_causal), the padding lost
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    _register(HALF_ONLY_MASK_DROP, half_only)
+    return HALF_ONLY_MASK_DROP
 
 
 def register_nan_rows() -> str:

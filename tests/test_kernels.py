@@ -85,6 +85,19 @@ def test_wrong_scale_fails_and_registered_copy_passes(family):
     assert good.status is Status.PASS, good.summary
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
+def test_a_kernel_bug_in_bfloat16_only_fails_naming_the_dtype(family):
+    """The padding mask dropped on half-precision inputs only: far past the tolerance as bfloat16 runs, gone in the
+    float64 re-run, which alone would call it rounding. Rounding stays within the agreement band as run (healthy, below;
+    32 units of float32 noise, test_kernels_floor); this does not. The same plant in float32 is no bug: PASS."""
+    plant = plants.register_half_only_mask_drop()
+    bad = kernels(zoo.tiny_model(family, dtype=torch.bfloat16), [plant])
+    assert bad.status is Status.FAIL, bad.summary
+    assert bad.metrics["implementation"] == plant and "a bug in bfloat16 only" in bad.summary, bad.summary
+    assert kernels(zoo.tiny_model(family), [plant]).status is Status.PASS
+    assert kernels(zoo.tiny_model(family, dtype=torch.bfloat16), [plants.register_sdpa_copy()]).status is Status.PASS
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_nan_in_fully_masked_rows_that_leaks_fails(family):
     result = kernels(zoo.tiny_model(family), [plants.register_nan_rows()])
