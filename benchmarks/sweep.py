@@ -34,6 +34,7 @@ SYMBOL = {"pass": "PASS", "fail": "**FAIL**", "warn": "WARN", "skip": "skip", "n
 ROW_STATUSES = "with n/a"
 WRONG = "wrong values"  # Finding.kind of a path that runs and gives outputs that differ from what they must equal
 PLAIN = "tests/test_findings_plain.py"  # the plain-transformers reproductions (two float64 computations, no verdict)
+MULTIMODAL = "tests/test_findings_multimodal.py"  # the same for multimodal prompts (images and a video)
 
 
 @dataclass(frozen=True)
@@ -261,6 +262,18 @@ FINDINGS: dict[str, dict[str, Finding | tuple[Finding, ...]]] = {
                                                      "keys past the window, the attention uses none",
                                                      "tests/test_sweep_sliding.py::test_a_window_the_forward_ignores_"
                                                      "fails_cache_and_none_passes")},
+    # Multimodal prompts (posdiag.model.multimodal_inputs): the sweep's rows predate them: keyed as variants.
+    # 5.25's get_rope_index resumes the text after a video at start + max(h, w) (5.2 and vLLM: past the video's largest
+    # position), so a video whose temporal positions reach further numbers its text inside the video's t range.
+    "qwen2_5_vl:video-overlap": {"positions": Finding("text after video 1", WRONG, "the text after a video is numbered "
+                                                      "inside the video's temporal range",
+                                                      f"{MULTIMODAL}::test_text_after_a_video_overlaps_it",
+                                                      since="5.3.0")},
+    # A cached text prompt after an image prompt decodes from the image prompt's rope_deltas (kept on the model)
+    "qwen2_vl:text-after-image": {"state": Finding("text after an image", WRONG, "a text prompt decoded after an "
+                                                   "image prompt takes the image prompt's rope_deltas",
+                                                   f"{MULTIMODAL}::test_text_after_an_image_decodes_with_stale_"
+                                                   "rope_deltas")},
     # RobertaForCausalLM with is_decoder=True (the sweep builds roberta as a masked LM)
     "roberta:is_decoder": {"generate": Finding("dynamic/single", WRONG, "generate() numbers positions from 0, the "
                                                "forward from padding_idx + 1", f"{PLAIN}::test_roberta_decoder_"

@@ -97,12 +97,23 @@ def run_checks(subject: Any, names: Iterable[str] | None = None, options: RunOpt
                 torch.cuda.empty_cache()  # release one check's activations before the next
     except KeyboardInterrupt:
         # Ctrl-C: hand back what finished, marked incomplete (exit 130), never a report that looks whole.
-        return Report(model=subject.info, checks=tuple(results), versions=versions(), incomplete=True, policy=policy)
+        return Report(model=_tested(subject.info, results), checks=tuple(results), versions=versions(),
+                      incomplete=True, policy=policy)
     finally:
         restored(fresh)
         if freeze:
             gc.unfreeze()
-    return Report(model=subject.info, checks=tuple(results), versions=versions(), policy=policy)
+    return Report(model=_tested(subject.info, results), checks=tuple(results), versions=versions(), policy=policy)
+
+
+def _tested(info: Any, results: list[CheckResult]) -> Any:
+    """The header's `tested`: the multimodal inputs a check ran through the model where one did (positions' images
+    and video), else what loading said (the language model, towers not tested)."""
+    from dataclasses import replace
+
+    ran = next((r.details["multimodal"]["tested"] for r in results
+                if isinstance(r.details.get("multimodal"), dict) and r.details["multimodal"].get("tested")), "")
+    return replace(info, tested=ran) if ran else info
 
 
 def _run_one(subject: Any, name: str, options: RunOptions) -> CheckResult:

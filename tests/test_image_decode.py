@@ -1,4 +1,4 @@
-"""Decode positions after an image (multimodal RoPE): a prompt with an image placeholder grid makes rope_deltas
+"""Decode positions after images (multimodal RoPE): a prompt with two image placeholder grids makes rope_deltas
 non-zero, and every decoded or generated token must sit where the model's own get_rope_index numbers it in the
 whole sequence. Plants that drop rope_deltas or restart at 0 FAIL `cache` (manual decode loop) or `generate`;
 their healthy twins PASS. Tiny towers with random pixel values (posdiag.checks._image_decode)."""
@@ -33,25 +33,25 @@ def test_healthy_decode_after_an_image_passes(model_type):
     for name, path in (("cache", "decode"), ("generate", "generate")):
         c = checks[name]
         assert c.status is Status.PASS, c.summary
-        assert f"after an image: {path}: positions continue from rope_deltas -12" in c.summary
+        assert f"after images: {path}: positions continue from rope_deltas -5" in c.summary
         assert c.details["after_image"]["mismatch"] == ""
 
 
-@pytest.mark.parametrize("build, at", [(plants.decode_ignoring_rope_deltas, "(22, 22, 22)"),
+@pytest.mark.parametrize("build, at", [(plants.decode_ignoring_rope_deltas, "(23, 23, 23)"),
                                        (plants.decode_restarting_at_zero, "(0, 0, 0)")])
 def test_manual_decode_off_rope_deltas_fails_cache(build, at):
     c = _checks(build("qwen2_vl"), ["cache"])["cache"]
     assert c.status is Status.FAIL, c.summary
-    assert c.summary.startswith(f"after an image: decode: token 22 (decode step 0) ran at (t, h, w) = {at}; after "
-                                "the image grid the model's own numbering puts it at (10, 10, 10)"), c.summary
+    assert c.summary.startswith(f"after images: decode: token 23 (decode step 0) ran at (t, h, w) = {at}; after "
+                                "the images the layout puts it at (18, 18, 18) (rope_deltas -5)"), c.summary
 
 
-@pytest.mark.parametrize("build, at", [(plants.generate_ignoring_rope_deltas, "(22, 22, 22)"),
+@pytest.mark.parametrize("build, at", [(plants.generate_ignoring_rope_deltas, "(23, 23, 23)"),
                                        (plants.generate_restarting_at_zero, "(0, 0, 0)")])
 def test_generate_off_rope_deltas_fails_generate(build, at):
     c = _checks(build("qwen2_vl"), ["generate"])["generate"]
     assert c.status is Status.FAIL, c.summary
-    assert f"after an image: generate: token 22 (decode step 0) ran at (t, h, w) = {at}" in c.summary
+    assert f"after images: generate: token 23 (decode step 0) ran at (t, h, w) = {at}" in c.summary
 
 
 def test_dropped_deltas_are_invisible_without_an_image():
@@ -59,13 +59,13 @@ def test_dropped_deltas_are_invisible_without_an_image():
     # (a FAIL of the text runs would lead the summary, with the image probe's finding appended after it)
     c = _checks(plants.generate_ignoring_rope_deltas("qwen2_vl"), ["generate"])["generate"]
     assert c.status is Status.FAIL
-    assert c.summary.startswith("after an image: generate:"), c.summary
+    assert c.summary.startswith("after images: generate:"), c.summary
 
 
 def test_without_image_tokens_in_the_vocabulary_it_says_so():
     c = _checks(tiny_multimodal("qwen2_vl"), ["cache"])["cache"]
     assert c.status is Status.PASS, c.summary
-    assert "not probed: decode after an image (the image token 151655 is outside the 256-row embedding)" in c.summary
+    assert "not probed: decode after images (the image token 151655 is outside the 256-row embedding)" in c.summary
 
 
 def test_models_without_mrope_are_unchanged():
@@ -77,7 +77,7 @@ def test_a_crash_of_the_decode_after_an_image_fails_naming_it():
     """The plain forward of the image prompt runs, the cached step after it raises: a path users take, a FAIL."""
     c = _checks(plants.decode_crashing_after_an_image("qwen2_vl"), ["cache"])["cache"]
     assert c.status is Status.FAIL, c.summary
-    assert "after an image: decode raised IndexError: planted: decode step after an image" in c.summary
+    assert "after images: decode raised IndexError: planted: decode step after an image" in c.summary
     assert c.details["after_image"]["crashed"].startswith("IndexError")
 
 
@@ -85,5 +85,5 @@ def test_an_input_the_plain_forward_refuses_is_not_probed():
     """posdiag's own prompt refused by the plain forward says nothing about the model: not probed, with why."""
     c = _checks(plants.refusing_pixel_values("qwen2_vl"), ["cache"])["cache"]
     assert c.status is Status.PASS, c.summary
-    assert "not probed: decode after an image (the plain forward of posdiag's image prompt raised ValueError" \
+    assert "not probed: decode after images (the plain forward of posdiag's image prompt raised ValueError" \
         in c.summary

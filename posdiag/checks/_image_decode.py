@@ -1,16 +1,16 @@
-"""Decode positions after an image (multimodal RoPE, shared by `cache` and `generate`).
+"""Decode positions after images (multimodal RoPE, shared by `cache` and `generate`).
 
-A Qwen-VL-style prompt holding an image placeholder grid is numbered by the model's `get_rope_index`: the grid
-takes t/h/w positions from one start, and the text after it resumes at start + max(h, w), so the last prompt
-position is below the token count and `rope_deltas` (last position + 1 - tokens, negative) is stored for decoding.
-Every later token must sit at (tokens so far + rope_deltas) on all three streams: exactly where the model's own
-get_rope_index puts it when the whole sequence is numbered at once. Decode steps that restart at 0, count tokens
-(rope_deltas dropped) or freeze are position bugs (mlx-vlm #1983).
+A Qwen-VL-style prompt holding image placeholder grids is numbered by the model's `get_rope_index`: each grid
+takes t/h/w positions from one start, and the text after it resumes past the grid's largest position, so the last
+prompt position is below the token count and `rope_deltas` (last position + 1 - tokens, negative) is stored for
+decoding. Every later token must sit at (tokens so far + rope_deltas) on all three streams. Decode steps that
+restart at 0, count tokens (rope_deltas dropped) or freeze are position bugs (mlx-vlm #1983); so is a second image
+numbered from the first one's start.
 
-The probe: text + a grid of image tokens + text, with random pixel values of the vision config's patch shape
-(the tiny towers of tests cost milliseconds) and `image_grid_thw`; the model's rotary module is watched for the
-position ids each forward hands it, and the decoded (or generated) tokens' positions must equal the whole
-sequence's get_rope_index numbering, exactly (integers: no tolerance). The caller also compares the decoded
+The probe: text, two images of deterministic pixels, text (posdiag.model.multimodal_inputs); the model's rotary
+module is watched for the position ids each forward hands it, and every token's positions, the prompt's in the
+prefill and the decoded (or generated) ones after it, must equal the layout's numbering of the whole sequence
+(posdiag.model.mrope_layout), exactly (integers: no tolerance). The caller also compares the decoded
 logits with the full forward. Applies where the model has get_rope_index, an image token inside its
 vocabulary and a vision config with patch sizes; elsewhere a reason, reported by the caller when the model has
 multimodal RoPE at all. A crash of the probed path (the cache continuation, generate()) after the plain forward
@@ -27,39 +27,13 @@ from typing import Any
 import torch
 
 from posdiag.model.caches import cache_keyword
+from posdiag.model.mrope_layout import layout_positions
+from posdiag.model.multimodal_inputs import MultimodalPrompt, Span, build_prompt
 from posdiag.model.quiet import transformers_quiet
 from posdiag.model.subject import Subject
 from posdiag.results import CheckResult, Status
 from posdiag.tools import mrope, rope_math
 from posdiag.verdict import FAIL_RATIO, noise_floor
-
-GRID = 4  # merged image tokens per side (16 image tokens; rope_deltas = -12)
-TEXT = 3  # text tokens before and after the grid
-
-
-@dataclass
-class ImagePrompt:
-    ids: torch.Tensor  # [1, T] prompt ids, the grid's tokens the image token
-    kinds: torch.Tensor  # [1, T] mm_token_type_ids (1 on the grid)
-    pixel_values: torch.Tensor
-    grid_thw: torch.Tensor  # [1, 3] in patches
-    rope_owner: Any  # the module whose get_rope_index numbers a sequence
-
-    def inputs(self, ids: torch.Tensor | None = None) -> dict[str, Any]:
-        """Model inputs for `ids` (default: the prompt) that start with the prompt; later tokens are text."""
-        ids = self.ids if ids is None else ids
-        kinds = torch.zeros_like(ids, dtype=self.kinds.dtype)
-        kinds[:, : self.kinds.shape[1]] = self.kinds
-        return {"input_ids": ids, "mm_token_type_ids": kinds, "pixel_values": self.pixel_values,
-                "image_grid_thw": self.grid_thw}
-
-    def positions(self, ids: torch.Tensor) -> torch.Tensor:
-        """[3, T] positions of `ids` as the model's own get_rope_index numbers the whole sequence."""
-        inputs = self.inputs(ids)
-        with torch.inference_mode():
-            pos, _ = self.rope_owner.get_rope_index(inputs["input_ids"], mm_token_type_ids=inputs["mm_token_type_ids"],
-                                                    image_grid_thw=self.grid_thw)
-        return pos[:, 0].cpu()
 
 
 @dataclass
@@ -72,59 +46,46 @@ class Watch:
         pos = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
         if isinstance(pos, torch.Tensor):
             pos = pos.detach().cpu()
-            self.seen.append(pos.expand(3, -1, -1)[:, 0] if pos.ndim == 3 else pos[0].expand(3, -1))
+            pos = pos[-3:] if pos.ndim == 3 else pos[:1].expand(3, -1)  # [4, B, T] leads with the text positions
+            self.seen.append(pos[:, 0] if pos.ndim == 3 else pos)
 
-    def mismatch(self, expected: torch.Tensor, start: int) -> str:
-        """The first decode position (index >= start) that differs from `expected` [3, T], named; '' if none."""
+    def mismatch(self, expected: torch.Tensor, start: int, spans: tuple[Span, ...] = ()) -> str:
+        """The first position (index >= start) that differs from `expected` [3, T], named ('' if none): a prompt
+        token by its span, a later one by its decode step."""
         got = torch.cat(self.seen, dim=-1) if self.seen else torch.zeros(3, 0, dtype=torch.long)
         if got.shape[-1] < expected.shape[-1]:
             return f"the rotary module saw {got.shape[-1]} positions for {expected.shape[-1]} tokens"
+        prompt = spans[-1].stop if spans else 0
         for t in range(start, expected.shape[-1]):
             if not torch.equal(got[:, t], expected[:, t]):
                 e, g = (tuple(int(x) for x in v[:, t]) for v in (expected, got))
-                deltas = int(expected[0, -1]) + 1 - expected.shape[-1]
-                return (f"token {t} (decode step {t - start}) ran at (t, h, w) = {g}; after the image grid the "
-                        f"model's own numbering puts it at {e} (rope_deltas {deltas})")
+                if t < prompt:
+                    span = next(s for s in spans if s.start <= t < s.stop)
+                    return f"token {t} of {span.name()} ran at (t, h, w) = {g}; the layout puts it at {e}"
+                deltas = int(expected[:, :prompt].max()) + 1 - prompt
+                return (f"token {t} (decode step {t - prompt}) ran at (t, h, w) = {g}; after the images the "
+                        f"layout puts it at {e} (rope_deltas {deltas})")
         return ""
 
 
-def image_prompt(subject: Subject, seed: int) -> tuple[ImagePrompt | None, str]:
-    """The probe's prompt, or why this model gets none."""
-    model = subject.model
-    config = getattr(model, "config", None)
-    # the inner model first: it stores rope_deltas and generate() calls its get_rope_index
-    owner = next((m for m in (getattr(model, "model", None), model) if callable(getattr(m, "get_rope_index", None))),
-                 None)
-    vision = getattr(config, "vision_config", None)
-    image_token = getattr(config, "image_token_id", None)
-    if owner is None or vision is None or image_token is None:
-        return None, "no get_rope_index, vision config or image token to build an image prompt from"
-    vocab = model.get_input_embeddings().weight.shape[0]
-    if not 0 <= int(image_token) < vocab:
-        return None, f"the image token {image_token} is outside the {vocab}-row embedding"
-    patch, temporal = getattr(vision, "patch_size", None), getattr(vision, "temporal_patch_size", 1) or 1
-    channels = getattr(vision, "in_channels", None) or getattr(vision, "in_chans", None) or 3
-    merge = int(getattr(vision, "spatial_merge_size", 1) or 1)
-    if not patch:
-        return None, "the vision config gives no patch size"
-    side = GRID * merge
-    gen = torch.Generator().manual_seed(seed)
-    text = torch.randint(0, vocab, (2 * TEXT,), generator=gen)
-    text[text == int(image_token)] = (int(image_token) + 1) % vocab
-    ids = torch.cat([text[:TEXT], torch.full((GRID * GRID,), int(image_token)), text[TEXT:]])[None]
-    kinds = torch.zeros_like(ids, dtype=torch.int)
-    kinds[0, TEXT:TEXT + GRID * GRID] = 1
-    dtype = next(model.parameters()).dtype
-    pixels = torch.randn(side * side, channels * temporal * patch * patch, generator=gen).to(dtype)
-    prompt = ImagePrompt(ids.to(subject.device), kinds.to(subject.device), pixels.to(subject.device),
-                         torch.tensor([[1, side, side]], device=subject.device), owner)
+def image_prompt(subject: Subject, seed: int) -> tuple[MultimodalPrompt | None, str]:
+    """The probe's prompt (two images between text), or why this model gets none."""
+    prompt, why = build_prompt(subject.model, seed, video=False)
+    if prompt is None:
+        return None, why
     try:
-        pos = prompt.positions(prompt.ids)
+        pos = prompt.numbering()
     except Exception as exc:
         return None, f"get_rope_index raised {type(exc).__name__} on an image prompt"
-    if int(pos.max()) + 1 >= ids.shape[1]:
+    if int(pos.max()) + 1 >= prompt.ids.shape[1]:
         return None, "get_rope_index numbers the image prompt like text (no rope_deltas to carry)"
     return prompt, ""
+
+
+def expected_positions(prompt: MultimodalPrompt, length: int) -> torch.Tensor:
+    """[3, length]: the layout's numbering of the prompt and the text tokens after it."""
+    tail = (Span("text", 0, prompt.ids.shape[1], length),) if length > prompt.ids.shape[1] else ()
+    return layout_positions(prompt.spans + tail)
 
 
 @contextlib.contextmanager
@@ -145,7 +106,7 @@ def watching(subject: Subject):
 class ImageRun:
     """One decode (or generate) after the image prompt: positions checked exactly, logits against the full forward."""
 
-    name: str  # "after an image: decode" | "after an image: generate"
+    name: str  # "after images: decode" | "after images: generate"
     mismatch: str = ""  # the first decode position off the model's own numbering
     errors: list[float] = field(default_factory=list)  # per new token, relative to the full forward
     floor: float = 0.0  # prompt positions: prefill vs the full forward
@@ -161,19 +122,30 @@ def _named(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
 
 
-def _continuation(prompt: ImagePrompt, steps: int, seed: int, vocab: int) -> torch.Tensor:
+def _continuation(prompt: MultimodalPrompt, steps: int, seed: int, vocab: int) -> torch.Tensor:
+    """Text tokens after the prompt: never a placeholder or delimiter id (those would open another image)."""
     gen = torch.Generator().manual_seed(seed + 1)
     new = torch.randint(0, vocab, (1, steps), generator=gen).to(prompt.ids.device)
-    image = int(prompt.ids[0, TEXT])
-    return new.masked_fill(new == image, (image + 1) % vocab)
+    special = _special_ids(prompt)
+    ordinary = int(prompt.ids[0, 0])  # the prompt's first token is text drawn from the ordinary ids
+    return torch.tensor([[ordinary if v in special else v for v in new[0].tolist()]], device=prompt.ids.device)
 
 
-def decode_after_image(subject: Subject, prompt: ImagePrompt, cache: Any, steps: int, seed: int) -> ImageRun:
+def _special_ids(prompt: MultimodalPrompt) -> set[int]:
+    """Placeholder and delimiter ids: a generated or continued text token never takes one (it would open an image
+    whose pixels the forward does not have)."""
+    config = prompt.rope_owner.config
+    return {int(v) for v in prompt.ids[0][prompt.vision()].tolist()} | {
+        int(getattr(config, k)) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                          "vision_end_token_id") if isinstance(getattr(config, k, None), int)}
+
+
+def decode_after_image(subject: Subject, prompt: MultimodalPrompt, cache: Any, steps: int, seed: int) -> ImageRun:
     """Prefill the image prompt into `cache`, then decode `steps` text tokens one by one (no position ids: the
     model's own numbering from the stored rope_deltas, as a manual decode loop runs)."""
     from posdiag.model.tensors import relative_l2
 
-    run = ImageRun("after an image: decode")
+    run = ImageRun("after images: decode")
     model, n = subject.model, prompt.ids.shape[1]
     full_ids = torch.cat([prompt.ids, _continuation(prompt, steps, seed, model.get_input_embeddings().weight.shape[0])],
                          dim=1)
@@ -196,17 +168,17 @@ def decode_after_image(subject: Subject, prompt: ImagePrompt, cache: Any, steps:
         return run
     run.floor = max(relative_l2(first[t], full[t]) for t in range(n))
     run.errors = [relative_l2(o, full[n + i]) for i, o in enumerate(outs)]
-    run.mismatch = watch.mismatch(prompt.positions(full_ids), n)
+    run.mismatch = watch.mismatch(expected_positions(prompt, full_ids.shape[1]), 0, prompt.spans)
     return run
 
 
-def generate_after_image(subject: Subject, prompt: ImagePrompt, new_tokens: int, pad: int) -> ImageRun:
+def generate_after_image(subject: Subject, prompt: MultimodalPrompt, new_tokens: int, pad: int) -> ImageRun:
     """Greedy generate() from the image prompt: the new tokens' positions and logits against one full forward of
     the generated sequence (teacher-forced)."""
     from posdiag.errors import refused_by_generation
     from posdiag.model.tensors import relative_l2
 
-    run = ImageRun("after an image: generate")
+    run = ImageRun("after images: generate")
     model, n = subject.model, prompt.ids.shape[1]
     try:
         with torch.inference_mode():
@@ -220,6 +192,7 @@ def generate_after_image(subject: Subject, prompt: ImagePrompt, new_tokens: int,
             out = model.generate(**prompt.inputs(), attention_mask=torch.ones_like(prompt.ids),
                                  max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                                  output_logits=True, return_dict_in_generate=True, pad_token_id=pad,
+                                 suppress_tokens=sorted(_special_ids(prompt)),  # raw logits come back unchanged
                                  disable_compile=True)  # never transformers' automatic compile (generate's --compile)
         subject.forward_count += new_tokens
     except Exception as exc:
@@ -238,7 +211,8 @@ def generate_after_image(subject: Subject, prompt: ImagePrompt, new_tokens: int,
         return run
     run.floor = 0.0  # generate() gives logits of new tokens only; the caller's floor applies
     run.errors = [relative_l2(step[0], full[n - 1 + i]) for i, step in enumerate(out.logits)]
-    run.mismatch = watch.mismatch(prompt.positions(seq)[:, :-1], n)  # the last new token is never forwarded
+    # the last new token is never forwarded
+    run.mismatch = watch.mismatch(expected_positions(prompt, seq.shape[1])[:, :-1], 0, prompt.spans)
     return run
 
 
@@ -262,11 +236,11 @@ def with_image_decode(result: CheckResult, subject: Subject, seed: int, probe) -
         return _replaced(result, Status.FAIL, summary, {"after_image": {"path": run.name, "crashed": run.crashed}})
     if run is None or run.invalid:
         why = run.invalid if run is not None else why
-        return _replaced(result, result.status, f"{result.summary}; not probed: decode after an image ({why})",
+        return _replaced(result, result.status, f"{result.summary}; not probed: decode after images ({why})",
                          {"after_image": {"not_probed": why}})
     floor = noise_floor(run.floor, subject.dtype_name)
     worst = max(run.errors, default=0.0)
-    deltas = int(prompt.positions(prompt.ids).max()) + 1 - prompt.ids.shape[1]
+    deltas = int(expected_positions(prompt, 0).max()) + 1 - prompt.ids.shape[1]
     info = {"after_image": {"path": run.name, "rope_deltas": deltas, "mismatch": run.mismatch, "errors": run.errors,
                             "noise_floor": floor}}
     if run.mismatch:

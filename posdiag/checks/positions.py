@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from posdiag.checks import CheckSpec
+from posdiag.checks._image_positions import with_image_positions
 from posdiag.model.arbitration import arbitrate, decide_signal
 from posdiag.model.inert import inert, unfaithful_mask_verdict
 from posdiag.model.introspect import mixing_reason, recurrent_mixers, recurrent_reason
@@ -99,7 +100,8 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
         return SPEC.result(status, summary, metrics, {**details, **found})
     judged = _judge(subject, probe, layers, details, metrics)
     status, summary = _verdict(subject, probe, judged, details)
-    return SPEC.result(status, summary, metrics, details, (_table(subject, probe, layers),))
+    result = SPEC.result(status, summary, metrics, details, (_table(subject, probe, layers),))
+    return with_image_positions(result, subject, options.seed)  # multimodal RoPE: images and a video
 
 
 def _not_judged(subject: Subject) -> CheckResult | None:

@@ -1,0 +1,126 @@
+"""Planted multimodal position bugs on tiny Qwen2-VL / Qwen2.5-VL / Qwen3-VL, each invisible on text alone. Plants
+change one instance only (instance attributes), never a transformers module or class."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from posdiag.testing.multimodal import tiny_multimodal
+
+
+def healthy(model_type: str, tokens_per_second: int | None = 2) -> nn.Module:
+    """Image and video placeholder ids inside the small vocabulary, so a prompt with images can be built. Qwen2.5-VL
+    takes the released checkpoints' tokens_per_second of 2 (its config class defaults to 4: `video_overlap`)."""
+    model = tiny_multimodal(model_type, image_tokens_in_vocab=True)
+    if tokens_per_second is not None and hasattr(model.config.vision_config, "tokens_per_second"):
+        model.config.vision_config.tokens_per_second = tokens_per_second
+    return model
+
+
+def video_overlap() -> nn.Module:
+    """Stock Qwen2.5-VL at its config class's default tokens_per_second (4): the 4-frame video's temporal positions
+    reach past max(h, w), where transformers 5.25 resumes the text after it."""
+    return healthy("qwen2_5_vl", tokens_per_second=None)
+
+
+def _numbering(model: nn.Module, change) -> nn.Module:
+    """The model's get_rope_index with its positions changed by change(positions, input_ids, kwargs)."""
+    inner = model.model
+    original = inner.get_rope_index
+
+    def get_rope_index(input_ids, *args, **kwargs):
+        positions, deltas = original(input_ids, *args, **kwargs)
+        return change(positions.clone(), input_ids, kwargs), deltas
+
+    inner.get_rope_index = get_rope_index
+    return model
+
+
+def _runs(mask: torch.Tensor) -> list[tuple[int, int]]:
+    """(start, stop) of each run of True in a 1-D bool tensor."""
+    out, start = [], None
+    for i, v in enumerate(mask.tolist() + [False]):
+        if v and start is None:
+            start = i
+        elif not v and start is not None:
+            out.append((start, i))
+            start = None
+    return out
+
+
+def second_image_as_first(model_type: str) -> nn.Module:
+    """The second image is numbered from the first image's start (its grid offsets kept): the start position is not
+    advanced past the text between them."""
+    model = healthy(model_type)
+    image = model.config.image_token_id
+
+    def change(pos, ids, kwargs):
+        for row in range(ids.shape[0]):
+            runs = _runs(ids[row] == image)
+            if len(runs) > 1:
+                (a, _), (b, e) = runs[0], runs[1]
+                pos[:, row, b:e] += pos[0, row, a] - pos[0, row, b]
+        return pos
+    return _numbering(model, change)
+
+
+def one_dimensional_rotary(model_type: str) -> nn.Module:
+    """The language model's rotary reads the t stream for every pair: images rotate as text, h and w are dropped."""
+    model = healthy(model_type)
+    rotary = model.model.language_model.rotary_emb
+    original = rotary.forward
+
+    def forward(x, position_ids):
+        if position_ids.ndim == 3:
+            position_ids = position_ids[:1].expand(position_ids.shape[0], -1, -1)
+        return original(x, position_ids)
+
+    rotary.forward = forward
+    return model
+
+
+def seconds_truncated(model_type: str = "qwen2_5_vl") -> nn.Module:
+    """second_per_grid_ts truncated to an integer before the temporal step (transformers #48669): 0.5 s becomes 0,
+    every temporal patch of the video takes the same t."""
+    model = healthy(model_type)
+    inner = model.model
+    original = inner.get_rope_index
+
+    def get_rope_index(input_ids, *args, second_per_grid_ts=None, **kwargs):
+        if second_per_grid_ts is not None:
+            second_per_grid_ts = second_per_grid_ts.long()
+        return original(input_ids, *args, second_per_grid_ts=second_per_grid_ts, **kwargs)
+
+    inner.get_rope_index = get_rope_index
+    return model
+
+
+def images_take_video_seconds(model_type: str = "qwen2_5_vl") -> nn.Module:
+    """Still images given video temporal scaling (transformers #45325): each image consumes an entry of
+    second_per_grid_ts, so the video after two images takes the default of 1 s per temporal patch, not its own."""
+    model = healthy(model_type)
+    inner = model.model
+    original = inner.get_rope_index
+
+    def get_rope_index(input_ids, *args, second_per_grid_ts=None, image_grid_thw=None, **kwargs):
+        if second_per_grid_ts is not None and image_grid_thw is not None:
+            taken = image_grid_thw.shape[0]
+            rest = second_per_grid_ts[taken:]
+            second_per_grid_ts = rest if rest.numel() else None  # the video's own entry went to an image
+        return original(input_ids, *args, second_per_grid_ts=second_per_grid_ts, image_grid_thw=image_grid_thw,
+                        **kwargs)
+
+    inner.get_rope_index = get_rope_index
+    return model
+
+
+def tower_that_cannot_run(model_type: str = "qwen2_vl") -> nn.Module:
+    """The vision tower raises (a kernel this machine lacks): the text path still runs."""
+    model = healthy(model_type)
+
+    def forward(*args, **kwargs):
+        raise RuntimeError("planted: the vision tower cannot run on this device")
+
+    model.model.visual.forward = forward
+    return model

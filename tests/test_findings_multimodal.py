@@ -1,0 +1,83 @@
+"""Upstream findings on multimodal prompts (benchmarks/sweep.py FINDINGS, keys `<type>:<variant>`), reproduced in plain
+transformers with the prompt posdiag builds (two images between text, a 4-frame video): no posdiag check involved.
+Each asks the findings table whether it holds on the installed transformers; where upstream fixed it, the two
+computations must agree."""
+
+from __future__ import annotations
+
+import warnings
+
+import plants_multimodal as plants
+import pytest
+import torch
+import transformers
+from sweep_support import sweep_module
+
+from posdiag.model.caches import cache_keyword
+from posdiag.model.multimodal_inputs import build_prompt
+
+BUG, TWIN_MARGIN = 1e-6, 1e3
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    warnings.filterwarnings("ignore")
+
+
+def finding(key: str, check: str):
+    return sweep_module().finding(key, check)
+
+
+def _text_after_video(model) -> tuple[int, int]:
+    """(first position of the text after the video, the video's largest temporal position) as get_rope_index
+    numbers posdiag's prompt."""
+    prompt, why = build_prompt(model, 0)
+    assert why == ""
+    video = next(s for s in prompt.spans if s.kind == "video")
+    pos = prompt.numbering()
+    return int(pos[0, video.stop]), int(pos[0, video.start:video.stop].max())
+
+
+def test_text_after_a_video_overlaps_it():
+    """Qwen2.5-VL at its config default of 4 temporal positions per second: the video (0.5 s per temporal patch) takes
+    t = 19 and 21; 5.25 resumes the text at 19 + max(h, w) = 21, the video's own last temporal position. The twin at
+    2 positions per second (t = 19, 20) resumes past it."""
+    text, video_end = _text_after_video(plants.video_overlap())
+    assert (text <= video_end) == (finding("qwen2_5_vl:video-overlap", "positions") is not None), (text, video_end)
+    text, video_end = _text_after_video(plants.healthy("qwen2_5_vl", tokens_per_second=2))
+    assert text == video_end + 1
+
+
+def _decode(model, ids: torch.Tensor, prefill: int) -> torch.Tensor:
+    """The logits of ids[prefill:] decoded one token at a time after a prefill, as a hand-written loop does: the
+    cache passed, no position_ids."""
+    cache = transformers.DynamicCache(config=model.config)
+    keyword = cache_keyword(model)
+    with torch.inference_mode():
+        model(input_ids=ids[:, :prefill], **{keyword: cache}, use_cache=True)
+        steps = [model(input_ids=ids[:, t:t + 1], **{keyword: cache}, use_cache=True).logits[0, -1]
+                 for t in range(prefill, ids.shape[1])]
+    return torch.stack(steps)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_text_after_an_image_decodes_with_stale_rope_deltas():
+    """Stock Qwen2-VL (float64): a text prompt decoded in a plain loop after an image prompt ran differs from the same
+    loop on a fresh model; the image prompt's rope_deltas (-5) stay on the model and number the text's decode steps
+    (position 3 where the fresh model uses 8). The twin: the same loop after another text prompt."""
+    model = plants.healthy("qwen2_vl").to(torch.float64)
+    text = torch.randint(4, 200, (1, 10), generator=torch.Generator().manual_seed(3))
+    other = torch.randint(4, 200, (1, 10), generator=torch.Generator().manual_seed(4))
+    fresh = _decode(model, text, 8)
+    _decode(model, other, 8)
+    twin = _rel(_decode(model, text, 8), fresh)
+    prompt, _ = build_prompt(model, 0, video=False)
+    with torch.inference_mode():
+        model(**prompt.inputs(), use_cache=True)
+    assert int(model.model.rope_deltas) == -5
+    bug = _rel(_decode(model, text, 8), fresh)
+    differs = bug > BUG and bug > TWIN_MARGIN * twin
+    assert differs == (finding("qwen2_vl:text-after-image", "state") is not None), (bug, twin)
