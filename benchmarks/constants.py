@@ -55,9 +55,9 @@ def compare_rows(model: str, out: Path) -> None:
     from posdiag.model.gguf_file import inspect_file, rewrite
     from posdiag.model.loading import load_subject
     from posdiag.options import RunOptions
+    from posdiag.ports import logits as port_compare
+    from posdiag.ports.candidates import PortOptions, open_port
     from posdiag.testing import pretrained
-    from posdiag.tools import port_compare
-    from posdiag.tools.engines import PortOptions, open_port
 
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
     judge = port_compare.judge_profile
@@ -99,7 +99,7 @@ def compare_rows(model: str, out: Path) -> None:
 def _line(layer: dict, e, tol) -> dict:
     import torch
 
-    from posdiag.tools.port_shapes import profile_ratio
+    from posdiag.ports.logits.shapes import profile_ratio
 
     finite = torch.isfinite(e)
     share = (e / tol)[finite]
@@ -239,7 +239,7 @@ def table(path: Path) -> str:
     from posdiag.checks.fit.judging import MIN_GAIN, Z_BOUND
     from posdiag.checks.fit.screen import SETTLED, UNTRAINED_GAIN
     from posdiag.checks.kernels.judging import SAME_FUNCTION
-    from posdiag.tools.port_shapes import GROWS_FRACTION
+    from posdiag.ports.logits.shapes import GROWS_FRACTION
     from posdiag.verdict import FAIL_RATIO
 
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

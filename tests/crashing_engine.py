@@ -1,4 +1,4 @@
-"""A child that speaks posdiag's engine protocol (posdiag/tools/engine_process.py) and then fails natively,
+"""A child that speaks posdiag's engine protocol (posdiag/ports/engines/child_process.py) and then fails natively,
 the ways llama.cpp can: `python crashing_engine.py MODE` with MODE
 - "segv": a read of address 0 on the first request (SIGSEGV, as the repacked Q4 kernels of native builds);
 - "abort": abort() after a GGML_ASSERT-style line on stderr (SIGABRT);

@@ -1,4 +1,4 @@
-"""Tiny GGUF files for tests and docs: posdiag's converter (posdiag/tools/gguf_write.py: Llama, Qwen2,
+"""Tiny GGUF files for tests and docs: posdiag's converter (posdiag/ports/gguf_writer.py: Llama, Qwen2,
 Gemma2, GPT-2, llama.cpp's conventions) and the port bugs tests plant in its output.
 
 Plants (`plant=`), each one real bring-up mistake:
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from posdiag.tools.gguf_write import convert, to_half_split, write
+from posdiag.ports.gguf_writer import convert, to_half_split, write
 
 PLANTS = ("qk_hf_layout", "freq_base", "no_rope_scaling", "short_context", "no_sliding_window", "norm_eps")
 

@@ -165,10 +165,10 @@ def test_compare_at_80_columns():
     from posdiag.api import versions
     from posdiag.model.loading import from_module
     from posdiag.options import RunOptions
+    from posdiag.ports.layers import compare_subjects
     from posdiag.report.compare_console import render_compare
     from posdiag.results import Report
     from posdiag.testing import zoo
-    from posdiag.tools.compare import compare_subjects
 
     ref, cand = zoo.tiny_model("llama"), zoo.tiny_model("llama")
     cand.load_state_dict(ref.state_dict())

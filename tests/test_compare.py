@@ -16,9 +16,9 @@ from typer.testing import CliRunner
 from posdiag.errors import PosdiagError
 from posdiag.model.loading import from_module
 from posdiag.options import LoadOptions, RunOptions
+from posdiag.ports.layers import bucket_edges, compare_subjects, original_context, parse_layer_map
 from posdiag.results import Status
 from posdiag.testing import zoo
-from posdiag.tools.compare import bucket_edges, compare_subjects, original_context, parse_layer_map
 
 DYNAMIC = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}
 

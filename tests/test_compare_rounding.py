@@ -12,9 +12,9 @@ from sweep_rows import exhaustive
 
 from posdiag.model.loading import from_module
 from posdiag.options import RunOptions
+from posdiag.ports.layers import compare_subjects
 from posdiag.results import Status
 from posdiag.testing import zoo
-from posdiag.tools.compare import compare_subjects
 
 
 def compared(ref, cand):

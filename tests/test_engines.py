@@ -15,11 +15,11 @@ from posdiag.cli import app
 from posdiag.errors import PosdiagError
 from posdiag.model.loading import from_module
 from posdiag.options import RunOptions
+from posdiag.ports.engines.logits_only import as_engine, is_engine
+from posdiag.ports.logits import compare_engine
+from posdiag.ports.logits.shapes import classify
 from posdiag.results import Status
 from posdiag.testing import zoo
-from posdiag.tools.engines import as_engine, is_engine
-from posdiag.tools.port_compare import compare_engine
-from posdiag.tools.port_shapes import classify
 
 
 def run(ref, engine, **kw):
@@ -190,7 +190,7 @@ def test_classify_per_position_tolerance_and_a_rise_below_it():
 def test_quantised_writer_types_and_refusals(tmp_path, llama):
     pytest.importorskip("gguf", reason="the GGUF writer needs the gguf package")
     from posdiag.model.gguf_file import inspect_file
-    from posdiag.tools.gguf_write import ConversionError, convert, write
+    from posdiag.ports.gguf_writer import ConversionError, convert, write
 
     info = inspect_file(str(write(convert(llama), tmp_path / "q.gguf", "Q8_0")))
     assert info.type_counts == {"Q8_0": 16, "F32": 5}  # 2-D weights quantised, the 5 norms kept

@@ -17,8 +17,8 @@ gguf = pytest.importorskip("gguf", reason="the GGUF converter needs the gguf pac
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'posdiag[gguf]' "
                                                     "builds it from source, several minutes)")
 
-from posdiag.tools.gguf_engine import load_gguf  # noqa: E402
-from posdiag.tools.port_compare import compare_engine  # noqa: E402
+from posdiag.ports.engines.llama_cpp import load_gguf  # noqa: E402
+from posdiag.ports.logits import compare_engine  # noqa: E402
 
 LINEAR = {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 32}
 

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from posdiag.cli import app
 from posdiag.errors import EngineCrash, PosdiagError
-from posdiag.tools.engine_process import EngineProcess
+from posdiag.ports.engines.child_process import EngineProcess
 
 gguf = pytest.importorskip("gguf", reason="GGUF files need the gguf package: pip install 'posdiag[gguf]'")
 
@@ -75,7 +75,7 @@ def test_llama_cpp_runs_posdiag_s_thread_count_in_every_phase(tiny, monkeypatch)
     """llama-cpp-python evaluates a prompt batch on n_threads_batch, every core by default, whatever n_threads says:
     both take POSDIAG_THREADS (the suite's 1), read back from the context llama.cpp made."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
-    from posdiag.tools.gguf_engine import load_gguf
+    from posdiag.ports.engines.llama_cpp import load_gguf
 
     monkeypatch.setenv("POSDIAG_THREADS", "1")
     engine = load_gguf(str(tiny[1]))
@@ -86,7 +86,7 @@ def test_llama_cpp_runs_posdiag_s_thread_count_in_every_phase(tiny, monkeypatch)
 
 
 def test_engine_threads_follow_posdiag_threads():
-    from posdiag.tools.engines import engine_threads
+    from posdiag.ports.engines.logits_only import engine_threads
 
     assert engine_threads({"POSDIAG_THREADS": "3"}) == 3
     assert engine_threads({"POSDIAG_THREADS": "omp"}) == engine_threads({}) == max(1, min(4, os.cpu_count() or 1))
@@ -94,7 +94,7 @@ def test_engine_threads_follow_posdiag_threads():
 
 def test_compare_with_a_crashing_engine_exits_3_in_one_line(tiny, monkeypatch):
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
-    from posdiag.tools import gguf_engine
+    from posdiag.ports.engines import llama_cpp as gguf_engine
 
     monkeypatch.setattr(gguf_engine, "CHILD_COMMAND", [sys.executable, CHILD, "segv"])
     root, path = tiny

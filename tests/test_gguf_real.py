@@ -24,9 +24,9 @@ pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip 
 
 from posdiag.model.gguf_file import open_reader, rewrite
 from posdiag.model.loading import load_subject
-from posdiag.tools.gguf_engine import load_gguf
-from posdiag.tools.gguf_write import to_half_split
-from posdiag.tools.port_compare import compare_engine
+from posdiag.ports.engines.llama_cpp import load_gguf
+from posdiag.ports.gguf_writer import to_half_split
+from posdiag.ports.logits import compare_engine
 
 pytestmark = pytest.mark.xdist_group("smollm2-gguf")  # one worker: the reference and the reader are made once
 

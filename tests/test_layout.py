@@ -66,9 +66,11 @@ def test_no_import_cycles():
     assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
 
 
-# Lower layers never import higher ones. posdiag (the package __init__) only re-exports lazily.
+# Lower layers never import higher ones. posdiag (the package __init__) only re-exports lazily. Ports (a candidate
+# of `posdiag compare` and its comparison) sit beside the checks: both judge a loaded model, neither imports the
+# other (test_ports_and_checks_stay_apart), and both build on posdiag.model.
 LAYERS = [("posdiag.cli",), ("posdiag.testing", "posdiag.zoo"), ("posdiag.api", "posdiag.baseline"),
-          ("posdiag.checks", "posdiag.tools", "posdiag.report"), ("posdiag.model",),
+          ("posdiag.checks", "posdiag.ports", "posdiag.tools", "posdiag.report"), ("posdiag.model",),
           ("posdiag.options", "posdiag.verdict", "posdiag.config", "posdiag.results", "posdiag.errors",
            "posdiag._version")]
 
@@ -97,6 +99,25 @@ def check_of(name: str) -> str | None:
     if len(parts) < 3 or parts[:2] != ["posdiag", "checks"] or parts[2].startswith("_"):
         return None
     return parts[2]
+
+
+def test_ports_and_checks_stay_apart():
+    """Siblings of one layer: a check judges one model, a port judges a candidate against a reference; the
+    command line joins them, never one the other."""
+    def area(name: str) -> str | None:
+        return next((p for p in ("posdiag.checks", "posdiag.ports") if name == p or name.startswith(p + ".")), None)
+
+    crossing = [f"{name} imports {target}" for name, targets in graph().items() for target in targets
+                if area(name) and area(target) and area(name) != area(target)]
+    assert not crossing, "\n".join(crossing)
+
+
+def test_tools_hold_no_port():
+    """posdiag/tools/ is maths (rope_math, mrope, attention, synthetic, copy_probe); a candidate's engine or its
+    comparison is posdiag/ports/."""
+    ported = [name for name in MODULES if name.startswith("posdiag.tools.")
+              and any(word in name for word in ("served", "engine", "gguf", "onnx", "port", "quant", "compare"))]
+    assert not ported, ported
 
 
 def test_no_check_imports_another_check():
@@ -138,3 +159,5 @@ def test_the_layout_test_sees_the_package():
     """Guard against a test that cannot fail: the walker finds the modules and their imports."""
     assert {"posdiag.api", "posdiag.cli", "posdiag.model.subject", "posdiag.checks.shuffle"} <= set(MODULES)
     assert "posdiag.model.subject" in graph()["posdiag.checks.shuffle"]
+    assert {"posdiag.ports.protocol", "posdiag.ports.comparison", "posdiag.ports.candidates"} <= set(MODULES)
+    assert layer_of("posdiag.ports.logits") == layer_of("posdiag.checks.shuffle")

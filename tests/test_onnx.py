@@ -19,8 +19,8 @@ from posdiag.testing import zoo
 pytest.importorskip("onnxruntime", reason="ONNX Runtime is not installed (pip install 'posdiag[onnx]')")
 pytest.importorskip("onnx", reason="torch.onnx needs the onnx package (pip install 'posdiag[onnx]')")
 
-from posdiag.tools.onnx_engine import load_onnx
-from posdiag.tools.port_compare import compare_engine
+from posdiag.ports.engines.onnx_runtime import load_onnx
+from posdiag.ports.logits import compare_engine
 from tests.onnx_export import EXPORTS, TRACED_LENGTH, export
 
 FAMILIES = ("llama", "qwen2")

@@ -13,11 +13,11 @@ from plants_compare import copy_of
 
 from posdiag.model.loading import from_module
 from posdiag.options import RunOptions
+from posdiag.ports.engines.logits_only import as_engine
+from posdiag.ports.logits import compare_engine
+from posdiag.ports.logits.shapes import judge_profile, profile_ratio
 from posdiag.results import Status
 from posdiag.testing import zoo
-from posdiag.tools.engines import as_engine
-from posdiag.tools.port_compare import compare_engine
-from posdiag.tools.port_shapes import judge_profile, profile_ratio
 
 FLOOR = 7e-7
 N = 64

@@ -30,9 +30,9 @@ pytest.importorskip("fastapi", reason="llama-cpp-python's server extra is not in
 
 from posdiag.model.gguf_file import dequantised, open_reader, rewrite
 from posdiag.model.loading import load_subject
-from posdiag.tools.gguf_write import to_half_split
-from posdiag.tools.served import open_served, prompt_part
-from posdiag.tools.served_routes import compare_served
+from posdiag.ports.engines.http_server import open_served, prompt_part
+from posdiag.ports.gguf_writer import to_half_split
+from posdiag.ports.served import compare_served
 from tests.llama_server import free_port, llama_server, stop
 
 pytestmark = pytest.mark.xdist_group("smollm2-served")  # one worker: the reference and the files are made once
@@ -188,9 +188,9 @@ def test_the_command_line_names_an_absent_server_in_one_line(smollm2_dir):
 def test_the_served_dtype_floor_is_the_reference_at_that_dtype_restored_after():
     """On a tiny Llama (bf16 matmuls on a CPU without bf16 units cost SmolLM2 ~40 s here)."""
     from posdiag.model.loading import from_module
+    from posdiag.ports.served.precision import open_floor, parse
+    from posdiag.ports.served.scores import reference_scores
     from posdiag.testing import zoo
-    from posdiag.tools.served_compare import reference_scores
-    from posdiag.tools.served_floor import open_floor, parse
 
     reference = from_module(zoo.tiny_model("llama", init="strong"))
     before = {n: p.detach().clone() for n, p in reference.model.named_parameters()}

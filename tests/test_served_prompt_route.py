@@ -14,9 +14,9 @@ import torch
 from canned_server import canned_server
 
 from posdiag.model.loading import load_subject
+from posdiag.ports.engines.http_server import open_served
+from posdiag.ports.served import compare_served
 from posdiag.results import Status
-from posdiag.tools.served import open_served
-from posdiag.tools.served_routes import compare_served
 
 MODEL = Path(__file__).resolve().parent.parent / "fixtures" / "window-text"
 

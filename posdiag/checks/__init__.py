@@ -37,7 +37,7 @@ ORDER = REGISTRY  # the contract's name for the same tuple
 KINDS = ("causal", "encoder", "seq2seq")  # Subject.kind values
 DIRECTIONS = ("higher", "lower")  # which way a baseline metric may move without regressing
 # Tables in [checks.*] that are not checks but read `RunOptions.for_check` all the same: name -> module with OPTIONS.
-OTHER_TABLES = {"compare": "posdiag.tools.compare"}
+OTHER_TABLES = {"compare": "posdiag.ports.layers"}
 
 
 # The functions here share the package's namespace with the check modules (importing posdiag.checks.load sets

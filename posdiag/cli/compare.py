@@ -152,12 +152,12 @@ def _served(reference: str, candidate: str, model: str | None, api_key: str | No
     served = candidate.lower().startswith(("http://", "https://"))
     if not served:
         return dict(served_model=None, api_key=None, route=route.value, top_k=top_k, served_dtype=None)
-    from posdiag.tools import served_floor
+    from posdiag.ports.served import precision
 
     if dtype is None and reference.lower().endswith(".gguf"):
-        own = guarded(lambda: served_floor.parse(reference), debug)
+        own = guarded(lambda: precision.parse(reference), debug)
         dtype = reference if set(own.types.values()) - {"F32"} else None  # all F32: float32, nothing to add
-    guarded(lambda: served_floor.parse(dtype), debug)  # checked before anything loads
+    guarded(lambda: precision.parse(dtype), debug)  # checked before anything loads
     return dict(served_model=model, api_key=api_key, route=route.value, top_k=top_k, served_dtype=dtype)
 
 
@@ -187,7 +187,7 @@ def _require_matplotlib() -> None:
 
 
 def _layer_map(text: str):
-    from posdiag.tools.compare import parse_layer_map
+    from posdiag.ports.layers import parse_layer_map
 
     return parse_layer_map(text)
 
@@ -208,7 +208,7 @@ def _load_both(reference: Settings, candidate: Settings, served: dict):
 def _one_gguf_file(reference: str, candidate: str):
     """`compare model.gguf`: the file validated once for both sides (a parse of SmolLM2: 1.7-3.4 s by CPU);
     held only here, as the parsed fields are ~160 MB that `check` has no use for. None for any other pair."""
-    from posdiag.tools.engines import is_gguf
+    from posdiag.ports.candidates import is_gguf
 
     same = os.path.isfile(reference) and os.path.realpath(reference) == os.path.realpath(candidate)
     if not (is_gguf(reference) and same):
@@ -219,11 +219,12 @@ def _one_gguf_file(reference: str, candidate: str):
 
 
 def _load_candidate(spec: str, options, checked=None, served: dict | None = None):
-    """A runtime's port (.gguf, .onnx, http://...: posdiag/tools/engines.RUNTIMES; CHECKED: the .gguf file's
+    """A runtime's port (.gguf, .onnx, http://...: posdiag/ports/candidates.RUNTIMES; CHECKED: the .gguf file's
     validated parse, when the reference is the same file); module:factory -> engine or PyTorch model by what it
     returns."""
     from posdiag.model.loading import call_factory, from_factory_model, load_subject, looks_like_factory
-    from posdiag.tools.engines import PortOptions, as_engine, is_engine, open_port, runtime_for
+    from posdiag.ports.candidates import PortOptions, open_port, runtime_for
+    from posdiag.ports.engines.logits_only import as_engine, is_engine
 
     if runtime_for(spec):
         served = served or {}
@@ -247,11 +248,11 @@ def _compare(ref, cand, settings: Settings, long: bool, mapping, served: dict):
 
     from posdiag.errors import PosdiagError
     from posdiag.options import RunOptions
-    from posdiag.tools.compare import compare_subjects
-    from posdiag.tools.engines import Engine
-    from posdiag.tools.port_compare import compare_engine
-    from posdiag.tools.served import ServedEngine
-    from posdiag.tools.served_routes import compare_served
+    from posdiag.ports.engines.http_server import ServedEngine
+    from posdiag.ports.engines.logits_only import Engine
+    from posdiag.ports.layers import compare_subjects
+    from posdiag.ports.logits import compare_engine
+    from posdiag.ports.served import compare_served
 
     def run():
         token_ids = None

@@ -1,4 +1,5 @@
-"""compare, running: one forward per side, and the same model again in a finer dtype (the noise floor)."""
+"""The reference run as every comparison runs it: one forward of one stack, and the same model again in a finer
+dtype (its own rounding: the noise floor every port is judged against)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ from posdiag.errors import PosdiagError
 from posdiag.model.precision import memory_allows, run_finer, weight_bytes
 from posdiag.model.probe import Row, run_rows
 from posdiag.model.subject import Outputs, Subject
-from posdiag.tools.compare.helpers import name_of
+
+
+def name_of(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
 
 FINER = {torch.float32: torch.float64, torch.bfloat16: torch.float32, torch.float16: torch.float32}
 

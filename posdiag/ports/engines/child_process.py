@@ -7,7 +7,7 @@ and one per answer on its stdout (the child moves its own stdout to stderr first
 cannot mix with answers). Logits come back through a .npy file in a directory the parent owns (a [T, V]
 float32 array is 200 MB at 1024 x 49152: one write and one read, no pipe framing).
 
-The protocol (the child's side is posdiag/tools/llama_child.py):
+The protocol (the child's side is posdiag/ports/engines/llama_child.py):
     parent: {"open": {...}}                        child: {"ready": {settings}} | {"error": "..."}
     parent: {"ids": [...], "split": n|null, "stepped": bool, "out": path}   child: {"shape": [T, V]} | {"error": "..."}
 A child that dies is named by its signal (SIGSEGV, SIGABRT...) or exit status, with the last line it

@@ -1,7 +1,7 @@
 """A served model as a candidate: an OpenAI-compatible completions endpoint (`http://HOST:PORT/v1`).
 
 llama.cpp's server, llama-cpp-python's server, vLLM and SGLang all serve `POST {base}/completions`. What comes
-back is top-k log-probs per token, never logits, and tokens as text. Two routes (posdiag/tools/served_compare.py
+back is top-k log-probs per token, never logits, and tokens as text. Two routes (posdiag/ports/served/scores.py
 judges both):
 
 - prompt: `echo` with `logprobs=k` and `max_tokens=1`: the log-probs of the prompt's own tokens, teacher-forced
@@ -140,7 +140,7 @@ class ServedEngine:
 
 
 def open_port(spec: str, options: Any) -> ServedEngine:
-    """The runtime entry (posdiag/tools/engines.RUNTIMES): an OpenAI-compatible server at SPEC."""
+    """The runtime entry (posdiag/ports/candidates.RUNTIMES): an OpenAI-compatible server at SPEC."""
     return open_served(spec, model=options.served_model, api_key=options.api_key)
 
 

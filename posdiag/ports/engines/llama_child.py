@@ -1,6 +1,6 @@
-"""The child side of posdiag/tools/engine_process.py: llama.cpp (llama-cpp-python) on one GGUF file.
+"""The child side of posdiag/ports/engines/child_process.py: llama.cpp (llama-cpp-python) on one GGUF file.
 
-Run as `python -m posdiag.tools.llama_child`; imports neither torch nor the rest of posdiag, so it starts
+Run as `python -m posdiag.ports.engines.llama_child`; imports neither torch nor the rest of posdiag, so it starts
 in a fraction of a second. Settings that shape the engine's rounding, and why:
 - logits for every position (`logits_all`), on the CPU, token ids as they are (no tokenizer);
 - KV cache in float32 (`type_k`/`type_v` = GGML_TYPE_F32): llama.cpp's default f16 cache alone puts ~1e-4

@@ -1,8 +1,8 @@
 """llama.cpp as a candidate: a `.gguf` file run through llama-cpp-python (`pip install 'posdiag[gguf]'`).
 
 The file is first read and validated here (posdiag/model/gguf_file.py: a truncated or inconsistent file is
-one line, exit 2), then opened by llama.cpp in a child process (posdiag/tools/engine_process.py: a native
-crash or a hang is one line, exit 3). The child's settings and why are in posdiag/tools/llama_child.py:
+one line, exit 2), then opened by llama.cpp in a child process (posdiag/ports/engines/child_process.py: a native
+crash or a hang is one line, exit 3). The child's settings and why are in posdiag/ports/engines/llama_child.py:
 all-position logits, float32 KV cache, weight repacking off, token ids as they are. The context is the
 one the file declares (`<arch>.context_length`), as llama.cpp uses by default; positions past it are
 reported as not covered. Weight storage types come from the file, so quantised files are named as such.
@@ -17,11 +17,11 @@ import numpy as np
 
 from posdiag.errors import PosdiagError
 from posdiag.model.gguf_file import GGUFFile, inspect_file
-from posdiag.tools.engine_process import DEFAULT_TIMEOUT, EngineProcess
-from posdiag.tools.engines import Engine, engine_threads
+from posdiag.ports.engines.child_process import DEFAULT_TIMEOUT, EngineProcess
+from posdiag.ports.engines.logits_only import Engine, engine_threads
 
-CHILD_COMMAND = [sys.executable, "-m", "posdiag.tools.llama_child"]
-"""The child that runs llama.cpp (its protocol: posdiag/tools/engine_process.py)."""
+CHILD_COMMAND = [sys.executable, "-m", "posdiag.ports.engines.llama_child"]
+"""The child that runs llama.cpp (its protocol: posdiag/ports/engines/child_process.py)."""
 
 
 class LlamaCppRunner:
@@ -47,7 +47,7 @@ class LlamaCppRunner:
 
 
 def open_port(spec: str, options: Any) -> Engine:
-    """The runtime entry (posdiag/tools/engines.RUNTIMES): a .gguf file in llama.cpp."""
+    """The runtime entry (posdiag/ports/candidates.RUNTIMES): a .gguf file in llama.cpp."""
     return load_gguf(spec, checked=options.checked)
 
 

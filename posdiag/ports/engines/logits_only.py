@@ -23,7 +23,7 @@ the reference's). It may also carry, all optional:
                             "gelu_f16" (GELU through a float16 table, as llama.cpp's CPU backend):
                             its size is measured on the reference and added to the floor
 
-Two adapters produce one: `posdiag.tools.gguf_engine` (llama.cpp through llama-cpp-python, for a
+Two adapters produce one: `posdiag.ports.engines.llama_cpp` (llama.cpp through llama-cpp-python, for a
 `.gguf` file) and `load_factory_engine` (a user's `module.path:factory`). The rule that keeps the
 factory syntax unambiguous: the object the factory returns decides. A `torch.nn.Module` is a
 PyTorch model and is compared layer by layer; any other object with a callable `logits` is an
@@ -121,52 +121,3 @@ def as_engine(obj: Any, name: str) -> Engine:
 def is_engine(obj: Any) -> bool:
     """The rule: not a torch.nn.Module, and has a callable `logits`."""
     return not isinstance(obj, torch.nn.Module) and callable(getattr(obj, "logits", None))
-
-
-def is_gguf(spec: str) -> bool:
-    return spec.lower().endswith(".gguf")
-
-
-@dataclass(frozen=True)
-class PortOptions:
-    """What the command line says about a port, for any runtime (each reads the fields it knows)."""
-
-    served_model: str | None = None  # an HTTP server: the model to ask for
-    api_key: str | None = None  # an HTTP server: its key (else POSDIAG_API_KEY)
-    checked: Any = None  # a .gguf file already validated (its parse), when the reference is the same file
-
-
-@dataclass(frozen=True)
-class Runtime:
-    """One runtime a CANDIDATE can name: which specs it claims, the module that opens them (lazily imported: its
-    `open_port(spec, PortOptions)` returns an Engine (logits) or an object with its own comparison), the extra
-    that installs what it needs."""
-
-    name: str
-    claims: Callable[[str], bool]
-    module: str
-    extra: str
-
-
-RUNTIMES = (
-    Runtime("llama.cpp", is_gguf, "posdiag.tools.gguf_engine", "gguf"),
-    Runtime("ONNX Runtime", lambda spec: spec.lower().endswith(".onnx"), "posdiag.tools.onnx_engine", "onnx"),
-    Runtime("OpenAI-compatible server", lambda spec: spec.lower().startswith(("http://", "https://")),
-            "posdiag.tools.served", "server"),
-)
-"""Every runtime a port can run in, besides PyTorch and a user's factory. The next one (MLX, ExecuTorch,
-TensorRT-LLM) is one module with `open_port` and one row here (docs/DEVELOPING.md)."""
-
-
-def runtime_for(spec: str) -> Runtime | None:
-    return next((r for r in RUNTIMES if r.claims(spec)), None)
-
-
-def open_port(spec: str, options: PortOptions) -> Any:
-    """SPEC opened by the runtime that claims it (PosdiagError when none does)."""
-    import importlib
-
-    runtime = runtime_for(spec)
-    if runtime is None:
-        raise PosdiagError(f"no runtime claims '{spec}' (.gguf, .onnx, http://HOST:PORT/v1)")
-    return importlib.import_module(runtime.module).open_port(spec, options)

@@ -4,7 +4,7 @@ The graph's inputs are read from the graph, not assumed: `input_ids` (or the fir
 graph has them `attention_mask` (ones), `position_ids` (0..T-1, or continuing a cache) and past key/values
 (`past_key_values.*`/`past.*`: empty at the start, the graph's own `present.*` outputs when a cache is continued).
 The logits are the output named `logits` (else the first). It is then an engine like any other
-(posdiag/tools/engines.py) and judged on its logits by position (posdiag/tools/port_compare.py):
+(posdiag/ports/candidates.py) and judged on its logits by position (posdiag/ports/logits/__init__.py):
 
 - a graph traced at one sequence length (its `input_ids` has a fixed sequence dimension) declares that length as
   its context: positions past it are not covered, and the profile says where it ends;
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from posdiag.errors import PosdiagError
-from posdiag.tools.engines import Engine, engine_threads
+from posdiag.ports.engines.logits_only import Engine, engine_threads
 
 PAST_PREFIXES = ("past_key_values", "past")
 NUMPY = {"tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(float)": np.float32,
@@ -28,7 +28,7 @@ NUMPY = {"tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(float)": 
 
 
 def open_port(spec: str, options: Any) -> Engine:
-    """The runtime entry (posdiag/tools/engines.RUNTIMES): a .onnx file in ONNX Runtime."""
+    """The runtime entry (posdiag/ports/candidates.RUNTIMES): a .onnx file in ONNX Runtime."""
     return load_onnx(spec)
 
 

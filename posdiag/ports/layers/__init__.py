@@ -42,60 +42,32 @@ import torch
 from posdiag.errors import PosdiagError
 from posdiag.model.subject import Subject
 from posdiag.options import Option, RunOptions
-from posdiag.results import Status
-from posdiag.tools.compare.helpers import (
-    coarser,
-    epsilon,
-    first_non_finite,
-    layer_name,
-    layer_pairs,
-    name_of,
-    parse_layer_map,
-)
-from posdiag.tools.compare.measuring import (
-    ABSOLUTE,
+from posdiag.ports.layers.helpers import coarser, epsilon, first_non_finite, layer_name, layer_pairs, parse_layer_map
+from posdiag.ports.layers.measuring import ABSOLUTE, estimated_floor, layer_profile, logits_profile
+from posdiag.ports.layers.verdict import early_result, finish
+from posdiag.ports.lengths import DEFAULT_SEQ_LEN, original_context
+from posdiag.ports.profile import (
     UNIFORM_START_FRACTION,
+    Comparison,
     LayerProfile,
-    estimated_floor,
-    layer_profile,
-    logits_profile,
+    bucket_edges,
     per_position_error,
     rel_error,
 )
-from posdiag.tools.compare.running import finer_run, run_stack
-from posdiag.tools.compare.verdict import Comparison, bucket_edges, early_result, finish
+from posdiag.ports.reference import finer_run, name_of, run_stack
+from posdiag.results import Status
 
 __all__ = ["TITLE", "DEFAULT_SEQ_LEN", "OPTIONS", "UNIFORM_START_FRACTION", "Comparison", "LayerProfile",
            "bucket_edges", "choose_length", "compare_subjects", "original_context", "parse_layer_map"]
 
 TITLE = "Comparison with a reference, position-resolved"
 
-DEFAULT_SEQ_LEN = 512
 # The `[checks.compare]` config table (validated like a check's options; --long and --layer-map override it).
 OPTIONS = {
     "long": Option(False, "off: a comparison past the declared context is asked for, never assumed"),
     "layer_map": Option(None, "None: layers are paired by index; a dict maps candidate layers to reference ones",
                         (dict,)),
 }
-"""Several hundred tokens: long enough that low-frequency RoPE pairs turn visibly, short enough for CPU."""
-
-
-def original_context(subject: Subject) -> int | None:
-    """The training context before any scaling: rope_parameters' original_max_position_embeddings
-    (per layer type too), else the declared context."""
-    values: list[int] = []
-    for obj in (getattr(subject.config, "rope_parameters", None), getattr(subject.config, "rope_scaling", None)):
-        blocks = [obj] if isinstance(obj, dict) else []
-        if isinstance(obj, dict) and any(isinstance(v, dict) for v in obj.values()):
-            blocks = [v for v in obj.values() if isinstance(v, dict)]
-        for block in blocks:
-            value = block.get("original_max_position_embeddings")
-            if isinstance(value, int) and value > 0:
-                values.append(value)
-    value = getattr(subject.config, "original_max_position_embeddings", None)
-    if isinstance(value, int) and value > 0:
-        values.append(value)
-    return min(values) if values else subject.max_positions
 
 
 def choose_length(reference: Subject, candidate: Subject, options: RunOptions,

@@ -1,4 +1,4 @@
-"""compare helpers: layer alignment and names, dtype arithmetic."""
+"""Layers compared, helpers: layer alignment and names, dtype arithmetic."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import torch
 
 from posdiag.errors import PosdiagError
 from posdiag.model.subject import Outputs
+from posdiag.ports.reference import name_of
 from posdiag.verdict import MACHINE_EPSILON
 
 
@@ -57,6 +58,3 @@ def epsilon(dtype: torch.dtype) -> float:
 def coarser(a: torch.dtype, b: torch.dtype) -> torch.dtype:
     return a if epsilon(a) >= epsilon(b) else b
 
-
-def name_of(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

@@ -1,61 +1,16 @@
-"""compare, measuring: relative error per layer and per position, the logits statistics, and the
-position pattern of an error."""
+"""Layers compared, measuring: a layer's profile, the logits statistics, and the position pattern of an error."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from posdiag.ports.profile import UNIFORM_START_FRACTION, LayerProfile, per_position_error, rel_error
 from posdiag.verdict import FAIL_RATIO, MACHINE_EPSILON, noise_floor
 
-# Position pattern. A token at position 0 of a causal stack whose error is within ONSET_RATIO of
-# the typical error elsewhere carries the bug itself (a weight or norm bug; measured 0.27-1.1 for
-# a wrong norm epsilon in Llama/Qwen2/GPT-2 at both inits); a relative-position bug leaves it at
-# the floor (measured exactly 0.0). Between the two (the error at position 0 real but more than
-# 10x below the rest) the data says "grows, but not from zero": reported as such. Only relative
-# positions spare position 0: an absolute table adds its row 0 to the first token, so a zeroed or
-# missing GPT-2 table is as uniform (1.1x the median elsewhere) as a wrong norm weight.
-UNIFORM_START_FRACTION = 0.1
 ABSOLUTE = ("learned", "sinusoidal")  # position kinds whose table reaches position 0
-
-
-@dataclass(frozen=True)
-class LayerProfile:
-    """One aligned layer: overall error, its floor, and the error at every position."""
-
-    name: str
-    ref_index: int | None
-    cand_index: int | None
-    error: float
-    floor: float
-    tolerance: float
-    ratio: float
-    per_position: tuple[float, ...]
-    pattern: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def differs(self) -> bool:
-        return not (self.error <= self.tolerance)  # NaN differs
-
-
-
-def rel_error(expected: torch.Tensor, actual: torch.Tensor) -> float:
-    e, a = expected.detach().double().cpu(), actual.detach().double().cpu()
-    denom = e.norm().item()
-    num = (a - e).norm().item()
-    return (0.0 if num == 0 else float("inf")) if denom == 0 else num / denom
-
-
-def per_position_error(expected: torch.Tensor, actual: torch.Tensor) -> torch.Tensor:
-    """||actual[t] - expected[t]|| / ||expected[t]|| for every position t (float64, CPU)."""
-    e, a = expected.detach().double().cpu(), actual.detach().double().cpu()
-    e, a = e.reshape(e.shape[0], -1), a.reshape(a.shape[0], -1)
-    denom = e.norm(dim=-1)
-    tiny = torch.finfo(torch.float64).tiny
-    return (a - e).norm(dim=-1) / denom.clamp_min(tiny)
 
 
 def estimated_floor(index: int, dtype: str) -> float:

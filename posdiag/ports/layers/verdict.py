@@ -3,32 +3,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from itertools import pairwise
 from typing import Any
-
-import torch
 
 from posdiag.model.checkpoint_diff import checkpoint_diff
 from posdiag.model.subject import Subject
+from posdiag.ports.profile import Comparison, LayerProfile, bucketed
 from posdiag.results import CheckResult, Status, Table
-from posdiag.tools.compare.measuring import LayerProfile
 from posdiag.verdict import FAIL_RATIO, LOW_PRECISION, PASS_RATIO
-
-_BUCKETS = 24
-
-
-@dataclass(frozen=True)
-class Comparison:
-    """The result (a CheckResult named "compare") and the per-position profiles behind it.
-
-    profiles: one LayerProfile per aligned layer per stack (logits last, named "logits").
-    """
-
-    result: CheckResult
-    profiles: tuple[LayerProfile, ...]
-    seq_len: int
-
 
 
 def finish(profiles: list[LayerProfile], logits_stats: dict[str, Any], length: int, info: dict[str, Any],
@@ -108,21 +89,3 @@ def early_result(status: Status, summary: str, length: int, info: dict[str, Any]
     return Comparison(CheckResult("compare", status, summary, details=details, forward_passes=passes), (), length)
 
 
-def bucket_edges(length: int, buckets: int = _BUCKETS) -> list[int]:
-    """Position 0 alone, then geometrically growing buckets: early positions (where a position
-    bug rises) are resolved one by one, late ones coarsely. Edges are bucket starts, then `length`."""
-    edges = {0, 1}
-    if length > 1:
-        for k in range(buckets):
-            edges.add(int(round(length ** (k / (buckets - 1)))))
-    return sorted(e for e in edges if e < length) + [length]
-
-
-def bucketed(profiles: list[LayerProfile], length: int) -> dict[str, Any]:
-    edges = bucket_edges(length)
-    layers = {}
-    for p in profiles:
-        values = torch.tensor(p.per_position, dtype=torch.float64)
-        layers[p.name] = [values[s:e].mean().item() for s, e in pairwise(edges)]
-    return {"bucket_starts": edges[:-1], "length": length, "mean_error": layers,
-            "tolerance": {p.name: p.tolerance for p in profiles}}

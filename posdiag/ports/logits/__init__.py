@@ -10,7 +10,7 @@ That is the size of float32 rounding for this model on these tokens; a different
 the same function in float32 (other kernels, other summation order) lands within a few of it —
 as long as the engine itself keeps float32 (its KV cache too: llama.cpp's default f16 cache alone
 costs ~1e-4). The error is judged as a ratio to that floor (FAIL above FAIL_RATIO x). A quantised
-candidate's floor is the quantisation's own error, measured per position (posdiag/tools/quant_floor.py).
+candidate's floor is the quantisation's own error, measured per position (posdiag/ports/logits/quant_floor.py).
 An engine with `logits_continued` is also run as a prefill of the first half plus a continuation, and
 that run is judged the same way, as its own profile.
 
@@ -35,15 +35,13 @@ import torch
 from posdiag.errors import PosdiagError
 from posdiag.model.subject import Subject
 from posdiag.options import RunOptions
+from posdiag.ports.engines.logits_only import Engine
+from posdiag.ports.lengths import DEFAULT_SEQ_LEN, original_context
+from posdiag.ports.logits import quant_floor, quant_twin
+from posdiag.ports.logits.shapes import judge_profile
+from posdiag.ports.profile import Comparison, LayerProfile, bucketed, per_position_error, rel_error
+from posdiag.ports.reference import finer_run, name_of, run_stack
 from posdiag.results import CheckResult, Status, Table
-from posdiag.tools import quant_floor, quant_twin
-from posdiag.tools.compare import DEFAULT_SEQ_LEN, original_context
-from posdiag.tools.compare.helpers import name_of
-from posdiag.tools.compare.measuring import LayerProfile, per_position_error, rel_error
-from posdiag.tools.compare.running import finer_run, run_stack
-from posdiag.tools.compare.verdict import Comparison, bucketed
-from posdiag.tools.engines import Engine
-from posdiag.tools.port_shapes import judge_profile
 from posdiag.verdict import FAIL_RATIO, noise_floor
 
 

@@ -2,7 +2,7 @@
 
 A quantised candidate (Q8_0, Q4_0...) legitimately differs from its float reference by the rounding of
 its weights, and that size depends on the model and the tokens. posdiag measures it: it writes a
-healthy conversion of the *reference* (posdiag/tools/gguf_write.py) with every tensor in the type the
+healthy conversion of the *reference* (posdiag/ports/gguf_writer.py) with every tensor in the type the
 candidate stores it in, to a temporary file, runs it through the same engine with the same settings on
 the same ids, and takes its error against the reference at every position. That profile is the floor
 of the candidate, position by position.
@@ -22,8 +22,8 @@ import torch
 
 from posdiag.errors import PosdiagError
 from posdiag.model.subject import Subject
-from posdiag.tools.compare.measuring import per_position_error, rel_error
-from posdiag.tools.engines import Engine
+from posdiag.ports.engines.logits_only import Engine
+from posdiag.ports.profile import per_position_error, rel_error
 
 
 @dataclass(frozen=True)
@@ -45,20 +45,20 @@ def measure(reference: Subject, engine: Engine, ids: list[int], ref_logits: torc
     if engine.twin is None or not engine.tensor_types:
         return (f"{engine.quantization} weights, and this engine cannot run another file (only a .gguf candidate "
                 "can), so posdiag cannot measure the quantisation's own error")
-    from posdiag.tools import gguf_write
+    from posdiag.ports import gguf_writer
 
     model = reference.model
-    reason = gguf_write.can_convert(model)
+    reason = gguf_writer.can_convert(model)
     if reason:
         return f"{engine.quantization} weights, and {reason}: the quantisation's own error cannot be measured"
     try:
-        conv = gguf_write.convert(model)
+        conv = gguf_writer.convert(model)
         missing = sorted(set(engine.tensor_types) - set(conv.tensors))
         if missing:
             return (f"{engine.quantization} weights, and the candidate has tensors posdiag's conversion of the "
                     f"reference does not ({', '.join(missing[:3])}): the quantisation's own error cannot be measured")
-        path = gguf_write.write(conv, Path(workdir) / "posdiag-quantised-reference.gguf", dict(engine.tensor_types))
-    except gguf_write.ConversionError as exc:
+        path = gguf_writer.write(conv, Path(workdir) / "posdiag-quantised-reference.gguf", dict(engine.tensor_types))
+    except gguf_writer.ConversionError as exc:
         return f"{engine.quantization} weights, and posdiag cannot write that conversion: {exc}"
     twin = engine.twin(str(path))
     logits = twin.run(ids)[:, : ref_logits.shape[1]]

@@ -3,7 +3,7 @@
 A quantised file differs from a float reference for three reasons, and only one is a position bug:
 - the weights' rounding: the file's weights, dequantised, are not the reference's. Measured in PyTorch: the
   reference run again with the file's dequantised weights (mapped back through posdiag's converter,
-  posdiag/tools/gguf_write.py), against itself. Exactly zero when they are the reference's own weights
+  posdiag/ports/gguf_writer.py), against itself. Exactly zero when they are the reference's own weights
   (`posdiag compare model.gguf`, or a reference dequantised from that file): then nothing is run;
 - what the engine's quantised kernels add (llama.cpp quantises activations to 8 bits for Q4/Q5/K-quant dot
   products): the file against its F32 twin (every tensor dequantised, the metadata kept:
@@ -25,9 +25,9 @@ import numpy as np
 import torch
 
 from posdiag.model.subject import Subject
-from posdiag.tools.compare.measuring import per_position_error
-from posdiag.tools.compare.running import run_stack
-from posdiag.tools.engines import Engine
+from posdiag.ports.engines.logits_only import Engine
+from posdiag.ports.profile import per_position_error
+from posdiag.ports.reference import run_stack
 
 NOT_A_ROUNDING = 1.0
 """A dequantised tensor whose error against the reference's is at least the tensor itself (relative 1: no
@@ -80,15 +80,15 @@ def weights_part(reference: Subject, reader, ids: list[int], ref_logits: torch.T
     """The reference with the file's dequantised weights (READER: the file, open; TENSORS: its tensors as float32)
     against itself, per position (zeros when they are its own), why, the tensors that are no rounding of the
     reference's, and the logits of that run (None when the weights are the reference's own)."""
-    from posdiag.tools import gguf_write
+    from posdiag.ports import gguf_writer
 
     zeros = torch.zeros(len(ids), dtype=torch.float64)
     if os.path.abspath(reference.spec) == os.path.abspath(str(reader.data.filename)):
         return zeros, "the reference runs the file's own dequantised weights", (), None
-    reason = gguf_write.can_convert(reference.model)
+    reason = gguf_writer.can_convert(reference.model)
     if reason:
         return None, f"{reason}: the weights' rounding cannot be measured", (), None
-    conv = gguf_write.convert(reference.model)
+    conv = gguf_writer.convert(reference.model)
     missing = sorted(set(tensors) - set(conv.sources))
     if missing:
         return None, (f"the file has tensors posdiag's conversion of the reference does not "
@@ -116,7 +116,7 @@ def weights_part(reference: Subject, reader, ids: list[int], ref_logits: torch.T
             for name, data in changed.items():  # swapped in place, restored below: no second copy of the model
                 key, transform = conv.sources[name]
                 saved[key] = state[key].detach().clone()
-                state[key].copy_(torch.from_numpy(np.ascontiguousarray(gguf_write.undo_transform(data, transform))))
+                state[key].copy_(torch.from_numpy(np.ascontiguousarray(gguf_writer.undo_transform(data, transform))))
         out = run_stack(reference, torch.tensor(ids), reference.stacks[-1], "reference")
         logits = out.logits[0].double().cpu()
     finally:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from posdiag.tools.compare.measuring import UNIFORM_START_FRACTION
+from posdiag.ports.profile import UNIFORM_START_FRACTION
 from posdiag.verdict import FAIL_RATIO, within_band
 
 BOUNDARY_SLACK = 2

@@ -1,8 +1,8 @@
-"""compare against a served model: the two routes run, each judged by position, and the one verdict.
+"""A served model compared: the two routes run, each judged by position, and the one verdict.
 
-The measuring is posdiag/tools/served_compare.py; the HTTP is posdiag/tools/served.py. A route's profile is the
-|Δ log-prob| of the actual next token at each position against FAIL_RATIO x that position's floor, classified as
-every port's error is (posdiag/tools/port_shapes.classify): none, grows with position (from its onset), a step at
+The measuring is posdiag/ports/served/scores.py; the HTTP is posdiag/ports/engines/http_server.py. A route's profile
+is the |Δ log-prob| of the actual next token at each position against FAIL_RATIO x that position's floor, classified
+as every port's error is (posdiag/ports/logits/shapes.classify): none, grows with position (from its onset), a step at
 a length, or uniform from position 0 (weights or quantisation, not positions).
 """
 
@@ -16,13 +16,12 @@ import torch
 
 from posdiag.errors import PosdiagError
 from posdiag.model.subject import Subject
-from posdiag.results import CheckResult, Status, Table
-from posdiag.tools import served_floor
-from posdiag.tools.compare.measuring import LayerProfile
-from posdiag.tools.compare.verdict import Comparison
-from posdiag.tools.port_shapes import classify
-from posdiag.tools.served import ServedEngine
-from posdiag.tools.served_compare import (
+from posdiag.ports.engines.http_server import ServedEngine
+from posdiag.ports.logits.shapes import classify
+from posdiag.ports.profile import Comparison, LayerProfile
+from posdiag.ports.served import precision as served_precision
+from posdiag.ports.served.precision import ServedFloor
+from posdiag.ports.served.scores import (
     Vocabulary,
     alignment,
     check_prompt_tokens,
@@ -31,7 +30,7 @@ from posdiag.tools.served_compare import (
     reference_scores,
     served_engine_settings,
 )
-from posdiag.tools.served_floor import ServedFloor
+from posdiag.results import CheckResult, Status, Table
 from posdiag.verdict import FAIL_RATIO
 
 ROUTES = ("both", "prompt", "generation")
@@ -50,16 +49,16 @@ def compare_served(reference: Subject, engine: ServedEngine, *, route: str = "bo
                    new_tokens: int | None = None, prompt: str | None = None,
                    served_dtype: str | None = None) -> Comparison:
     """Judge the server ENGINE against REFERENCE on the ROUTE(s). SERVED_DTYPE: the precision it serves in
-    (posdiag/tools/served_floor.parse), measured into the floor. Never prints; PosdiagError (one line) on inputs
+    (posdiag/ports/served/precision.parse), measured into the floor. Never prints; PosdiagError (one line) on inputs
     that cannot be compared, EngineCrash when the server fails."""
     if reference.kind != "causal":
         raise PosdiagError(f"a server is compared with a causal (decoder-only) reference, not a {reference.kind} one")
     if route not in ROUTES:
         raise PosdiagError(f"--route {route!r}: one of {', '.join(ROUTES)}")
-    precision = served_floor.parse(served_dtype)
+    precision = served_precision.parse(served_dtype)
     before = reference.forward_count
     vocab = Vocabulary.of(reference)
-    floor = served_floor.open_floor(reference, precision, reference.stacks[-1]) if precision else None
+    floor = served_precision.open_floor(reference, precision, reference.stacks[-1]) if precision else None
     profiles: list[LayerProfile] = []
     sources: set[str] = set()
     try:

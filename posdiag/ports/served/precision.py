@@ -3,12 +3,12 @@
 A server's log-probs differ from a float32 reference by the precision it serves in, and for a quantised file
 (llama.cpp's Q4_1, Q8_0...) that difference is large (|Δ log-prob| ~1e-2 on SmolLM2's Q4_1) and flat from
 position 0: with no floor for it, a healthy quantised server reads "uniform from position 0". The floor is
-measured, never assumed, the way posdiag/tools/quant_floor.py measures an in-process port's:
+measured, never assumed, the way posdiag/ports/logits/quant_floor.py measures an in-process port's:
 
 - a torch dtype (`--served-dtype bfloat16`): the reference itself run with its weights and buffers at that dtype;
 - ggml tensor types (`--served-dtype Q4_1`, one type for every 2-D weight; `--served-dtype FILE.gguf`, the types
   that file stores each tensor in; by default the reference's own .gguf file when it is quantised): posdiag's
-  own conversion of the *reference* (posdiag/tools/gguf_write.py) written with those types and run in llama.cpp
+  own conversion of the *reference* (posdiag/ports/gguf_writer.py) written with those types and run in llama.cpp
   on the same tokens. It is the reference's conversion, never the served file, so a bug in the served file cannot
   raise its own floor.
 
@@ -26,7 +26,7 @@ import torch
 
 from posdiag.errors import PosdiagError
 from posdiag.model.subject import Subject
-from posdiag.tools.compare.running import run_stack
+from posdiag.ports.reference import run_stack
 
 TORCH_DTYPES = ("float32", "float64", "bfloat16", "float16")
 SERVER_KV_CACHE = "f16"
@@ -109,14 +109,14 @@ def _at_dtype(reference: Subject, ids: torch.Tensor, stack: str, dtype: str) -> 
 
 
 def _quantised(reference: Subject, precision: ServedPrecision) -> ServedFloor:
-    from posdiag.tools import gguf_write
-    from posdiag.tools.gguf_engine import load_gguf
+    from posdiag.ports import gguf_writer
+    from posdiag.ports.engines.llama_cpp import load_gguf
 
-    reason = gguf_write.can_convert(reference.model)
+    reason = gguf_writer.can_convert(reference.model)
     if reason:
         raise PosdiagError(f"a server at {precision.name}: {reason}, so the quantisation's own error cannot be "
                            "measured (--served-dtype float32 to compare without it)")
-    conv = gguf_write.convert(reference.model)
+    conv = gguf_writer.convert(reference.model)
     types = precision.types
     if isinstance(types, dict):
         missing = sorted(set(types) - set(conv.tensors))
@@ -125,10 +125,10 @@ def _quantised(reference: Subject, precision: ServedPrecision) -> ServedFloor:
                                f"reference does not ({', '.join(missing[:3])}): not the reference's architecture")
     workdir = tempfile.TemporaryDirectory(prefix="posdiag-served-")
     try:
-        path = gguf_write.write(conv, Path(workdir.name) / "posdiag-quantised-reference.gguf", types)
+        path = gguf_writer.write(conv, Path(workdir.name) / "posdiag-quantised-reference.gguf", types)
         del conv
         engine = load_gguf(str(path), kv_cache=SERVER_KV_CACHE)
-    except gguf_write.ConversionError as exc:
+    except gguf_writer.ConversionError as exc:
         workdir.cleanup()
         raise PosdiagError(f"a server at {precision.name}: posdiag cannot write that conversion: {exc}") from None
     except BaseException:

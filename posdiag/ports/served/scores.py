@@ -1,4 +1,4 @@
-"""compare against a served model: top-k log-probs from an OpenAI-compatible server, judged position by position.
+"""A served model compared, measuring: top-k log-probs from an OpenAI-compatible server, judged position by position.
 
 A server answers with the top-k log-probs of each token, never logits, so the metrics are per position t:
 
@@ -8,18 +8,18 @@ A server answers with the top-k log-probs of each token, never logits, so the me
 with the reference's answer computed from its full logits the same way (log-softmax, its top-k by text).
 Noise floor, measured in the same run, per position: the reference's own rounding (its float32 run against its
 float64 run, at the compared tokens), the reference at the precision the server serves in (a dtype, or ggml tensor
-types run in llama.cpp: posdiag/tools/served_floor.py), and the spread of the same request sent twice; never below
-float32's rounding of a log-prob of that size. The floor of a position is at least the median floor (one scalar per
-position is noisy).
-The profile of d / floor is judged by the shape `compare` gives every port (posdiag/tools/port_shapes.py): flat,
+types run in llama.cpp: posdiag/ports/served/precision.py), and the spread of the same request sent twice; never
+below float32's rounding of a log-prob of that size. The floor of a position is at least the median floor (one
+scalar per position is noisy).
+The profile of d / floor is judged by the shape `compare` gives every port (posdiag/ports/logits/shapes.py): flat,
 growing with position from its onset, or a step at a length.
 
-Two routes (posdiag/tools/served.py): the prompt route (echo + logprobs) is checked for alignment first: the
-server's top_logprobs[i] must be the distribution *over* token i (given tokens < i). A server whose numbers fit
-another alignment better (llama-cpp-python 0.3.36: the distribution *after* token i) is a FAIL naming the shift and
-the evidence, never realigned. The generation route has the server decode greedily with top-k log-probs per token;
-the reference teacher-forces the same tokens. It starts from a one-token prompt, so its profile starts at position
-0, where a token sees only itself and no relative position can act.
+Two routes (posdiag/ports/engines/http_server.py): the prompt route (echo + logprobs) is checked for alignment
+first: the server's top_logprobs[i] must be the distribution *over* token i (given tokens < i). A server whose
+numbers fit another alignment better (llama-cpp-python 0.3.36: the distribution *after* token i) is a FAIL naming
+the shift and the evidence, never realigned. The generation route has the server decode greedily with top-k
+log-probs per token; the reference teacher-forces the same tokens. It starts from a one-token prompt, so its profile
+starts at position 0, where a token sees only itself and no relative position can act.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ import torch
 from posdiag.errors import PosdiagError
 from posdiag.model.subject import Subject
 from posdiag.model.tokenizer import load_tokenizer
-from posdiag.tools.compare.running import finer_run, run_stack
-from posdiag.tools.served import Reply, ServedEngine
-from posdiag.tools.served_floor import ServedFloor
+from posdiag.ports.engines.http_server import Reply, ServedEngine
+from posdiag.ports.reference import finer_run, run_stack
+from posdiag.ports.served.precision import ServedFloor
 from posdiag.verdict import MACHINE_EPSILON
 
 OFFSETS = (0, 1, -1)
