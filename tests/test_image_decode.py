@@ -70,7 +70,7 @@ def test_without_image_tokens_in_the_vocabulary_it_says_so():
 
 def test_models_without_mrope_are_unchanged():
     c = _checks(tiny_multimodal("llava"), ["cache"])["cache"]
-    assert "after an image" not in c.summary and "after_image" not in c.details
+    assert "after images" not in c.summary and "after_image" not in c.details
 
 
 def test_a_crash_of_the_decode_after_an_image_fails_naming_it():
