@@ -19,7 +19,7 @@ UPSTREAM = {"falcon_alibi": ("cache", "generate", "kernels"), "gpt_neo": ("cache
 
 
 NA, OK = "n/a", "pass"
-_ENCODER = dict(cache=NA, generate=NA, state=NA, causal=NA)
+_ENCODER = dict(cache=NA, generate=NA, state=NA, serving=NA, causal=NA)
 EXPECTED = {
     # Every (family, check) status a default run gives on the installed transformers, not "anything but ERROR". A
     # finding's FAIL (UPSTREAM) is listed as the healthy "pass" here and expected as FAIL only where the findings table
@@ -27,19 +27,19 @@ EXPECTED = {
     # nothing to judge (no stored position tensor, no table, no rotary, an encoder's missing cache, fit on a model
     # built in memory).
     "roberta": dict(shuffle=OK, positions=OK, batch=OK, **_ENCODER, shift=NA, rope=NA, table=OK, kernels=OK),
-    "opt": dict(shuffle=OK, positions=OK, batch=OK, cache=OK, generate=OK, state=OK, causal=OK, shift=NA, rope=NA,
-                table=OK, kernels=OK),
-    "gpt_neo": dict(shuffle=OK, positions=OK, batch="warn", cache=OK, generate=OK, state=OK, causal=OK, shift=NA,
-                    rope=NA, table=OK, kernels="skip"),
-    "falcon_alibi": dict(shuffle=OK, positions=NA, batch=OK, cache=OK, generate=OK, state=OK, causal=OK, shift=OK,
-                         rope=NA, table=NA, kernels=OK),
-    "t5": dict(shuffle=OK, positions=NA, batch=OK, cache=OK, generate=OK, state=OK, causal=OK, shift=OK, rope=NA,
-               table=NA, kernels=OK),
+    "opt": dict(shuffle=OK, positions=OK, batch=OK, cache=OK, generate=OK, state=OK, serving=OK, causal=OK, shift=NA,
+                rope=NA, table=OK, kernels=OK),
+    "gpt_neo": dict(shuffle=OK, positions=OK, batch="warn", cache=OK, generate=OK, state=OK, serving=OK, causal=OK,
+                    shift=NA, rope=NA, table=OK, kernels="skip"),
+    "falcon_alibi": dict(shuffle=OK, positions=NA, batch=OK, cache=OK, generate=OK, state=OK, serving=OK, causal=OK,
+                         shift=OK, rope=NA, table=NA, kernels=OK),
+    "t5": dict(shuffle=OK, positions=NA, batch=OK, cache=OK, generate=OK, state=OK, serving=NA, causal=OK, shift=OK,
+               rope=NA, table=NA, kernels=OK),
     "modernbert": dict(shuffle=OK, positions=OK, batch=OK, **_ENCODER, shift=OK, rope=OK, table=NA, kernels=OK),
-    "gemma3": dict(shuffle=OK, positions=OK, batch=OK, cache=OK, generate=OK, state=OK, causal=OK, shift=OK, rope=OK,
-                   table=NA, kernels=OK),
-    "mpt": dict(shuffle=OK, positions=NA, batch=OK, cache=OK, generate=OK, state=OK, causal=OK, shift=OK, rope=NA,
-                table=NA, kernels="skip"),
+    "gemma3": dict(shuffle=OK, positions=OK, batch=OK, cache=OK, generate=OK, state=OK, serving=OK, causal=OK, shift=OK,
+                   rope=OK, table=NA, kernels=OK),
+    "mpt": dict(shuffle=OK, positions=NA, batch=OK, cache=OK, generate=OK, state=OK, serving=OK, causal=OK, shift=OK,
+                rope=NA, table=NA, kernels="skip"),
 }
 
 

@@ -122,10 +122,10 @@ def test_checks_that_do_not_apply_to_an_encoder_are_na_on_one():
     subject = from_module(zoo.tiny_model("bert"))
     assert subject.kind == "encoder"
     names = [n for n in checks.REGISTRY if not checks.registered(n).applies(subject.kind)]
-    assert set(names) == {"cache", "generate", "state", "causal", "fit"}
+    assert set(names) == {"cache", "generate", "state", "serving", "causal", "fit"}
     report = run_checks(subject, names, RunOptions(seq_len=8))
     # by design n/a, every one (fit scores next-token predictions, which an encoder does not make)
-    expected = {"cache": Status.NA, "generate": Status.NA, "state": Status.NA, "causal": Status.NA, "fit": Status.NA}
+    expected = dict.fromkeys(("cache", "generate", "state", "serving", "causal", "fit"), Status.NA)
     assert all(c.status is expected[c.name] and c.summary for c in report.checks), report.checks
 
 

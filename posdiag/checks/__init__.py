@@ -31,8 +31,8 @@ __all__ = ["KINDS", "ORDER", "REGISTRY", "CheckContractError", "CheckSpec", "Opt
 
 # `fit` runs after `rope`: once the rotation is known to follow the config, the question left is whether the
 # weights were trained with that config (a port can get both the code and the config wrong in agreement).
-REGISTRY = ("load", "shuffle", "positions", "batch", "cache", "generate", "state", "causal", "shift", "rope", "fit",
-            "table", "kernels")
+REGISTRY = ("load", "shuffle", "positions", "batch", "cache", "generate", "state", "serving", "causal", "shift", "rope",
+            "fit", "table", "kernels")
 ORDER = REGISTRY  # the contract's name for the same tuple
 KINDS = ("causal", "encoder", "seq2seq")  # Subject.kind values
 DIRECTIONS = ("higher", "lower")  # which way a baseline metric may move without regressing
