@@ -277,10 +277,12 @@ def table(path: Path) -> str:
         SAME_FUNCTION, [e for r in real for e in r["eager_final"]],
         [v for r in kern if r["model"].startswith("zamba2") for v in (r["untrusted"] or {}).values()], names(kern))
     bad = [r for r in real if r["case"].startswith("posdiag_plant_bad")]
-    add("kernels: float64 error over the 2x tolerance, where re-run (above: a wrong softmax scale)", 1.0,
+    add("kernels: float64 error over the 2x tolerance, where re-run (healthy, rope_theta lost, 32 units of float32 "
+        "noise; above: a wrong softmax scale)", 1.0,
         [f for r in real if r not in bad for f in r["finer_over_tolerance"]],
         [f for r in bad for f in r["finer_over_tolerance"]], names(real))
-    add("kernels: float32 ratio to the 2x tolerance (healthy and rope_theta lost, before any re-run)", 1.0,
+    add("kernels: ratio to the 2x tolerance as run, float32 and bfloat16 (healthy and rope_theta lost, before any "
+        "re-run; the as-run band is FAIL_RATIO)", 1.0,
         [v for r in real if r not in bad and not r["case"].startswith("posdiag") for v in r["ratios"].values()],
         [v for r in bad for v in r["ratios"].values()], names(real))
     fit = [r for r in rows if r["section"] == "fit"]
