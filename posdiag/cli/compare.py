@@ -193,15 +193,18 @@ def _layer_map(text: str):
 
 
 def _load_both(reference: Settings, candidate: Settings, served: dict):
+    """The reference in PyTorch, and the port CANDIDATE names (posdiag/ports/candidates.open_candidate)."""
     from posdiag.model.loading import load_subject
+    from posdiag.ports.candidates import PortOptions, open_candidate
 
     ref_opts, cand_opts = load_options(reference), load_options(candidate)
     quiet_transformers()
     with loading(reference.model):
         checked = guarded(lambda: _one_gguf_file(reference.model, candidate.model), reference.debug)
         ref = guarded(lambda: load_subject(reference.model, ref_opts, checked=checked), reference.debug)
+    port = PortOptions(served_model=served["served_model"], api_key=served["api_key"], checked=checked)
     with loading(candidate.model):
-        cand = guarded(lambda: _load_candidate(candidate.model, cand_opts, checked, served), reference.debug)
+        cand = guarded(lambda: open_candidate(candidate.model, cand_opts, port), reference.debug)
     return ref, cand
 
 
@@ -218,57 +221,17 @@ def _one_gguf_file(reference: str, candidate: str):
     return inspect_file(reference)
 
 
-def _load_candidate(spec: str, options, checked=None, served: dict | None = None):
-    """A runtime's port (.gguf, .onnx, http://...: posdiag/ports/candidates.RUNTIMES; CHECKED: the .gguf file's
-    validated parse, when the reference is the same file); module:factory -> engine or PyTorch model by what it
-    returns."""
-    from posdiag.model.loading import call_factory, from_factory_model, load_subject, looks_like_factory
-    from posdiag.ports.candidates import PortOptions, open_port, runtime_for
-    from posdiag.ports.engines.logits_only import as_engine, is_engine
-
-    if runtime_for(spec):
-        served = served or {}
-        return open_port(spec, PortOptions(served_model=served.get("served_model"), api_key=served.get("api_key"),
-                                           checked=checked))
-    if looks_like_factory(spec) and not options.device_map:
-        import torch
-
-        obj = call_factory(spec)
-        if is_engine(obj):
-            return as_engine(obj, spec)
-        if isinstance(obj, torch.nn.Module):
-            return from_factory_model(obj, spec, options)
-        return as_engine(obj, f"factory '{spec}'")  # neither: the one-line protocol error
-    return load_subject(spec, options)
-
-
 def _compare(ref, cand, settings: Settings, long: bool, mapping, served: dict):
-    """The comparison itself, under a status line; --text tokenized with the reference's tokenizer."""
+    """The comparison the candidate's paths choose (posdiag/ports/comparison.py), under a status line; --text
+    tokenized with the reference's tokenizer where the judge takes token ids, sent as it is where it takes text."""
     from rich.console import Console
 
-    from posdiag.errors import PosdiagError
-    from posdiag.options import RunOptions
-    from posdiag.ports.engines.http_server import ServedEngine
-    from posdiag.ports.engines.logits_only import Engine
-    from posdiag.ports.layers import compare_subjects
-    from posdiag.ports.logits import compare_engine
-    from posdiag.ports.served import compare_served
+    from posdiag.ports.comparison import compare
+    from posdiag.ports.protocol import CompareRequest
 
-    def run():
-        token_ids = None
-        if settings.text and not isinstance(cand, ServedEngine):
-            token_ids = tokenize(settings.model, settings.text, settings.revision, settings.trust_remote_code)
-            if max(token_ids) >= min(ref.vocab_size, getattr(cand, "vocab_size", ref.vocab_size)):
-                raise PosdiagError("the tokenizer produced ids outside a model's vocabulary")
-        if isinstance(cand, ServedEngine):
-            return compare_served(ref, cand, route=served["route"], top_k=served["top_k"], new_tokens=settings.seq_len,
-                                  prompt=settings.text, served_dtype=served["served_dtype"])
-        options = RunOptions(seq_len=settings.seq_len, seed=settings.seed, token_ids=token_ids)
-        if isinstance(cand, Engine):
-            if mapping:
-                raise PosdiagError("--layer-map aligns hidden states; an engine candidate gives only logits")
-            return compare_engine(ref, cand, options, long=long)
-        return compare_subjects(ref, cand, options, long=long, layer_map=mapping)
-
+    request = CompareRequest(
+        seq_len=settings.seq_len, seed=settings.seed, text=settings.text, long=long, layer_map=mapping,
+        tokenize=lambda text: tokenize(settings.model, text, settings.revision, settings.trust_remote_code),
+        route=served["route"], top_k=served["top_k"], served_dtype=served["served_dtype"])
     with Console(stderr=True).status("comparing…"):
-        return guarded(run, settings.debug)
+        return guarded(lambda: compare(ref, cand, request), settings.debug)

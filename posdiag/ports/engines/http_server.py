@@ -78,6 +78,15 @@ class ServedEngine:
     def name(self) -> str:
         return self.base + (f" ({self.model})" if self.model else "")
 
+    @property
+    def paths(self) -> frozenset[str]:
+        """What it can be asked (posdiag/ports/protocol.PATHS): text in, top-k log-probs out, on both routes."""
+        return frozenset({"top_logprobs", "prompt_route", "generation_route"})
+
+    @property
+    def vocab_size(self) -> int | None:
+        return None  # tokens come back as text
+
     def prompt_logprobs(self, text: str, k: int) -> Reply:
         """The prompt's own tokens, teacher-forced: echo + logprobs (max_tokens 1: 0 means 'no limit' to some
         servers); the one generated token is dropped."""

@@ -77,6 +77,22 @@ class Engine:
     def can_continue(self) -> bool:
         return callable(getattr(self.impl, "logits_continued", None))
 
+    @property
+    def paths(self) -> frozenset[str]:
+        """What it can be asked (posdiag/ports/protocol.PATHS): logits always; the rest where its object has them."""
+        offered = {"logits"}
+        if self.can_continue:
+            offered.add("logits_continued")
+        if callable(getattr(self.impl, "logits_stepped", None)):
+            offered.add("logits_stepped")
+        if self.twin is not None:
+            offered.add("other_file")
+        return frozenset(offered)
+
+    @property
+    def vocab_size(self) -> int | None:
+        return None  # known only from the logits it returns
+
     def run(self, ids: list[int]) -> torch.Tensor:
         return self._call(lambda: self.impl.logits(list(ids)), ids, "")
 

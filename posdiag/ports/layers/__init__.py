@@ -54,11 +54,12 @@ from posdiag.ports.profile import (
     per_position_error,
     rel_error,
 )
+from posdiag.ports.protocol import CompareRequest
 from posdiag.ports.reference import finer_run, name_of, run_stack
 from posdiag.results import Status
 
 __all__ = ["TITLE", "DEFAULT_SEQ_LEN", "OPTIONS", "UNIFORM_START_FRACTION", "Comparison", "LayerProfile",
-           "bucket_edges", "choose_length", "compare_subjects", "original_context", "parse_layer_map"]
+           "bucket_edges", "choose_length", "compare_subjects", "judge", "original_context", "parse_layer_map"]
 
 TITLE = "Comparison with a reference, position-resolved"
 
@@ -98,6 +99,12 @@ def choose_length(reference: Subject, candidate: Subject, options: RunOptions,
         raise PosdiagError(f"--seq-len {length} exceeds the declared context of {cap} tokens (add --long to run past "
                            "it)")
     return length, info
+
+
+def judge(reference: Subject, candidate: Any, request: CompareRequest) -> Comparison:
+    """The judge of a port with hidden states (posdiag/ports/comparison.JUDGES): its model, layer by layer."""
+    options = request.run_options(reference, candidate)
+    return compare_subjects(reference, candidate.subject, options, long=request.long, layer_map=request.layer_map)
 
 
 def compare_subjects(reference: Subject, candidate: Subject, options: RunOptions | None = None, *,

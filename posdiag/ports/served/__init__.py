@@ -19,6 +19,7 @@ from posdiag.model.subject import Subject
 from posdiag.ports.engines.http_server import ServedEngine
 from posdiag.ports.logits.shapes import classify
 from posdiag.ports.profile import Comparison, LayerProfile
+from posdiag.ports.protocol import CompareRequest
 from posdiag.ports.served import precision as served_precision
 from posdiag.ports.served.precision import ServedFloor
 from posdiag.ports.served.scores import (
@@ -43,6 +44,13 @@ NOT_SHOWN = ("logits beyond the top-k: the actual token's log-prob and the top-k
              "as text, matched to the reference's tokenizer piece by piece",
              "the server's cache reuse: each request is scored as the server ran it (prefix caching may serve a "
              "prefix from an earlier request)")
+
+
+def judge(reference: Subject, engine: ServedEngine, request: CompareRequest) -> Comparison:
+    """The judge of a port answering top-k log-probs (posdiag/ports/comparison.JUDGES): the text as it is, the
+    routes asked for."""
+    return compare_served(reference, engine, route=request.route, top_k=request.top_k, new_tokens=request.seq_len,
+                          prompt=request.text, served_dtype=request.served_dtype)
 
 
 def compare_served(reference: Subject, engine: ServedEngine, *, route: str = "both", top_k: int = 5,
