@@ -14,6 +14,9 @@ and `position_ids` [B, T] (long) as keyword arguments, and returns either a tens
 [B, T, D] or an object with `hidden_states` (a tuple of [B, T, D], embeddings first) and/or
 `last_hidden_state` / `logits`. Set `model.posdiag_kind = "encoder"` for a bidirectional model
 (default "causal") and `model.posdiag_position_kind` to say what it uses.
+
+How a forward runs (chunks, the out-of-memory fallback, outputs gathered) is posdiag.model.forward; Outputs is
+importable from here as before.
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ import torch
 
 from posdiag.errors import PosdiagError
 from posdiag.model.families import Family
+from posdiag.model.forward import Outputs, forward_once, in_chunks, takes_logits_to_keep
 from posdiag.model.kinds import Kind, PositionKind
 from posdiag.model.placement import stored_weight
-from posdiag.model.tensors import additive_mask, dtype_name, token_states
+from posdiag.model.tensors import additive_mask, dtype_name
 from posdiag.options import LoadOptions
 from posdiag.results import ModelInfo
 
@@ -46,18 +50,6 @@ class LoadInfo:
     source: str = ""
     shipped_code: dict[str, str] = field(default_factory=dict)  # config.auto_map: the checkpoint's own code
     untested_code: str = ""  # why the loaded class is not that code ('' when it is, or there is none)
-
-
-@dataclass
-class Outputs:
-    """hidden: embeddings output then each block's output, each [B, T, D]; logits may be None."""
-
-    hidden: list[torch.Tensor]
-    logits: torch.Tensor | None = None
-
-    @property
-    def final(self) -> torch.Tensor:
-        return self.hidden[-1]
 
 
 @dataclass
@@ -278,7 +270,7 @@ class Subject:
         """Logical positions (0-based) -> the ids the model expects (RoBERTa starts at pad+1)."""
         return logical + self.family.explicit_position_offset
 
-    # ---------------------------------------------------------------- forward
+    # ---------------------------------------------------------------- forward (posdiag.model.forward runs it)
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -295,105 +287,13 @@ class Subject:
         runs the whole model with `encoder_ids` fixed (default: the input ids themselves) and
         input_ids as decoder inputs, `mask` going to decoder_attention_mask.
         """
-        rows = input_ids.shape[0]
-        step = min(self.options.max_batch or rows, self.batch_limit or rows)
-        parts = []
-        start = 0
-        while start < rows:
-            sl = slice(start, start + step)
-            try:
-                parts.append(self._forward_once(
-                    input_ids[sl],
-                    mask=_slice_mask(mask, sl),
-                    position_ids=None if position_ids is None else position_ids[sl],
-                    stack=stack,
-                    encoder_ids=None if encoder_ids is None else encoder_ids[sl],
-                    want_logits=want_logits,
-                ))
-            except (torch.OutOfMemoryError, RuntimeError) as exc:
-                if step == 1 or not _is_oom(exc):
-                    raise
-                step = max(1, step // 2)  # fall back to smaller batches, and remember it for later checks
-                self.batch_limit = step
-                note = f"out of memory: forward passes fall back to batches of {step}"
-                if note not in self.notes:
-                    self.notes.append(note)
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-                continue
-            start += step
-        if len(parts) == 1:
-            return parts[0]
-        hidden = [torch.cat([p.hidden[i] for p in parts]) for i in range(len(parts[0].hidden))]
-        logits = None if parts[0].logits is None else torch.cat([p.logits for p in parts])
-        return Outputs(hidden, logits)
+        return in_chunks(self, self._forward_once, input_ids, mask=mask, position_ids=position_ids, stack=stack,
+                         encoder_ids=encoder_ids, want_logits=want_logits)
 
     @property
     def takes_logits_to_keep(self) -> bool:
-        import inspect
-
-        return "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        return takes_logits_to_keep(self.model)
 
     def _forward_once(self, input_ids, *, mask, position_ids, stack, encoder_ids, want_logits) -> Outputs:
-        self.forward_count += 1
-        kwargs: dict[str, Any] = {}
-        if position_ids is not None:
-            kwargs["position_ids"] = position_ids.to(self.device)
-        with torch.inference_mode():
-            if not self.is_hf:
-                out = self.model(input_ids=input_ids, attention_mask=mask, **kwargs)
-                return _outputs_from_custom(out)
-            # Without logits, ask for the last position's only: the LM head's [B, T, vocab] output
-            # is often the largest activation of a batched probe (147 MB for 9 x 128 tokens of a
-            # 32k vocab). The full model still runs (a bug can live in the head class's forward).
-
-            if not want_logits and self.takes_logits_to_keep:
-                kwargs["logits_to_keep"] = 1
-            if self.kind == "seq2seq":
-                if stack == "encoder":
-                    out = self.model.get_encoder()(input_ids=input_ids, attention_mask=mask,
-                                                   output_hidden_states=True, return_dict=True)
-                    return self._gathered(out.hidden_states or (out.last_hidden_state,), None, input_ids.shape)
-                enc = input_ids if encoder_ids is None else encoder_ids
-                out = self.model(input_ids=enc, decoder_input_ids=input_ids, decoder_attention_mask=mask,
-                                 output_hidden_states=True, use_cache=False, return_dict=True,
-                                 **{k: v for k, v in kwargs.items() if k == "logits_to_keep"})
-                logits = getattr(out, "logits", None) if want_logits else None
-                return self._gathered(out.decoder_hidden_states, logits, input_ids.shape)
-            out = self.model(input_ids=input_ids, attention_mask=mask, output_hidden_states=True,
-                             use_cache=False, return_dict=True, **kwargs)
-            hidden = out.hidden_states if out.hidden_states is not None else (out.last_hidden_state,)
-            return self._gathered(hidden, getattr(out, "logits", None) if want_logits else None, input_ids.shape)
-
-    def _gathered(self, hidden: Any, logits: torch.Tensor | None, length: tuple[int, ...]) -> Outputs:
-        """The tokens' states (`token_states`) on the input device (a --device-map returns blocks on their GPUs)."""
-        on_device = None if logits is None else logits.to(self.device)
-        return Outputs([h.to(self.device) for h in token_states(hidden, length)], on_device)
-
-
-def _is_oom(exc: BaseException) -> bool:
-    text = str(exc).lower()
-    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text or "not enough memory" in text
-
-
-def _slice_mask(mask: Any, sl: slice) -> Any:
-    if mask is None:
-        return None
-    if isinstance(mask, dict):
-        return {k: v[sl] for k, v in mask.items()}
-    return mask[sl]
-
-
-def _outputs_from_custom(out: Any) -> Outputs:
-    if isinstance(out, torch.Tensor):
-        return Outputs([out])
-    hidden = getattr(out, "hidden_states", None)
-    if hidden:
-        return Outputs(list(hidden), getattr(out, "logits", None))
-    for attr in ("last_hidden_state", "logits"):
-        value = getattr(out, attr, None)
-        if value is not None:
-            return Outputs([value], getattr(out, "logits", None))
-    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
-        return Outputs([out[0]])
-    raise PosdiagError("the factory model returned neither a tensor nor hidden_states/last_hidden_state/logits")
+        return forward_once(self, input_ids, mask=mask, position_ids=position_ids, stack=stack,
+                            encoder_ids=encoder_ids, want_logits=want_logits)
