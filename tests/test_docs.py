@@ -8,7 +8,9 @@ prints ("exit code N"), else 1 when it shows a FAIL verdict, else 0. Every verdi
 (`FAIL load:` or `load   FAIL ...`) must be in the real output too, and the numbers of its summary as well: the
 same count of numbers in the same order, integers (counts, lengths, positions) exactly, decimals (residuals, floors,
 ratios) within a factor of NUMBER_FACTOR of the real figure, so a paste that drifted from what the command prints
-fails. Each block runs in a fresh temporary
+fails. A block marked `<!-- render -->` must match byte for byte what benchmarks/render_docs.py renders from
+the same run (figures that move with machine load masked): the commands run under its terminal (120 columns, no
+colour, one thread), so the wrapped lines a reader sees are the ones compared. Each block runs in a fresh temporary
 directory holding `fixtures/` and `tests/` (links to the repository's), and, when the page shows a
 `[tool.posdiag]` toml example, that example as `pyproject.toml`: a page's config example is the config of
 its commands. Files a command names with --json/--junit/--save-baseline must exist afterwards.
@@ -24,8 +26,12 @@ scanned.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import os
 import re
 import shlex
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +41,11 @@ from typer.testing import CliRunner
 from posdiag.cli import app
 
 ROOT = Path(__file__).resolve().parent.parent
+if "render_docs" not in sys.modules:  # benchmarks/ is no package: the script, loaded once by path
+    _spec = importlib.util.spec_from_file_location("render_docs", ROOT / "benchmarks" / "render_docs.py")
+    sys.modules["render_docs"] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(sys.modules["render_docs"])
+render_docs = sys.modules["render_docs"]
 PAGES = [ROOT / "README.md"] + sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "DEVELOPING.md")
 SHELL = {"", "bash", "sh", "shell", "console"}
 NOT_RUN = "<!-- not run: needs the hub -->"
@@ -192,7 +203,30 @@ def workdir(tmp_path: Path, monkeypatch, config: str | None) -> Path:
 @dataclass
 class Result:
     exit_code: int
-    output: str
+    output: str  # stdout and stderr as a terminal shows them
+    stdout: str = ""
+
+
+@contextlib.contextmanager
+def terminal():
+    """The terminal render_docs.py runs its commands in, in this process: its environment and one torch thread."""
+    import torch
+
+    saved = {k: os.environ.get(k) for k in (*render_docs.TERMINAL, *render_docs.UNSET)}
+    threads = torch.get_num_threads()
+    for k in render_docs.UNSET:
+        os.environ.pop(k, None)
+    os.environ.update(render_docs.TERMINAL)
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 _SEEN: dict[tuple, Result] = {}
@@ -205,8 +239,9 @@ def run(command: Command, config: str | None = None) -> Result:
     key = (tuple(command.argv), config)
     if key in _SEEN:
         return _SEEN[key]
-    result = runner.invoke(app, command.argv[1:])
-    outcome = Result(result.exit_code, result.output)
+    with terminal():
+        result = runner.invoke(app, command.argv[1:])
+    outcome = Result(result.exit_code, "\n".join(render_docs.clean(result.output)), result.stdout)
     if not any(a in command.argv for a in WRITES + ("--baseline",)):
         _SEEN[key] = outcome
     return outcome
@@ -225,8 +260,10 @@ def runs_every_check(block: Block) -> bool:
 def test_doc_commands_run(block, tmp_path, monkeypatch):
     config = config_example(block.page)
     where = workdir(tmp_path, monkeypatch, config)
+    stdouts = []
     for command in block.commands:
         result = run(command, config)
+        stdouts.append(result.stdout)
         assert result.exit_code == command.expected, (
             f"{block.id}: `{command.line}` exited {result.exit_code}, the doc shows {command.expected}\n"
             f"{result.output}")
@@ -238,6 +275,10 @@ def test_doc_commands_run(block, tmp_path, monkeypatch):
         assert not drift, f"{block.id}: `{command.line}` pasted numbers drifted: {drift}\n{result.output}"
         for name in written_files(command.argv):
             assert (where / name).is_file(), f"{block.id}: `{command.line}` did not write {name}"
+    rendered = next((b for b in render_docs.marked(block.page) if b.fence + 1 == block.line), None)
+    if rendered is not None and rendered.marker == "render":
+        drift = render_docs.drift(rendered, render_docs.expected(rendered, stdouts))
+        assert not drift, f"{block.id} is not what it renders to ({drift}): `python benchmarks/render_docs.py`"
 
 
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.hub], ids=lambda b: b.id)
