@@ -24,7 +24,10 @@ the config of its commands), with the terminal fixed (see TERMINAL): offline, 12
 Output is compared byte for byte once figures that move with machine load (VOLATILE: seconds, memory sizes) are
 masked; a block whose only difference is such a figure is left as written. tests/test_docs.py runs the same
 commands in-process under the same TERMINAL and compares them with this module's `expected`, so a pasted block
-that no longer matches what this script renders fails the suite.
+that no longer matches what this script renders fails the suite. Rounding-level figures (a residual of 2.85e-16, a
+ratio of two of them) depend on the arithmetic the CPU kernels take, so writing records that arithmetic (torch's
+version and SIMD capability) in RENDERED_ON; on other arithmetic the suite compares blocks with every number masked,
+and the figures within tests/test_docs.py's factor.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # what NO_COLOR leaves: bold, di
 VOLATILE = {"<seconds>": re.compile(r"(?<![\w.])\d+(?:\.\d+)? ?(?:s|ms|min)\b"),
             "<size>": re.compile(r"(?<![\w.])\d+(?:\.\d+)? ?(?:[KMGT]i?B)\b")}
 
+RENDERED_ON = ROOT / "benchmarks" / "render_docs.arithmetic"
+NUMBER = re.compile(r"(?<![\w.])[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
 MARKER = re.compile(r"^<!-- (render|as run)(?::\s*(.*?))?\s*-->$")
 AS_RUN = re.compile(r"^(?P<where>.+?), (?P<date>\d{4}-\d{2}-\d{2}); (?P<why>.+)$")
 FENCE = re.compile(r"^(\s*)```(\S*)\s*$")
@@ -255,9 +260,27 @@ def masked(lines: list[str]) -> list[str]:
     return out
 
 
-def drift(block: Block, body: list[str]) -> str:
-    """'' when the page shows `body` (volatile figures masked), else the first line that differs."""
+def arithmetic() -> str:
+    """What rounding-level figures depend on: torch's version and the SIMD path its CPU kernels take."""
+    import torch
+
+    return f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}"
+
+
+def rendered_on() -> str:
+    return RENDERED_ON.read_text().strip() if RENDERED_ON.is_file() else ""
+
+
+def without_numbers(lines: list[str]) -> list[str]:
+    return [NUMBER.sub("<n>", line) for line in lines]
+
+
+def drift(block: Block, body: list[str], numbers: bool = True) -> str:
+    """'' when the page shows `body` (volatile figures masked; every number too unless `numbers`), else the first
+    line that differs."""
     shown, real = masked(block.body), masked(body)
+    if not numbers:
+        shown, real = without_numbers(shown), without_numbers(real)
     if shown == real:
         return ""
     for n, (a, b) in enumerate(zip(shown, real, strict=False)):
@@ -357,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
             if why:
                 drifted += 1
                 changes.append((block, body))
+        if not args.check and not args.only and args.pages == []:
+            RENDERED_ON.write_text(arithmetic() + "\n")
         if changes and not args.check:
             for lost in rewrite(page, changes):
                 print(f"{lost}: edited while it was rendered, left as it was: run again", flush=True)

@@ -109,6 +109,14 @@ def test_drift_is_byte_exact_but_for_load_dependent_figures(tmp_path):
     assert "1.92x" in render_docs.drift(block, moved)
     assert "renders 3" in render_docs.drift(block, block.body + ["..."])
     assert render_docs.drift(block, [block.body[0], block.body[1] + " "]) != ""
+    # On other arithmetic (another SIMD path, another torch) numbers are masked, words and verdicts still exact
+    assert render_docs.drift(block, moved, numbers=False) == ""
+    assert "FAIL" in render_docs.drift(block, [block.body[0], block.body[1].replace("PASS", "FAIL")], numbers=False)
+
+
+def test_the_docs_record_the_arithmetic_they_were_rendered_on():
+    """Writing records torch's version and SIMD path: the suite compares figures byte for byte only there."""
+    assert render_docs.rendered_on().startswith("torch ") and ", " in render_docs.rendered_on()
 
 
 def test_the_script_rewrites_a_drifted_block_and_check_reports_drift(tmp_path, capsys):
