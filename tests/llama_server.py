@@ -24,14 +24,14 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def llama_server(model: Path, n_ctx: int = 256) -> Iterator[tuple[str, subprocess.Popen]]:
+def llama_server(model: Path, n_ctx: int = 256, extra: tuple[str, ...] = ()) -> Iterator[tuple[str, subprocess.Popen]]:
     """(base URL, process) of a server for MODEL: one thread (its prompt batches too: the server's default is every
     core), float32 KV cache (type 0 = GGML_TYPE_F32: llama.cpp's default f16 cache alone moves the logits ~1e-4).
-    Its weight repacking is not exposed by this server."""
+    Its weight repacking is not exposed by this server. EXTRA: more of its options (`--n_batch 16`, `--cache True`)."""
     port = free_port()
     argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1", "--port",
             str(port), "--n_threads", "1", "--n_threads_batch", "1", "--n_ctx", str(n_ctx), "--type_k", "0",
-            "--type_v", "0", "--verbose", "False"]
+            "--type_v", "0", "--verbose", "False", *extra]
     with tempfile.TemporaryFile() as err:  # a file, not a pipe: a full pipe would block the server
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err)
         base = f"http://127.0.0.1:{port}/v1"

@@ -57,11 +57,13 @@ class Route(str, enum.Enum):
     both = "both"
     prompt = "prompt"
     generation = "generation"
+    serving = "serving"
 
 
 RouteOpt = Annotated[Route, typer.Option(
-    "--route", help="A server candidate: prompt (echo + logprobs), generation (greedy, top-k log-probs per token) "
-                    "or both.")]
+    "--route", help="A server candidate: prompt (echo + logprobs), generation (greedy, top-k log-probs per token), "
+                    "both, or serving (the paths a server takes: a request cold, a prefix-cache hit, a prompt longer "
+                    "than its batch, the request among concurrent ones; each judged as the generation route).")]
 TopKOpt = Annotated[int, typer.Option("--top-k", min=1, max=20, help="A server candidate: log-probs asked per token.")]
 
 

@@ -21,6 +21,7 @@ from posdiag.ports.logits.shapes import classify
 from posdiag.ports.profile import Comparison, LayerProfile
 from posdiag.ports.protocol import CompareRequest
 from posdiag.ports.served import precision as served_precision
+from posdiag.ports.served import serving_paths
 from posdiag.ports.served.precision import ServedFloor
 from posdiag.ports.served.scores import (
     Vocabulary,
@@ -34,7 +35,7 @@ from posdiag.ports.served.scores import (
 from posdiag.results import CheckResult, Status, Table
 from posdiag.verdict import FAIL_RATIO
 
-ROUTES = ("both", "prompt", "generation")
+ROUTES = ("both", "prompt", "generation", "serving")
 DEFAULT_NEW_TOKENS = 64
 PROMPT_WORDS = 48
 """The prompt route's default text: the first words of posdiag's prose (about 60 tokens)."""
@@ -97,6 +98,8 @@ def _routes(reference: Subject, engine: ServedEngine, vocab: Vocabulary, route: 
         n = new_tokens or DEFAULT_NEW_TOKENS
         start_from = prompt if prompt else text.split()[0]  # --text: from the end of a long prompt
         routes["generation"] = _generation_route(reference, engine, vocab, start_from, n, k, floor, profiles, sources)
+    if route == "serving":
+        routes.update(_serving_routes(reference, engine, vocab, new_tokens, k, floor, profiles, sources))
     return routes
 
 
@@ -128,17 +131,26 @@ def _prompt_route(reference: Subject, engine: ServedEngine, vocab: Vocabulary, t
 
 def _generation_route(reference: Subject, engine: ServedEngine, vocab: Vocabulary, text: str, n: int, k: int,
                       floor: ServedFloor | None, profiles: list[LayerProfile], sources: set[str]) -> dict[str, Any]:
-    prompt_ids = vocab.encode(text)
     reply = engine.generate(text, n, k)
     again = engine.generate(text, n, k)
-    check_prompt_tokens(reply, prompt_ids, vocab, "on the generation route", echoed=False)
-    gen = vocab.ids(reply, "on the generation route")
+    spread, diverged = generation_spread(reply, again)
+    out = _reply_judged(reference, vocab, text, reply, k, floor, profiles, sources, "generation", spread)
+    start = out["prompt_tokens"] - 1
+    return {**out, "repeat_diverged_at": None if diverged is None else start + diverged,
+            "repeat_max_spread": max(spread, default=0.0)}
+
+
+def _reply_judged(reference: Subject, vocab: Vocabulary, text: str, reply: Any, k: int, floor: ServedFloor | None,
+                  profiles: list[LayerProfile], sources: set[str], name: str, spread: list[float]) -> dict[str, Any]:
+    """One greedy reply judged position by position against the reference on the prompt and the tokens it chose."""
+    prompt_ids = vocab.encode(text)
+    check_prompt_tokens(reply, prompt_ids, vocab, f"on the {name} route", echoed=False)
+    gen = vocab.ids(reply, f"on the {name} route")
     if reply.text and "".join(vocab.pieces[i] for i in gen) != reply.text:
-        raise PosdiagError("tokenisation mismatch on the generation route: the generated tokens, decoded one by one "
+        raise PosdiagError(f"tokenisation mismatch on the {name} route: the generated tokens, decoded one by one "
                            "with the reference's tokenizer, do not give the text the server returned")
     if len(gen) < 4:
         raise PosdiagError(f"the server generated {len(gen)} tokens ({reply.finish_reason}); at least 4 are needed")
-    spread, diverged = generation_spread(reply, again)
     ids = prompt_ids + gen
     scores = reference_scores(reference, ids[:-1], floor, decoded_from=len(prompt_ids))
     sources.add(scores.floor_source)
@@ -147,9 +159,35 @@ def _generation_route(reference: Subject, engine: ServedEngine, vocab: Vocabular
     rows = list(range(start, start + len(gen)))
     metrics = position_metrics(scores, list(reply.scored), gen, rows, vocab, k, spread)
     out = {"prompt": text, "prompt_tokens": len(prompt_ids), "generated": len(gen),
-           "finish_reason": reply.finish_reason, "repeat_diverged_at": None if diverged is None else start + diverged,
-           "repeat_max_spread": max(spread, default=0.0)}
-    return {**out, **_judged("generation", metrics, start, profiles, floor is not None)}
+           "finish_reason": reply.finish_reason}
+    return {**out, **_judged(name, metrics, start, profiles, floor is not None)}
+
+
+def _serving_routes(reference: Subject, engine: ServedEngine, vocab: Vocabulary, n: int | None, k: int,
+                    floor: ServedFloor | None, profiles: list[LayerProfile],
+                    sources: set[str]) -> dict[str, dict[str, Any]]:
+    """The serving paths (posdiag/ports/served/serving_paths.py), each request's reply judged as the generation
+    route's; a path's worst request stands for it (a failing one first)."""
+    texts = serving_paths.prompts(_prose().split(), serving_paths.LONG_WORDS)
+    runs = serving_paths.run_paths(engine, texts, n or serving_paths.NEW_TOKENS, k,
+                                   spread=lambda a, b: generation_spread(a, b)[0])
+    spread = runs[0].spread if runs and runs[0].name == "cold" else []
+    routes: dict[str, dict[str, Any]] = {}
+    for run in runs:
+        name = f"serving/{run.name}"
+        if run.not_offered or not run.sent:
+            routes[name] = {"status": "skip", "why": f"the server does not offer it ({run.not_offered or 'no reply'})"}
+            continue
+        judged = [_reply_judged(reference, vocab, sent.prompt, sent.reply, k, floor, profiles, sources, name, spread)
+                  for sent in run.sent]
+        worst = max(judged, key=lambda r: (r["status"] == "fail", r["worst_ratio"]))
+        routes[name] = {**worst, "story": run.story, "requests": len(judged)}
+        if worst["status"] == "fail":  # the path's story, not the generation route's advice about its prompt
+            first = worst["first_position"]
+            routes[name]["why"] = (f"{run.story}: |Δ log-prob| {worst['dlogprob'][0]:.2g} at its first generated "
+                                   f"position {first}, {max(worst['dlogprob']):.2g} at worst, above the floor from "
+                                   f"position {worst['onset_position']}")
+    return routes
 
 
 def _judged(name: str, m: dict[str, list[float]], start: int, profiles: list[LayerProfile],
