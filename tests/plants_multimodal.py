@@ -124,3 +124,41 @@ def tower_that_cannot_run(model_type: str = "qwen2_vl") -> nn.Module:
 
     model.model.visual.forward = forward
     return model
+
+
+def _prefill_hook(model_type: str, keep) -> nn.Module:
+    """The model's compute_3d_position_ids with rope_deltas set before a call on an empty cache by
+    keep(kept, batch) -> the deltas that call starts from (kept: the last image prompt's, held on the module as
+    `kept_deltas`, where a fresh state resets it; batch: the call's rows)."""
+    model = healthy(model_type)
+    inner = model.model
+    original = inner.compute_3d_position_ids
+    inner.kept_deltas = None
+
+    def compute_3d_position_ids(*args, **kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if cache is None or cache.get_seq_length() == 0:
+            inner.rope_deltas = keep(inner.kept_deltas, kwargs["inputs_embeds"].shape[0])
+        out = original(*args, **kwargs)
+        if kwargs.get("image_grid_thw") is not None or kwargs.get("video_grid_thw") is not None:
+            inner.kept_deltas = inner.rope_deltas
+        return out
+
+    inner.compute_3d_position_ids = compute_3d_position_ids
+    return model
+
+
+def rope_deltas_reset(model_type: str) -> nn.Module:
+    """Healthy twin: rope_deltas forgotten at every prompt (a call on an empty cache numbers its own)."""
+    return _prefill_hook(model_type, lambda kept, batch: None)
+
+
+def rope_deltas_kept(model_type: str) -> nn.Module:
+    """The last image prompt's rope_deltas kept for every later prompt (transformers #36013)."""
+    return _prefill_hook(model_type, lambda kept, batch: kept)
+
+
+def rope_deltas_reset_on_batch_size(model_type: str) -> nn.Module:
+    """rope_deltas forgotten only when a prompt comes with another batch size (TensorRT-LLM #15661): a one-row text
+    prompt after a one-row image prompt takes the image prompt's offset."""
+    return _prefill_hook(model_type, lambda kept, batch: kept if kept is not None and kept.shape[0] == batch else None)

@@ -113,9 +113,9 @@ def test_video_temporal_index_plants_fail_on_axis_t(build, token, got):
 
 def test_qwen2_5_vl_text_after_a_video_is_the_findings_row():
     """transformers 5.25 resumes the text after a video at start + max(h, w), inside the video's temporal range when
-    its temporal positions reach further (the findings table: qwen2_5_vl:video-overlap)."""
+    its temporal positions reach further (the findings table: qwen2_5_vl positions)."""
     c = _checks(plants.video_overlap(), ["positions"])["positions"]
-    pinned(c, "qwen2_5_vl:video-overlap", "positions")
+    pinned(c, "qwen2_5_vl", "positions")
 
 
 def test_a_model_whose_tower_refuses_the_prompt_is_not_probed_and_text_still_judged():

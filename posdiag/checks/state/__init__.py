@@ -4,8 +4,10 @@ Every other check starts from the model as loaded (posdiag.api restores every mo
 here history is the subject. Sequences of calls a user makes (state/sequences.py): a short input, a long one past
 every declared boundary, the short one again; generate() on one prompt, then on another; a multi-turn conversation
 continued from the cache generate() returned; assisted and prompt-lookup decoding against greedy; a padded batch
-after another. Each call under test is compared with the same call on a fresh state (every module's buffers and
-attributes snapshotted before the first call; nothing is restored between the calls of a sequence):
+after another; on models with multimodal RoPE, an image prompt (or a padded batch holding one) then a text prompt
+decoded in a hand-written loop (state/images.py). Each call under test is compared with the same call on a fresh
+state (every module's buffers and attributes snapshotted before the first call; nothing is restored between the
+calls of a sequence):
 error = ||y_after − y_fresh|| / ||y_fresh||, judged as agreement against the floor measured in the same run (the
 fresh call with row 0's token embeddings jittered by ~1 ulp), a disagreement decided in float64. A FAIL names the
 sequence, the call whose output changed and, where a module's buffer or attribute changed between the fresh state
@@ -18,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from posdiag.checks import CheckSpec, Option
+from posdiag.checks.state.images import IMAGE_SEQUENCES, image_plan
 from posdiag.checks.state.sequences import SEQUENCES, Refused, Sequence, plan
 from posdiag.errors import PosdiagError, describe_error
 from posdiag.model.arbitration import arbitrate
@@ -41,8 +44,9 @@ SPEC = CheckSpec(
                                 "candidates shows; few enough to keep the sequences cheap"),
         "long_cap": Option(1024, "the longest input the long-input sequence runs: past it a boundary is named, "
                                  "not crossed (an eager forward's cost grows with the square of the length)"),
-        "sequences": Option(list(SEQUENCES), "every sequence a user's calls make; name fewer to run fewer (each "
-                                             "costs a handful of forwards or generate() calls)"),
+        "sequences": Option(list(SEQUENCES + IMAGE_SEQUENCES), "every sequence a user's calls make (those with images "
+                            "on models with multimodal RoPE); name fewer to run fewer (each costs a handful of "
+                            "forwards or generate() calls)"),
     },
 )
 
@@ -52,13 +56,16 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
         return SPEC.result(Status.NA, "an encoder: called once per input, it keeps no cache and generates nothing, "
                                       "so no call of a user's sequence continues another")
     chosen = [str(name) for name in SPEC.setting(options, "sequences")]
-    if unknown := sorted(set(chosen) - set(SEQUENCES)):
-        raise PosdiagError(f"[checks.state] sequences: unknown {', '.join(unknown)} (known: {', '.join(SEQUENCES)})")
+    known = SEQUENCES + IMAGE_SEQUENCES
+    if unknown := sorted(set(chosen) - set(known)):
+        raise PosdiagError(f"[checks.state] sequences: unknown {', '.join(unknown)} (known: {', '.join(known)})")
     short = probe_ids(subject, options)[0]
     fresh = snapshot(subject.model)
     try:
         seqs, not_run, reached = plan(subject, short, int(SPEC.setting(options, "long_cap")),
                                       int(SPEC.setting(options, "new_tokens")), options.seed, set(chosen))
+        images, no_images = image_plan(subject, options.seed, set(chosen), "sequences" in options.for_check("state"))
+        seqs, not_run = seqs + images, {**not_run, **no_images}
         outcomes = [_judged(subject, fresh, seq, options.seed) for seq in seqs]
     finally:
         restored(fresh)  # the model is left as it was before the check
@@ -122,9 +129,12 @@ def _judged(subject: Subject, fresh: ModelState, seq: Sequence, seed: int) -> Ou
     outcome.verdict = judge_agreement(outcome.error, outcome.floor, dtype)
     if outcome.verdict.status is Status.FAIL and outcome.error == outcome.error:
         name = seq.name
+        # a re-run that crashed or did not run where the run dtype ran did not compute the same path (a vision
+        # tower converted module by module takes float32 pixels into float64 weights): the next way of converting
         arbitration = arbitrate(subject, lambda: measure(subject, fresh, seq, seed), outcome.floor,
                                 {name: outcome.verdict}, dtype,
-                                lambda o: (o.floor, {name: o.error if not o.crashed else float("inf")}))
+                                lambda o: (o.floor, {name: o.error if not o.crashed else float("inf")}),
+                                reached=lambda o, _: not o.not_run and bool(o.crashed) == bool(outcome.crashed))
         outcome.verdict = arbitration.verdicts.get(name, outcome.verdict)
         outcome.clause = arbitration.clause(name)
     return outcome
@@ -154,7 +164,8 @@ def _report(subject: Subject, outcomes: list[Outcome], not_run: dict[str, str], 
         crossed = reached.get("boundaries_crossed") or {}
         past = f", past {', '.join(f'{k} {at}' for k, at in crossed.items())}" if crossed else ""
         names = ", ".join(o.sequence.name for o in outcomes)
-        long_input = f"; long input {reached['long_input']} tokens{past}" if "long input" not in not_run else ""
+        ran_long = any(o.sequence.name == "long input" for o in outcomes)
+        long_input = f"; long input {reached['long_input']} tokens{past}" if ran_long else ""
         summary = (f"the same input gives the same output after every history ({names}; max error "
                    f"{v.residual:.2g} = {v.ratio:.2g}x floor {v.noise_floor:.2g}{long_input}){skipped}")
     else:
