@@ -124,6 +124,15 @@ def test_state_passes_on_the_real_model(report):
                                                         "multi-turn", "assisted decoding", "prompt lookup"]
 
 
+def test_serving_passes_on_the_real_model(report):
+    """Every serving path on the real SmolLM2 reproduces one full forward: chunks of 3 and 16 (by hand and
+    generate's prefill_chunk_size), a shared prefix, a padded batch, assisted and prompt-lookup decoding, the
+    hand-written decode loops."""
+    serving = report.check("serving")
+    assert serving.status is Status.PASS, serving.summary
+    assert len(serving.tables[0].rows) == 12 and "not run" not in serving.summary
+
+
 def test_the_line_search_names_the_base_the_weights_were_trained_with(broken):
     """Configured at 1e4, trained at 1e5: the grid's x10 is refined by the line search to a value near 1e5, with
     an interval that holds it."""
