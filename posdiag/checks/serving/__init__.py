@@ -40,7 +40,14 @@ from posdiag.model.subject import Subject
 from posdiag.model.tensors import per_token_change
 from posdiag.options import RunOptions, probe_ids, probe_length
 from posdiag.results import CheckResult, Status, Table
-from posdiag.verdict import Arbitration, FloorVerdict, agreement_tolerance, judge_agreement, worst_error
+from posdiag.verdict import (
+    Arbitration,
+    FloorVerdict,
+    agreement_tolerance,
+    judge_agreement,
+    noise_floor,
+    worst_error,
+)
 
 KINDS = ("chunks", "generate prefill_chunk_size", "shared prefix", "padded batch", "decode loop after another prompt",
          "decode loop after a padded batch", "assisted decoding", "prompt lookup")
@@ -175,7 +182,7 @@ def _first_departing(o: Outcome, tolerance: float) -> tuple[str, float] | None:
 def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict], arbitration: Arbitration,
             s: Settings) -> CheckResult:
     dtype = subject.dtype_name
-    tolerance = agreement_tolerance(m.floor, dtype)
+    floor, tolerance = noise_floor(m.floor, dtype), agreement_tolerance(m.floor, dtype)
     not_run = {**m.not_run, **{o.path.name: o.not_run for o in m.outcomes if o.not_run}}
     ran = [o for o in m.outcomes if not o.not_run]
     details: dict = {"prompt_tokens": s.ids.shape[0], "floor_source": FLOOR_SOURCE, "not_run": not_run,
@@ -190,7 +197,7 @@ def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict],
         status = Status.FAIL if o.crashed else v.status
         departing = None if o.crashed or status is Status.PASS else _first_departing(o, tolerance)
         rows.append((o.path.name, status.value, str(len(o.found)), "crashed" if o.crashed else f"{o.error:.3e}",
-                     f"{tolerance / 10:.2e}", "-" if o.crashed else f"{v.ratio:.3g}",
+                     f"{floor:.2e}", "-" if o.crashed else f"{v.ratio:.3g}",
                      o.crashed or (departing[0] if departing else "-")))
         details["paths"][o.path.name] = {"story": o.path.story, "status": status, "crashed": o.crashed,
                                          "errors": dict(o.found), "first_departing": departing and departing[0],
@@ -199,11 +206,12 @@ def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict],
                                                              "noise floor", "ratio", "first departing"), tuple(rows))
     failing = [o for o, row in zip(ran, rows, strict=True) if row[1] != Status.PASS.value]
     worst = failing[0] if failing else max(ran, key=lambda o: o.error)
-    v = verdicts.get(worst.path.name) or FloorVerdict(Status.FAIL, float("inf"), tolerance / 10, float("inf"), "")
+    v = verdicts.get(worst.path.name) or FloorVerdict(Status.FAIL, float("inf"), floor, float("inf"), "")
     metrics = {"error": v.residual, "noise_floor": v.noise_floor, "ratio": v.ratio, "tolerance": tolerance,
                "paths_judged": len(ran), **arbitration.metrics}
     if not failing:
-        summary = (f"every serving path reproduces one full forward ({len(ran)} paths, {s.ids.shape[0]}-token "
+        paths = f"{len(ran)} path{'s' if len(ran) != 1 else ''}"
+        summary = (f"every serving path reproduces one full forward ({paths}, {s.ids.shape[0]}-token "
                    f"prompt; max error {v.residual:.3g} = {v.ratio:.3g}x floor {v.noise_floor:.2g}"
                    f"{arbitration.clause(worst.path.name)}){tail}")
         return SPEC.result(Status.PASS, summary, metrics, details, (table,))
