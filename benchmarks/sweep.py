@@ -277,7 +277,8 @@ FINDINGS: dict[str, dict[str, Finding | tuple[Finding, ...]]] = {
                                         "video's temporal range", f"{MULTIMODAL}::test_text_after_a_video_overlaps_it",
                                         since="5.3.0"),
                    "state": STALE_ROPE_DELTAS},
-    **{t: {"state": STALE_ROPE_DELTAS} for t in ("qwen2_vl", "qwen3_vl")},
+    **{t: {"state": STALE_ROPE_DELTAS} for t in ("qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm46v", "glmga",
+                                                 "glm_ocr", "cosmos3_edge", "cosmos3_omni")},
     # RobertaForCausalLM with is_decoder=True (the sweep builds roberta as a masked LM)
     "roberta:is_decoder": {"generate": Finding("dynamic/single", WRONG, "generate() numbers positions from 0, the "
                                                "forward from padding_idx + 1", f"{PLAIN}::test_roberta_decoder_"

@@ -162,3 +162,38 @@ def rope_deltas_reset_on_batch_size(model_type: str) -> nn.Module:
     """rope_deltas forgotten only when a prompt comes with another batch size (TensorRT-LLM #15661): a one-row text
     prompt after a one-row image prompt takes the image prompt's offset."""
     return _prefill_hook(model_type, lambda kept, batch: kept if kept is not None and kept.shape[0] == batch else None)
+
+
+def chunks_numbered_as_text(model_type: str) -> nn.Module:
+    """A prefill chunk after the first (several tokens on a non-empty cache) drops the 3-D position ids it is handed
+    and is numbered as text from the cache length (mlx-vlm #1741's class): an image the chunk holds part of takes text
+    positions. Decode steps (one token) keep theirs."""
+    model = healthy(model_type)
+
+    def hook(module, args, kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        ids = kwargs.get("input_ids")
+        if cache is not None and cache.get_seq_length() > 0 and ids is not None and ids.shape[1] > 1:
+            kwargs["position_ids"] = None
+            module.rope_deltas = None
+        return args, kwargs
+
+    model.model.register_forward_pre_hook(hook, with_kwargs=True)
+    return model
+
+
+def padding_counted(model_type: str) -> nn.Module:
+    """get_rope_index called without the attention mask: a left-padded row's padding takes positions, and the row's
+    tokens run that many positions later than alone."""
+    return _numbering(_without_mask(healthy(model_type)), lambda pos, ids, kwargs: pos)
+
+
+def _without_mask(model: nn.Module) -> nn.Module:
+    inner = model.model
+    original = inner.get_rope_index
+
+    def get_rope_index(input_ids, *args, attention_mask=None, **kwargs):
+        return original(input_ids, *args, **kwargs)
+
+    inner.get_rope_index = get_rope_index
+    return model

@@ -18,7 +18,7 @@ from posdiag.results import Status
 from posdiag.testing import zoo
 
 pytestmark = pytest.mark.filterwarnings("ignore")
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v")
 
 
 def _state(model, sequences=IMAGE_SEQUENCES):
@@ -90,3 +90,11 @@ def test_text_models_run_no_image_sequence_unless_asked_by_name():
     asked = _state(zoo.tiny_model("llama"), ("batch after batch", "text after an image"))
     assert asked.details["not_run"] == {"text after an image": "no multimodal RoPE: no image prompt to leave "
                                                                "rope_deltas behind"}
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "glm46v", "glmga", "glm_ocr", "cosmos3_edge", "cosmos3_omni"])
+def test_the_families_that_copy_the_numbering_keep_rope_deltas_too(model_type):
+    """The sweep's tiny models of the types whose compute_3d_position_ids is Qwen2-VL's (FINDINGS: <type> state)."""
+    from sweep_support import sweep_model
+
+    pinned(_state(sweep_model(model_type), (IMAGE_SEQUENCES[0],)), model_type, "state")

@@ -172,13 +172,15 @@ def decode_after_image(subject: Subject, prompt: MultimodalPrompt, cache: Any, s
     return run
 
 
-def generate_after_image(subject: Subject, prompt: MultimodalPrompt, new_tokens: int, pad: int) -> ImageRun:
-    """Greedy generate() from the image prompt: the new tokens' positions and logits against one full forward of
-    the generated sequence (teacher-forced)."""
+def generate_after_image(subject: Subject, prompt: MultimodalPrompt, new_tokens: int, pad: int,
+                         name: str = "after images: generate", **extra: Any) -> ImageRun:
+    """Greedy generate() from the image prompt (`extra`: generate()'s options, such as prefill_chunk_size): the
+    prompt's and the new tokens' positions and logits against one full forward of the generated sequence
+    (teacher-forced)."""
     from posdiag.errors import refused_by_generation
     from posdiag.model.tensors import relative_l2
 
-    run = ImageRun("after images: generate")
+    run = ImageRun(name)
     model, n = subject.model, prompt.ids.shape[1]
     try:
         with torch.inference_mode():
@@ -193,7 +195,8 @@ def generate_after_image(subject: Subject, prompt: MultimodalPrompt, new_tokens:
                                  max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                                  output_logits=True, return_dict_in_generate=True, pad_token_id=pad,
                                  suppress_tokens=sorted(_special_ids(prompt)),  # raw logits come back unchanged
-                                 disable_compile=True)  # never transformers' automatic compile (generate's --compile)
+                                 disable_compile=True,  # never transformers' automatic compile (generate's --compile)
+                                 **extra)
         subject.forward_count += new_tokens
     except Exception as exc:
         if refused_by_generation(exc):  # refused before running: nothing was probed
@@ -220,7 +223,8 @@ def has_mrope(subject: Subject) -> bool:
     return any(mrope.mrope_section(s.params) for s in rope_math.rope_specs(subject.config) or [])
 
 
-def with_image_decode(result: CheckResult, subject: Subject, seed: int, probe) -> CheckResult:
+def with_image_decode(result: CheckResult, subject: Subject, seed: int, probe,
+                      key: str = "after_image") -> CheckResult:
     """`result` with the after-an-image probe folded in (models with multimodal RoPE only; others unchanged).
 
     probe(prompt) -> ImageRun. Decode positions off the model's own numbering FAIL (exact integers); logits
@@ -233,16 +237,16 @@ def with_image_decode(result: CheckResult, subject: Subject, seed: int, probe) -
     if run is not None and run.crashed:  # the model's own path crashed on an input its plain forward runs
         text = f"{run.name} raised {run.crashed} (the plain forward of the same prompt runs)"
         summary = f"{result.summary}; {text}" if result.status is Status.FAIL else text
-        return _replaced(result, Status.FAIL, summary, {"after_image": {"path": run.name, "crashed": run.crashed}})
+        return _replaced(result, Status.FAIL, summary, {key: {"path": run.name, "crashed": run.crashed}})
     if run is None or run.invalid:
         why = run.invalid if run is not None else why
         return _replaced(result, result.status, f"{result.summary}; not probed: decode after images ({why})",
-                         {"after_image": {"not_probed": why}})
+                         {key: {"not_probed": why}})
     floor = noise_floor(run.floor, subject.dtype_name)
     worst = max(run.errors, default=0.0)
     deltas = int(expected_positions(prompt, 0).max()) + 1 - prompt.ids.shape[1]
-    info = {"after_image": {"path": run.name, "rope_deltas": deltas, "mismatch": run.mismatch, "errors": run.errors,
-                            "noise_floor": floor}}
+    info = {key: {"path": run.name, "rope_deltas": deltas, "mismatch": run.mismatch, "errors": run.errors,
+                  "noise_floor": floor}}
     if run.mismatch:
         status, text = Status.FAIL, f"{run.name}: {run.mismatch}"
         return _replaced(result, status, text if result.status is not Status.FAIL else f"{result.summary}; {text}",

@@ -71,6 +71,7 @@ class ImageOutcome:
     moved_by_numbering: float = 0.0  # outputs from the first departure on: own numbering vs the layout's
     axes: dict[str, FloorVerdict] = field(default_factory=dict)
     pairs: dict[str, str] = field(default_factory=dict)  # axis -> its rotary pairs, named
+    note: str = ""  # what the prompt left out, and why (a video the model refused)
 
 
 def _logits(subject: Subject, prompt: MultimodalPrompt, positions: torch.Tensor | None) -> torch.Tensor:
@@ -98,19 +99,32 @@ def _pairs(subject: Subject) -> dict[str, str]:
     return {}
 
 
+def _runnable(subject: Subject, seed: int) -> tuple[MultimodalPrompt | None, Any, str, str]:
+    """(prompt, (own logits, own numbering), why not probed, note): the prompt with the video first, images alone
+    where the model refuses posdiag's video (a family that lays a video out otherwise: GLM-4V's frame tokens)."""
+    refused = ""
+    for video in (True, False):
+        prompt, why = build_prompt(subject.model, seed, video=video)
+        if prompt is None:
+            return None, None, why, ""
+        try:
+            return prompt, (_logits(subject, prompt, None), prompt.numbering()), "", refused
+        except Exception as exc:
+            if raised_in_posdiag(exc):
+                raise
+            text = f"the model's plain forward of posdiag's prompt ({prompt.contents}) raised {describe_error(exc)}"
+            if prompt.video_grid_thw is None:  # the images too: the first refusal names it (the tower, the prompt)
+                return None, None, f"{refused[len('images only: '):] or text}: the vision tower or the prompt", ""
+            refused = f"images only: {text}"
+    return None, None, "no prompt ran", ""
+
+
 def probe(subject: Subject, seed: int) -> ImageOutcome:
-    prompt, why = build_prompt(subject.model, seed)
+    prompt, ran, why, note = _runnable(subject, seed)
     if prompt is None:
         return ImageOutcome(not_probed=why)
-    outcome = ImageOutcome(prompt, pairs=_pairs(subject))
-    try:
-        own = _logits(subject, prompt, None)
-        numbering = prompt.numbering()
-    except Exception as exc:
-        if raised_in_posdiag(exc):
-            raise
-        return ImageOutcome(prompt, not_probed=f"the model's plain forward of posdiag's prompt ({prompt.contents}) "
-                                               f"raised {describe_error(exc)}: the vision tower or the prompt")
+    outcome = ImageOutcome(prompt, pairs=_pairs(subject), note=note)
+    own, numbering = ran
     layout = layout_positions(prompt.spans)
     outcome.departures = departures(numbering, prompt.spans)
     axis_probe = AxisProbe(subject, prompt, layout)
@@ -148,6 +162,7 @@ def with_image_positions(result: CheckResult, subject: Subject, seed: int) -> Ch
         "tested": prompt.tested, "processor": prompt.processor, "spans": [s.name() for s in prompt.spans if
                                                                           s.kind != "text"],
         "departures": [d.to_dict() for d in outcome.departures], "moved_by_numbering": outcome.moved_by_numbering,
+        "left_out": outcome.note,
         "axes": {a: {"residual": v.residual, "noise_floor": v.noise_floor, "ratio": v.ratio, "status": v.status.value,
                      "reason": v.reason, "pairs": outcome.pairs.get(a, "")} for a, v in outcome.axes.items()}}
     table = Table(f"multimodal RoPE axes, each shifted by {SHIFT} on the vision tokens ({prompt.tested})",
@@ -172,6 +187,8 @@ def with_image_positions(result: CheckResult, subject: Subject, seed: int) -> Ch
     if status is Status.PASS:
         moved = ", ".join(f"{a} {_figures(v)}" for a, v in outcome.axes.items())
         texts.append(f"{prompt.contents} numbered as the layout; each axis moves the outputs ({moved})")
+    if outcome.note:
+        texts.append(outcome.note)
     return _folded(result, status, "images: " + "; ".join(texts), details, table)
 
 

@@ -41,6 +41,7 @@ from posdiag.checks import CheckSpec, Option
 from posdiag.checks._cache_plan import Plan, Schedule, plan_probe, schedules
 from posdiag.checks._feed import Feed, StateMissing
 from posdiag.checks._image_decode import decode_after_image, with_image_decode
+from posdiag.checks._image_paths import with_chunked_prefill
 from posdiag.errors import describe_error, raised_in_posdiag
 from posdiag.model.arbitration import arbitrate
 from posdiag.model.caches import (
@@ -160,8 +161,9 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
                             lambda m: (m.floor, {p.name: p.max_error for p in m.paths if p.judged}), subset=True)
     verdicts.update(arbitration.verdicts)
     result = _report(subject, first, verdicts, arbitration, plan, dtype, refused)
-    return with_image_decode(result, subject, options.seed, lambda prompt: decode_after_image(  # multimodal RoPE
+    result = with_image_decode(result, subject, options.seed, lambda prompt: decode_after_image(  # multimodal RoPE
         subject, prompt, new_cache(subject, "dynamic", max_len=prompt.ids.shape[1] + steps + 1), steps, options.seed))
+    return with_chunked_prefill(result, subject, options.seed, steps)  # and its prompt fed in chunks
 
 
 def _paths(planned: dict[str, Schedule], explicit: bool, kinds: tuple[str, ...]) -> list[PathResult]:

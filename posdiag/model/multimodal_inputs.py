@@ -117,6 +117,10 @@ def build_prompt(model: Any, seed: int, *, video: bool = True) -> tuple[Multimod
     image_token = getattr(config, "image_token_id", None)
     if owner is None or vision is None or image_token is None:
         return None, "no get_rope_index, vision config or image token to build an image prompt from"
+    taken = inspect.signature(owner.get_rope_index).parameters
+    if "mm_token_type_ids" not in taken and not any(p.kind is p.VAR_KEYWORD for p in taken.values()):  # Omni: audio
+        return None, (f"{type(owner).__name__}.get_rope_index takes no mm_token_type_ids: another numbering than the "
+                      "image-and-video one posdiag builds prompts for")
     vocab = model.get_input_embeddings().weight.shape[0]
     if not 0 <= int(image_token) < vocab:
         return None, f"the image token {image_token} is outside the {vocab}-row embedding"

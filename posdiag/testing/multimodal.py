@@ -278,6 +278,10 @@ def _shrunk(config: Any, sizes: dict[str, Any]) -> dict[str, Any]:
     out.update(linked_widths(fields, out))
     out.update(per_layer_overrides(fields, out))
     out.update(_rotary_dim(config, fields, out))
+    if sizes is TOWER_SIZES and fields.get("deepstack_visual_indexes"):
+        # Qwen3-VL's deepstack layers (8, 16, 24 of 27) lie past the 1-layer tower: none would be read, and generate()'s
+        # chunked prefill, which slices the deepstack features per chunk, crashed on the empty list. Its only layer.
+        out["deepstack_visual_indexes"] = [0]
     rope = dict(getattr(config, "rope_parameters", None) or {})
     nested = bool(rope) and all(isinstance(v, dict) for v in rope.values())  # per layer type: where one has it
     if nested:

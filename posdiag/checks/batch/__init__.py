@@ -41,6 +41,7 @@ from __future__ import annotations
 from typing import Any
 
 from posdiag.checks import CheckSpec
+from posdiag.checks._image_paths import with_padded_image_row
 from posdiag.checks.batch.forward import DEFAULTS, LEFT_DEFAULTS
 from posdiag.checks.batch.padded import Measured, Probe, mask_ignored, plan
 from posdiag.model.arbitration import arbitrate
@@ -64,7 +65,8 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     if pooling:
         return SPEC.result(Status.NA, f"{subject.family.name} mixes tokens by {pooling}: which tokens it keeps "
                            "depends on the padded length, so a padded row is not the same input as the row alone")
-    return combine_stacks(SPEC.name, [_run_stack(subject, options, stack) for stack in subject.stacks])
+    result = combine_stacks(SPEC.name, [_run_stack(subject, options, stack) for stack in subject.stacks])
+    return with_padded_image_row(result, subject, options.seed)  # multimodal RoPE: an image prompt's padded row
 
 
 def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult:

@@ -64,8 +64,11 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     try:
         seqs, not_run, reached = plan(subject, short, int(SPEC.setting(options, "long_cap")),
                                       int(SPEC.setting(options, "new_tokens")), options.seed, set(chosen))
-        images, no_images = image_plan(subject, options.seed, set(chosen), "sequences" in options.for_check("state"))
+        images, no_images, tested = image_plan(subject, options.seed, set(chosen),
+                                               "sequences" in options.for_check("state"))
         seqs, not_run = seqs + images, {**not_run, **no_images}
+        if tested:  # the report's header names the inputs fed
+            reached["multimodal"] = {"tested": tested}
         outcomes = [_judged(subject, fresh, seq, options.seed) for seq in seqs]
     finally:
         restored(fresh)  # the model is left as it was before the check

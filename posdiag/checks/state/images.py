@@ -31,20 +31,23 @@ PROMPT, STEPS = 8, 6  # the text prompt's tokens, then the tokens the loop decod
 PADDING = 4  # left padding of the batch's text row
 
 
-def image_plan(subject: Subject, seed: int, chosen: set[str], explicit: bool) -> tuple[list[Sequence], dict[str, str]]:
-    """The image sequences this model runs (of `chosen`) and those it cannot, with why. A model without multimodal
-    RoPE has none to run: named only where the sequences were asked for by name (`explicit`)."""
+def image_plan(subject: Subject, seed: int, chosen: set[str],
+               explicit: bool) -> tuple[list[Sequence], dict[str, str], str]:
+    """The image sequences this model runs (of `chosen`), those it cannot (with why) and the inputs they feed
+    ("language model with 2 images", for the report's header). A model without multimodal RoPE has none to run:
+    named only where the sequences were asked for by name (`explicit`)."""
     wanted = [n for n in IMAGE_SEQUENCES if n in chosen]
     if not wanted:
-        return [], {}
+        return [], {}, ""
     if subject.kind != "causal" or not has_mrope(subject):
         why = "no multimodal RoPE: no image prompt to leave rope_deltas behind"
-        return [], dict.fromkeys(wanted, why) if explicit else {}
+        return [], dict.fromkeys(wanted, why) if explicit else {}, ""
     if not takes_cache(subject.model):
-        return [], dict.fromkeys(wanted, f"{type(subject.model).__name__} takes no cache: no decode loop to continue")
+        return [], dict.fromkeys(wanted, f"{type(subject.model).__name__} takes no cache: no decode loop to "
+                                         "continue"), ""
     prompt, why = image_prompt(subject, seed)
     if prompt is None:
-        return [], dict.fromkeys(wanted, why)
+        return [], dict.fromkeys(wanted, why), ""
     loops = _Loops(subject, prompt, seed)
     refused = loops.refusals()
     seqs = [Sequence(AFTER_IMAGE, f"after a plain forward of an image prompt ({prompt.contents}), a {PROMPT}-token "
@@ -57,7 +60,7 @@ def image_plan(subject: Subject, seed: int, chosen: set[str], explicit: bool) ->
                      f"row), a {PROMPT}-token text prompt decoded in the same loop (no position_ids)",
                      loops.decoded, loops.batch, lambda _: loops.decoded())]
     runs = [s for s in seqs if s.name in wanted and s.name not in refused]
-    return runs, {n: refused[n] for n in wanted if n in refused}
+    return runs, {n: refused[n] for n in wanted if n in refused}, prompt.tested if runs else ""
 
 
 class _Loops:
