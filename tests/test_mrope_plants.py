@@ -49,3 +49,23 @@ def test_planted_mrope_fails_only_where_streams_differ(name, build):
     assert failing == STREAM_PROBES, failing  # each probe sees it alone; the text positions do not
     if "k with" in name:
         assert {f["tensor"] for f in check.details["failures"]} == {"k"}
+
+
+@pytest.mark.parametrize("model_type, words", [
+    ("qwen2_vl", "mRoPE sections (t pairs 0-3 | h 4-5 | w 6-7 of 8, chunked) with distinct t/h/w streams"),
+    ("qwen3_vl", "mRoPE sections (t pairs 0,3,6,7 | h 1,4 | w 2,5 of 8, interleaved) with distinct t/h/w streams")])
+def test_the_section_boundaries_are_named_per_axis(model_type, words):
+    check = _rope(plants.healthy(model_type), model_type)
+    assert words in check.summary, check.summary
+    table = next(t for t in check.tables if t.title.startswith("mRoPE sections per axis"))
+    assert [row[1] for row in table.rows] == ["t", "h", "w"]
+
+
+def test_a_failing_dim_is_named_by_its_pair_and_axis():
+    """The wrong sections [2, 4, 2] on Qwen2-VL: the failing dim's pair and the axis the config gives it."""
+    check = _rope(plants.wrong_sections("qwen2_vl"), "wrong sections")
+    assert check.status is Status.FAIL
+    assert "(chunked [4, 2, 2]: t pairs 0-3 | h 4-5 | w 6-7) at layer " in check.summary, check.summary
+    worst = check.details["failures"][0]
+    assert f"dim {worst['dim']} (pair {worst['pair']}: axis {worst['axis']})" in check.summary
+    assert worst["axis"] == "thw"[[0, 0, 0, 0, 1, 1, 2, 2][worst["pair"]]]  # the config's sections, not the plant's

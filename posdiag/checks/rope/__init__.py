@@ -43,7 +43,15 @@ from posdiag.checks.rope.factor import FactorSummary, factor_summary
 from posdiag.checks.rope.findings import Finding, severity
 from posdiag.checks.rope.grid import probe_grid
 from posdiag.checks.rope.planning import Plan, make_plan, restored_rotary_state
-from posdiag.checks.rope.report import factor_table, position_table, spec_dict, static_metrics, static_table
+from posdiag.checks.rope.report import (
+    factor_table,
+    position_table,
+    section_table,
+    section_words,
+    spec_dict,
+    static_metrics,
+    static_table,
+)
 from posdiag.checks.rope.tables import probe_tables
 from posdiag.model.subject import Subject
 from posdiag.options import RunOptions
@@ -196,7 +204,10 @@ def _judged(specs: list[rope_math.RopeSpec], plan: Plan, seen: _Observed, factor
         return Status.WARN, f"module agrees with the config ({ratio}); {warnings[0]}"
     spec_text = ", ".join(f"{s.rope_type} θ={s.theta:g}" + (f" ({s.layer_type})" if s.layer_type else "")
                           for s in specs)
-    streams = f", mRoPE sections with distinct t/h/w streams ({', '.join(seen.streams)})" if seen.streams else ""
+    bounds = section_words(plan.static)
+    streams = (f", mRoPE sections ({bounds}) with distinct t/h/w streams ({', '.join(seen.streams)})" if seen.streams
+               and bounds else f", mRoPE sections with distinct t/h/w streams ({', '.join(seen.streams)})"
+               if seen.streams else "")
     if any(str(f.extra.get("layout", "")).endswith("reversed") for f in seen.findings):
         streams += ", rotating by -p·θ in q and k alike"
     nope = [str(i) for i, s in enumerate(plan.layer_spec) if s is None]
@@ -209,6 +220,9 @@ def _judged(specs: list[rope_math.RopeSpec], plan: Plan, seen: _Observed, factor
 
 def _tables(plan: Plan, seen: _Observed) -> tuple[Table, ...]:
     tables = [static_table(plan.static)]
+    sections = section_table(plan.static)
+    if sections is not None:
+        tables.append(sections)
     if seen.probe_rows:
         tables.append(position_table(seen.probe_rows))
     if seen.factors:

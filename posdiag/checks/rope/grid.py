@@ -39,7 +39,27 @@ def stream_owner(config, spec: rope_math.RopeSpec, pairs: int) -> tuple[np.ndarr
     owner = np.zeros(pairs, dtype=np.int64)
     for i, idx in enumerate(mrope.stream_pairs(section, kind).values()):
         owner[idx] = i
-    return owner, f"{kind} {section}"
+    return owner, f"{kind} {section}: {boundaries(section, kind)}"
+
+
+def boundaries(section: list[int], kind: str) -> str:
+    """The section boundaries by axis: "t pairs 0-3 | h 4-5 | w 6-7" (chunked), the pairs listed where interleaved."""
+    def named(pairs: np.ndarray) -> str:
+        listed = [int(p) for p in pairs]
+        if not listed:
+            return "none"
+        if listed == list(range(listed[0], listed[-1] + 1)):
+            return f"{listed[0]}-{listed[-1]}" if len(listed) > 1 else str(listed[0])
+        return ",".join(map(str, listed))
+    return " | ".join(f"{'t pairs ' if axis == 't' else axis + ' '}{named(p)}"
+                      for axis, p in mrope.stream_pairs(section, kind).items())
+
+
+def pair_of(dim: int, layout: str, pairs: int) -> int | None:
+    """The rotary pair a head dim belongs to, for a leading rotary slice (None where the slice trails)."""
+    if "trailing" in layout or dim >= 2 * pairs:
+        return None
+    return dim // 2 if layout.startswith("interleaved") else dim % pairs
 
 
 def probe_grid(subject: Subject, layer_spec, refs, positions: np.ndarray, token: int, seed: int):
@@ -133,21 +153,26 @@ def _judge_streams(subject: Subject, layer_spec, refs, owners, streams: np.ndarr
             continue
         layer_findings, _ = best_fits(fits, layer, spread, judged_at)
         for f in layer_findings:
-            _locate(f, streams, described)
+            _locate(f, streams, described, owner)
         findings += layer_findings
     return findings, ""
 
 
-def _locate(f: Finding, streams: np.ndarray, described: str) -> None:
-    """Name the token by its (t, h, w) position rather than its index, and say what the config asks."""
+def _locate(f: Finding, streams: np.ndarray, described: str, owner: np.ndarray) -> None:
+    """Name the token by its (t, h, w) position rather than its index, the dim by its pair and the axis the config
+    gives that pair, and say what the config asks."""
     if f.position is None:
         return
     t, h, w = (int(x) for x in streams[:, f.position])
     f.extra.update(token=f.position, thw=[t, h, w], sections=described)
     f.position = None
+    pair = None if f.dim is None else pair_of(int(f.dim), str(f.extra.get("layout", "half")), owner.shape[0])
+    where = f" (pair {pair}: axis {mrope.STREAMS[int(owner[pair])]})" if pair is not None else ""
+    if pair is not None:
+        f.extra.update(pair=pair, axis=mrope.STREAMS[int(owner[pair])])
     if f.failed and not f.message and f.expected is not None:
         f.message = (f"mRoPE rotation disagrees with the config's sections ({described}) at layer {f.layer}, "
-                     f"{f.tensor}, head {f.head}, (t, h, w) = ({t}, {h}, {w}), dim {f.dim}: expected "
+                     f"{f.tensor}, head {f.head}, (t, h, w) = ({t}, {h}, {w}), dim {f.dim}{where}: expected "
                      f"{f.expected:.6g}, got {f.actual:.6g} ({f.ratio:.3g}x the tolerance {f.tolerance:.3g})")
 
 

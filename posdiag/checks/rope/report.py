@@ -64,3 +64,34 @@ def position_table(rows: list[tuple]) -> Table:
     picked = rows if len(rows) <= 12 else [rows[i] for i in np.unique(np.linspace(0, len(rows) - 1, 12).astype(int))]
     return Table("applied-rotation error by position (x tolerance)", ("where", "position", "error ratio"),
                  tuple((label, p, f"{r:.3g}") for label, p, r in picked))
+
+
+def section_table(static: list[rope_math.SpecReport]) -> Table | None:
+    """Multimodal RoPE: each axis (t/h/w) with its pairs, the section boundaries, and what its pairs reach."""
+    rows = []
+    for r in static:
+        for sec in r.sections:
+            pairs = list(sec.pairs)
+            named = (f"{pairs[0]}-{pairs[-1]}" if pairs == list(range(pairs[0], pairs[-1] + 1)) and len(pairs) > 1
+                     else ",".join(map(str, pairs)))
+            rows.append((f"{r.spec.label}", sec.stream, f"{named} ({len(pairs)} of {r.spec.rotary_dim // 2}, "
+                         f"{sec.layout})", _fmt(sec.shortest_wavelength), _fmt(sec.longest_wavelength),
+                         _fmt(sec.critical_pair), _fmt(sec.unseen_at_target)))
+    if not rows:
+        return None
+    return Table("mRoPE sections per axis: pairs and wavelengths (information)",
+                 ("where", "axis", "pairs", "shortest λ", "longest λ", "critical pair", "unseen pairs @N"), tuple(rows))
+
+
+def section_words(static: list[rope_math.SpecReport]) -> str:
+    """"t pairs 0-3 | h 4-5 | w 6-7 of 8, chunked" for the first spec with mRoPE sections ("" without)."""
+    for r in static:
+        if r.sections:
+            parts = []
+            for sec in r.sections:
+                pairs = list(sec.pairs)
+                named = (f"{pairs[0]}-{pairs[-1]}" if pairs == list(range(pairs[0], pairs[-1] + 1)) and len(pairs) > 1
+                         else ",".join(map(str, pairs)))
+                parts.append(("t pairs " if sec.stream == "t" else f"{sec.stream} ") + named)
+            return f"{' | '.join(parts)} of {r.spec.rotary_dim // 2}, {r.sections[0].layout}"
+    return ""
