@@ -65,6 +65,10 @@ RouteOpt = Annotated[Route, typer.Option(
                     "both, or serving (the paths a server takes: a request cold, a prefix-cache hit, a prompt longer "
                     "than its batch, the request among concurrent ones; each judged as the generation route).")]
 TopKOpt = Annotated[int, typer.Option("--top-k", min=1, max=20, help="A server candidate: log-probs asked per token.")]
+LongPromptOpt = Annotated[int | None, typer.Option(
+    "--long-prompt-tokens", min=8, help="--route serving: tokens in the long-prompt path's prompt (default 90). Make "
+                                       "it exceed the server's batch or prefill chunk size (llama.cpp --batch-size, "
+                                       "vLLM --max-num-batched-tokens), or that path is one batch like the others.")]
 
 
 @takes(load=LOAD, run=RUN.only("seq_len", "seed", "text").but(seq_len=Opt(CompareSeqLenOpt)),
@@ -72,8 +76,8 @@ TopKOpt = Annotated[int, typer.Option("--top-k", min=1, max=20, help="A server c
 def compare(reference: ReferenceArg, candidate: CandidateArg = None, long: LongOpt = False,
             layer_map: LayerMapOpt = None, plot: ComparePlotOpt = None, candidate_dtype: CandidateDtypeOpt = None,
             candidate_attn: CandidateAttnOpt = None, served_model: ServedModelOpt = None, api_key: ApiKeyOpt = None,
-            served_dtype: ServedDtypeOpt = None, route: RouteOpt = Route.both, top_k: TopKOpt = 5, *, load: Given,
-            run: Given, gate: Given, output: Given) -> None:
+            served_dtype: ServedDtypeOpt = None, route: RouteOpt = Route.both, top_k: TopKOpt = 5,
+            long_prompt: LongPromptOpt = None, *, load: Given, run: Given, gate: Given, output: Given) -> None:
     """Compare a port with its reference, layer by layer and position by position.
 
     Same token ids, same dtype (unless --candidate-dtype). A position bug shows as error that is
@@ -124,7 +128,8 @@ def compare(reference: ReferenceArg, candidate: CandidateArg = None, long: LongO
         settings, model=candidate, dtype=candidate_dtype.value if candidate_dtype else load.dtype,
         attn_implementation=candidate_attn or load.attn_implementation, upcast=load.upcast and candidate_dtype is None,
     )
-    served = _served(reference, candidate, served_model, api_key, served_dtype, route, top_k, output.debug)
+    served = _served(reference, candidate, served_model, api_key, served_dtype, route, top_k, long_prompt,
+                     output.debug)
     ref, cand = _load_both(settings, candidate_settings, served)
     comparison = _compare(ref, cand, settings, long, mapping, served)
     _emit(comparison, ref, policy, settings, plot, f"posdiag compare {Path(reference).name} vs {Path(candidate).name}")
@@ -144,23 +149,29 @@ def _candidate_spec(reference: str, candidate: str | None) -> str:
 
 
 def _served(reference: str, candidate: str, model: str | None, api_key: str | None, dtype: str | None,
-            route: Route, top_k: int, debug: bool) -> dict:
-    """The server options, refused in one line for a candidate that is not a server. The precision it serves
-    in defaults to REFERENCE's own tensor types when that is a quantised .gguf file (the file being served)."""
+            route: Route, top_k: int, long_prompt: int | None, debug: bool) -> dict:
+    """The server options, refused in one line for a candidate that is not a server (or a route that does not read
+    them). The precision it serves in defaults to REFERENCE's own tensor types when that is a quantised .gguf file
+    (the file being served)."""
     given = [name for name, value in (("--served-model", model), ("--api-key", api_key), ("--served-dtype", dtype),
-                                      ("--route", route is not Route.both or None)) if value]
+                                      ("--route", route is not Route.both or None),
+                                      ("--long-prompt-tokens", long_prompt)) if value]
     if given and not candidate.lower().startswith(("http://", "https://")):
         fail(f"{', '.join(given)}: for a server candidate (http://HOST:PORT/v1), not '{candidate}'")
+    if long_prompt is not None and route is not Route.serving:
+        fail(f"--long-prompt-tokens: for --route serving (its long-prompt path), not --route {route.value}")
     served = candidate.lower().startswith(("http://", "https://"))
     if not served:
-        return dict(served_model=None, api_key=None, route=route.value, top_k=top_k, served_dtype=None)
+        return dict(served_model=None, api_key=None, route=route.value, top_k=top_k, served_dtype=None,
+                    long_prompt=None)
     from posdiag.ports.served import precision
 
     if dtype is None and reference.lower().endswith(".gguf"):
         own = guarded(lambda: precision.parse(reference), debug)
         dtype = reference if set(own.types.values()) - {"F32"} else None  # all F32: float32, nothing to add
     guarded(lambda: precision.parse(dtype), debug)  # checked before anything loads
-    return dict(served_model=model, api_key=api_key, route=route.value, top_k=top_k, served_dtype=dtype)
+    return dict(served_model=model, api_key=api_key, route=route.value, top_k=top_k, served_dtype=dtype,
+                long_prompt=long_prompt)
 
 
 def _emit(comparison, ref, policy, settings: Settings, plot: str | None, title: str) -> NoReturn:
@@ -234,6 +245,7 @@ def _compare(ref, cand, settings: Settings, long: bool, mapping, served: dict):
     request = CompareRequest(
         seq_len=settings.seq_len, seed=settings.seed, text=settings.text, long=long, layer_map=mapping,
         tokenize=lambda text: tokenize(settings.model, text, settings.revision, settings.trust_remote_code),
-        route=served["route"], top_k=served["top_k"], served_dtype=served["served_dtype"])
+        route=served["route"], top_k=served["top_k"], served_dtype=served["served_dtype"],
+        long_prompt=served["long_prompt"])
     with Console(stderr=True).status("comparing…"):
         return guarded(lambda: compare(ref, cand, request), settings.debug)

@@ -68,6 +68,7 @@ class CompareRequest:
     route: str = "both"
     top_k: int = 5
     served_dtype: str | None = None
+    long_prompt: int | None = None  # --route serving: the long-prompt path's tokens (None: the judge's default)
 
     def run_options(self, reference: Any, candidate: Port) -> RunOptions:
         """The probe for a judge of token ids: --text tokenized (ids both vocabularies hold), else random ids."""

@@ -51,14 +51,15 @@ def judge(reference: Subject, engine: ServedEngine, request: CompareRequest) -> 
     """The judge of a port answering top-k log-probs (posdiag/ports/comparison.JUDGES): the text as it is, the
     routes asked for."""
     return compare_served(reference, engine, route=request.route, top_k=request.top_k, new_tokens=request.seq_len,
-                          prompt=request.text, served_dtype=request.served_dtype)
+                          prompt=request.text, served_dtype=request.served_dtype, long_prompt=request.long_prompt)
 
 
 def compare_served(reference: Subject, engine: ServedEngine, *, route: str = "both", top_k: int = 5,
                    new_tokens: int | None = None, prompt: str | None = None,
-                   served_dtype: str | None = None) -> Comparison:
+                   served_dtype: str | None = None, long_prompt: int | None = None) -> Comparison:
     """Judge the server ENGINE against REFERENCE on the ROUTE(s). SERVED_DTYPE: the precision it serves in
-    (posdiag/ports/served/precision.parse), measured into the floor. Never prints; PosdiagError (one line) on inputs
+    (posdiag/ports/served/precision.parse), measured into the floor. LONG_PROMPT: the serving route's long prompt,
+    in tokens (default serving_paths.LONG_TOKENS). Never prints; PosdiagError (one line) on inputs
     that cannot be compared, EngineCrash when the server fails."""
     if reference.kind != "causal":
         raise PosdiagError(f"a server is compared with a causal (decoder-only) reference, not a {reference.kind} one")
@@ -71,7 +72,8 @@ def compare_served(reference: Subject, engine: ServedEngine, *, route: str = "bo
     profiles: list[LayerProfile] = []
     sources: set[str] = set()
     try:
-        routes = _routes(reference, engine, vocab, route, top_k, new_tokens, prompt, floor, profiles, sources)
+        routes = _routes(reference, engine, vocab, route, top_k, new_tokens, prompt, floor, profiles, sources,
+                         long_prompt or serving_paths.LONG_TOKENS)
     finally:
         if floor is not None:
             floor.close()
@@ -88,8 +90,8 @@ def compare_served(reference: Subject, engine: ServedEngine, *, route: str = "bo
 
 
 def _routes(reference: Subject, engine: ServedEngine, vocab: Vocabulary, route: str, k: int, new_tokens: int | None,
-            prompt: str | None, floor: ServedFloor | None, profiles: list[LayerProfile],
-            sources: set[str]) -> dict[str, dict[str, Any]]:
+            prompt: str | None, floor: ServedFloor | None, profiles: list[LayerProfile], sources: set[str],
+            long_prompt: int) -> dict[str, dict[str, Any]]:
     text = prompt or " ".join(_prose().split()[:PROMPT_WORDS])
     routes: dict[str, dict[str, Any]] = {}
     if route in ("both", "prompt"):
@@ -99,7 +101,7 @@ def _routes(reference: Subject, engine: ServedEngine, vocab: Vocabulary, route: 
         start_from = prompt if prompt else text.split()[0]  # --text: from the end of a long prompt
         routes["generation"] = _generation_route(reference, engine, vocab, start_from, n, k, floor, profiles, sources)
     if route == "serving":
-        routes.update(_serving_routes(reference, engine, vocab, new_tokens, k, floor, profiles, sources))
+        routes.update(_serving_routes(reference, engine, vocab, new_tokens, k, floor, profiles, sources, long_prompt))
     return routes
 
 
@@ -164,13 +166,18 @@ def _reply_judged(reference: Subject, vocab: Vocabulary, text: str, reply: Any, 
 
 
 def _serving_routes(reference: Subject, engine: ServedEngine, vocab: Vocabulary, n: int | None, k: int,
-                    floor: ServedFloor | None, profiles: list[LayerProfile],
-                    sources: set[str]) -> dict[str, dict[str, Any]]:
+                    floor: ServedFloor | None, profiles: list[LayerProfile], sources: set[str],
+                    long_tokens: int) -> dict[str, dict[str, Any]]:
     """The serving paths (posdiag/ports/served/serving_paths.py), each request's reply judged as the generation
-    route's; a path's worst request stands for it (a failing one first)."""
-    texts = serving_paths.prompts(_prose().split(), serving_paths.LONG_WORDS)
-    runs = serving_paths.run_paths(engine, texts, n or serving_paths.NEW_TOKENS, k,
-                                   spread=lambda a, b: generation_spread(a, b)[0])
+    route's; a path's worst request stands for it (a failing one first). The long prompt of LONG_TOKENS tokens must
+    fit the reference's context with the tokens generated after it."""
+    n = n or serving_paths.NEW_TOKENS
+    context = reference.max_positions
+    if context is not None and long_tokens + n > context:
+        raise PosdiagError(f"--long-prompt-tokens {long_tokens} and {n} generated tokens exceed the reference's "
+                           f"declared context of {context} tokens")
+    texts = serving_paths.prompts(_prose().split(), long_tokens, lambda text: len(vocab.encode(text)))
+    runs = serving_paths.run_paths(engine, texts, n, k, spread=lambda a, b: generation_spread(a, b)[0])
     spread = runs[0].spread if runs and runs[0].name == "cold" else []
     routes: dict[str, dict[str, Any]] = {}
     for run in runs:

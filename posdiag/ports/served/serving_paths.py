@@ -20,7 +20,7 @@ from posdiag.ports.engines.http_server import Reply, ServedEngine
 
 PATHS = ("cold", "prefix hit", "long prompt", "concurrent")
 CONCURRENT = 3  # requests in flight at once on the concurrent path (loopback servers share the machine's cores)
-LONG_WORDS = 72  # the long prompt (~90 tokens of prose): past a small server batch (the tests' 16 tokens)
+LONG_TOKENS = 90  # the long prompt's default length: past a small server batch (the tests' 64 tokens), not a big one
 NEW_TOKENS = 16  # generated tokens a request
 
 
@@ -50,16 +50,33 @@ class Prompts:
     long: str
     others: tuple[str, str]
     prefix_words: int
+    long_tokens: int  # the long prompt has at least these (the option the user sets), by the reference's tokenizer
 
 
-def prompts(words: list[str], long_words: int) -> Prompts:
+def prompts(words: list[str], long_tokens: int, count: Callable[[str], int]) -> Prompts:
     """Texts from natural prose: a 20-word prefix shared by the cold prompt and the prefix hit, each with its own
-    10-word suffix; `long_words` words from the start; two prompts of their own for the concurrent path."""
-    if len(words) < max(110, long_words):
+    10-word suffix; the fewest words from the start (the prose repeated past its end) that COUNT, the reference's
+    tokenizer, makes at least `long_tokens` tokens; two prompts of their own for the concurrent path."""
+    if len(words) < 110:
         raise PosdiagError("the serving paths need at least 110 words of prose")
     prefix = words[:20]
-    return Prompts(" ".join(prefix + words[20:30]), " ".join(prefix + words[40:50]), " ".join(words[:long_words]),
-                   (" ".join(words[60:80]), " ".join(words[90:110])), len(prefix))
+    return Prompts(" ".join(prefix + words[20:30]), " ".join(prefix + words[40:50]),
+                   _long(words, long_tokens, count), (" ".join(words[60:80]), " ".join(words[90:110])), len(prefix),
+                   long_tokens)
+
+
+def _long(words: list[str], tokens: int, count: Callable[[str], int]) -> str:
+    """Every word is at least one token, so `tokens` words are enough; the fewest found by bisection (a handful of
+    tokenizations, not one a word)."""
+    pool = words * (tokens // len(words) + 1)
+    low, high = 1, tokens
+    while low < high:
+        mid = (low + high) // 2
+        if count(" ".join(pool[:mid])) >= tokens:
+            high = mid
+        else:
+            low = mid + 1
+    return " ".join(pool[:low])
 
 
 def run_paths(engine: ServedEngine, texts: Prompts, n: int, k: int, chosen: tuple[str, ...] = PATHS,
@@ -89,8 +106,9 @@ def run_paths(engine: ServedEngine, texts: Prompts, n: int, k: int, chosen: tupl
         ask(hit, texts.hit)
         runs.append(hit)
     if "long prompt" in chosen:
-        long = PathRun("long prompt", f"a {len(texts.long.split())}-word prompt: evaluated in several batches by a "
-                                      "server whose batch is shorter")
+        long = PathRun("long prompt", f"a prompt of {texts.long_tokens}+ tokens "
+                                      f"({len(texts.long.split())} words): evaluated in several batches by a server "
+                                      "whose batch or prefill chunk is shorter")
         ask(long, texts.long)
         runs.append(long)
     if "concurrent" in chosen:
