@@ -2,12 +2,13 @@
 
     python benchmarks/support_matrix.py            # print the table
     python benchmarks/support_matrix.py --write    # also replace it in docs/support.md
-    python benchmarks/support_matrix.py --all --write [--timeout 300] [--jobs 2] [--only TYPE,...]
+    python benchmarks/support_matrix.py --all --write [--timeout 300] [--jobs 2] [--only TYPE,...] [--checks C,...]
         # every model type of transformers' causal-LM, seq2seq, masked-LM and image-text-to-text mappings:
         # a tiny model from a small config (posdiag.testing.multimodal.small_config), every check, one
         # subprocess per type with a time limit; results accumulate in benchmarks/sweep.jsonl (resumable:
         # types already there are not run again; --rerun --only TYPE,... runs those again, replacing their rows)
-        # and the sweep table of docs/support.md is rebuilt from it
+        # and the sweep table of docs/support.md is rebuilt from it; --rerun --checks serving,... runs only those
+        # checks and replaces their verdicts in each row (a row of another transformers release is swept whole)
 
 Rows are the families of posdiag.testing.zoo at transformers' default init; each cell is the check's
 status on the healthy model. The last column is the shuffle verdict once positions are removed
@@ -32,15 +33,18 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated model types (--all)")
     parser.add_argument("--rerun", action="store_true", help="sweep the --only types again, replacing their rows")
     parser.add_argument("--jobs", type=int, default=1, help="model types swept at once (--all; one core each)")
+    parser.add_argument("--checks", default="", help="comma-separated checks (--all): only these run on each type")
     parser.add_argument("--one", default="", help=argparse.SUPPRESS)  # internal: run one type, print JSON
     args = parser.parse_args()
     if args.one or args.all:
         import sweep  # benchmarks/sweep.py, next to this script
 
+        names = [n for n in args.checks.split(",") if n] or None
         if args.one:
-            sweep.run_one(args.one)
+            sweep.run_one(args.one, names)
         else:
-            sweep.run_all(args.timeout, [t for t in args.only.split(",") if t], args.write, args.rerun, args.jobs)
+            sweep.run_all(args.timeout, [t for t in args.only.split(",") if t], args.write, args.rerun, args.jobs,
+                          names)
         return
 
     import torch

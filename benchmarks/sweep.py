@@ -81,11 +81,12 @@ class Finding:
             return False
         crashed = f"{self.path} crashed: "
         state_crash = "the call crashed ("  # `state` names the sequence first, then how its call crashed
-        if self.kind == WRONG:  # the path's own clause (up to the next "; ") is no crash; a later path's may be
-            own = summary.split(self.path, 1)[1].split("; ", 1)[0]
-            return not own.startswith(" crashed: ") and state_crash not in own
-        return (f"{crashed}{self.kind}:" in summary or f"{state_crash}{self.kind}: " in summary) \
-            and self.message in summary
+        serving_crash = ": crashed ("  # `serving` names the path and what it ran, then how it crashed
+        own = summary.split(self.path, 1)[1].split("; ", 1)[0]  # the path's own clause (up to the next "; ")
+        if self.kind == WRONG:  # the path's own clause is no crash; a later path's may be
+            return not own.startswith(" crashed: ") and state_crash not in own and serving_crash not in own
+        return (f"{crashed}{self.kind}:" in summary or f"{state_crash}{self.kind}: " in summary
+                or f"{serving_crash}{self.kind}: " in own) and self.message in summary
 
 
 def _crash(path: str, kind: str, message: str, what: str, test: str, **versions: str) -> Finding:
@@ -125,6 +126,8 @@ KEPT_CACHE_TURN = Finding("multi-turn", WRONG, "generate() continued from the ca
 # the candidates the lookup rejects are cropped from the attention cache, not taken back out of that state.
 KEPT_REJECTED = Finding("prompt lookup", WRONG, "prompt-lookup decoding differs from greedy generate(): rejected "
                         "candidates are not taken back out of the recurrent state", GENERATE_STATE)
+# serving's prompt lookup (its own prompt, 3 candidates a step) departs on these, for the same reason
+SERVING_LOOKUP = ("qwen3_5", "qwen3_5_moe")
 LOOKUP_CRASH = _crash("prompt lookup", "IndexError", "list index out of range", "prompt-lookup decoding crashes "
                       "(greedy generate() runs)", f"{PLAIN}::test_prompt_lookup_crashes")
 # state with images (Qwen2-VL's compute_3d_position_ids, copied by the families after it): rope_deltas set by an image
@@ -133,6 +136,19 @@ STALE_ROPE_DELTAS = Finding("text after an image:", WRONG, "a text prompt decode
                             "after an image prompt takes the image prompt's rope_deltas; after a two-row image batch "
                             "the same loop crashes (the kept deltas repeated 1 // 2 = 0 times)",
                             f"{MULTIMODAL}::test_text_after_an_image_decodes_with_stale_rope_deltas")
+# serving on Mamba and FalconMamba: a multi-token continuation is scanned from a zero state (`cache`'s chunks), and a
+# one-token cached step given the 2D mask of every token so far multiplies the token by that mask (T copies scanned).
+SCAN_SERVING = Finding("chunks of 3", WRONG, "a multi-token cache continuation restarts the SSM state (chunks, chunked "
+                       "prefill, a shared prefix's suffixes, prompt lookup); a one-token cached step given the mask of "
+                       "every token so far broadcasts the token over it (the padded batch, the decode loops)",
+                       f"{PLAIN}::test_cached_step_given_every_token_s_mask_broadcasts_it")
+# serving on the omni thinkers: rope_deltas set by every prefill (a text prompt's too), so a cached step without
+# position_ids numbers every token of the 2D mask it is given instead of the new one.
+OMNI_MASKED_STEP = _crash("decode loop after another prompt", "RuntimeError", "must match the size of tensor b",
+                          "a cached step given the 2D mask of every token so far and no position_ids crashes: "
+                          "compute_3d_position_ids numbers every token of the mask, not the new one (rope_deltas are "
+                          "set by every prefill, text alone too)",
+                          f"{MULTIMODAL}::test_a_decode_step_given_the_whole_mask_crashes_the_omni_thinkers")
 INKLING_SLIDING = "static cache past the sliding window crashes (hybrid_sliding mask sized for the full layers)"
 INKLING_BIAS = "static cache: the relative bias reads the query offset after the update has grown it"
 # model type -> {check: Finding}: the verdicts on these healthy default-init models that are upstream findings (bugs in
@@ -144,16 +160,19 @@ FINDINGS: dict[str, dict[str, Finding | tuple[Finding, ...]]] = {
         "static/decode", "a StaticCache longer than max_position_embeddings crashes with every position in range: "
         "the hard-coded causal buffer is max_position_embeddings wide")},
     "mamba": {"cache": Finding("dynamic/chunks", WRONG, "a multi-token cache continuation differs from the full "
-                               "forward", CONTINUATION), "state": KEPT_CACHE_TURN},
+                               "forward", CONTINUATION), "state": KEPT_CACHE_TURN, "serving": SCAN_SERVING},
     "jamba": {"cache": Finding("dynamic/chunks", WRONG, "a multi-token cache continuation differs from the full "
-                               "forward", CONTINUATION), "state": KEPT_CACHE_TURN},
+                               "forward", CONTINUATION), "state": KEPT_CACHE_TURN,
+              "serving": Finding("chunks of 3", WRONG, "a multi-token cache continuation differs from the full forward "
+                                 "(chunks, chunked prefill, a shared prefix's suffixes, prompt lookup)", CONTINUATION)},
     "falcon_mamba": {"cache": Finding("dynamic/chunks", WRONG, "a multi-token cache continuation restarts the "
-                                      "recurrent state", CONTINUATION), "state": KEPT_CACHE_TURN},
+                                      "recurrent state", CONTINUATION), "state": KEPT_CACHE_TURN,
+                     "serving": SCAN_SERVING},
     "zamba2": {"state": Finding("prompt lookup", WRONG, "prompt-lookup decoding differs from greedy generate(): "
                                 "rejected candidates are not taken back out of the Mamba state", GENERATE_STATE)},
-    **{t: {"state": KEPT_REJECTED} for t in ("bailing_hybrid", "glm5_next", "granitemoehybrid", "kimi_linear",
-                                              "lara_mini", "mamba2", "olmo_hybrid", "qwen3_5", "qwen3_5_moe",
-                                              "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next")},
+    **{t: {"state": KEPT_REJECTED} | ({"serving": KEPT_REJECTED} if t in SERVING_LOOKUP else {})
+       for t in ("bailing_hybrid", "glm5_next", "granitemoehybrid", "kimi_linear", "lara_mini", "mamba2", "olmo_hybrid",
+                 "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next")},
     "zamba": {"state": LOOKUP_CRASH},
     "zaya": {"state": LOOKUP_CRASH},
     "paligemma": {"kernels": Finding("on the unpadded input", WRONG, "the SDPA path is not causal on text without "
@@ -277,6 +296,7 @@ FINDINGS: dict[str, dict[str, Finding | tuple[Finding, ...]]] = {
                                         "video's temporal range", f"{MULTIMODAL}::test_text_after_a_video_overlaps_it",
                                         since="5.3.0"),
                    "state": STALE_ROPE_DELTAS},
+    **{t: {"serving": OMNI_MASKED_STEP} for t in ("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker")},
     **{t: {"state": STALE_ROPE_DELTAS} for t in ("qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm46v", "glmga",
                                                  "glm_ocr", "cosmos3_edge", "cosmos3_omni")},
     # RobertaForCausalLM with is_decoder=True (the sweep builds roberta as a masked LM)
@@ -309,14 +329,14 @@ def model_types() -> dict[str, str]:
     return out
 
 
-def run_one(model_type: str) -> None:
+def run_one(model_type: str, names: list[str] | None = None) -> None:
     """Build, check, print one JSON line (run in a subprocess by run_all)."""
-    print(json.dumps(check_one(model_type)))
+    print(json.dumps(check_one(model_type, names=names)))
 
 
-def check_one(model_type: str, seq_len: int = 16, threads: int | None = 1) -> dict:
-    """The sweep's row of one model type: its tiny model built and every check but `load` run on it (on THREADS
-    torch threads; None: the caller's count, which an in-process caller keeps)."""
+def check_one(model_type: str, seq_len: int = 16, threads: int | None = 1, names: list[str] | None = None) -> dict:
+    """The sweep's row of one model type: its tiny model built and every check but `load` run on it, or only the
+    checks `names` (on THREADS torch threads; None: the caller's count, which an in-process caller keeps)."""
     import warnings
 
     import torch
@@ -347,7 +367,7 @@ def check_one(model_type: str, seq_len: int = 16, threads: int | None = 1) -> di
             else f"{type(exc).__name__}: {_first_line(exc)}"
         row["unbuildable"] = f"builds, but a plain forward of the small config fails: {why}"[:300]
         return row
-    names = [n for n in checks.available() if n != "load"]
+    names = names or [n for n in checks.available() if n != "load"]
     report = run_checks(subject, names, RunOptions(seq_len=seq_len))
     row["checks"] = {c.name: [c.status.value, c.summary[:240]] for c in report.checks}
     row["tested"] = report.model.tested  # what the checks fed (images and a video, where they could)
@@ -369,11 +389,16 @@ def done() -> dict[str, dict]:
     return rows
 
 
-def run_all(timeout: float, only: list[str], write: bool, rerun: bool = False, jobs: int = 1) -> None:
+def run_all(timeout: float, only: list[str], write: bool, rerun: bool = False, jobs: int = 1,
+            names: list[str] | None = None) -> None:
     """Sweep the types not swept yet (or, with `rerun`, the `only` types again: their new rows replace the old),
-    JOBS subprocesses at a time (each single-threaded: two jobs fill two cores)."""
+    JOBS subprocesses at a time (each single-threaded: two jobs fill two cores). With `names`, only those checks run
+    and their verdicts replace the same checks' in each type's committed row (a row swept on another transformers
+    release, or not judged, is swept whole instead: its other verdicts would not be of the same release)."""
     from concurrent.futures import ThreadPoolExecutor
     from threading import Lock
+
+    import transformers
 
     types = model_types()
     todo = [t for t in (only or sorted(types)) if rerun or t not in done()]
@@ -381,7 +406,11 @@ def run_all(timeout: float, only: list[str], write: bool, rerun: bool = False, j
 
     def sweep(model_type: str) -> None:
         start = time.time()
-        row = _run_type(model_type, types.get(model_type, "?"), timeout)
+        old = done().get(model_type, {})
+        subset = names if names and "checks" in old and old.get("transformers") == transformers.__version__ else None
+        row = _run_type(model_type, types.get(model_type, "?"), timeout, subset)
+        if subset and "checks" in row:
+            row = {**old, "checks": {**old["checks"], **row["checks"]}}
         with lock:
             with RESULTS.open("a") as f:
                 f.write(json.dumps(row) + "\n")
@@ -395,13 +424,15 @@ def run_all(timeout: float, only: list[str], write: bool, rerun: bool = False, j
         write_page()
 
 
-def _run_type(model_type: str, kind: str, timeout: float) -> dict:
-    """One type's row, from its own subprocess: a crash or a hang costs that row only."""
+def _run_type(model_type: str, kind: str, timeout: float, names: list[str] | None = None) -> dict:
+    """One type's row (only the checks `names`, if given), from its own subprocess: a crash or a hang costs that row
+    only."""
     script = HERE / "support_matrix.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subset = ["--checks", ",".join(names)] if names else []
     try:
-        proc = subprocess.run([sys.executable, str(script), "--one", model_type], capture_output=True, text=True,
-                              timeout=timeout, preexec_fn=_limit_memory, env=env)
+        proc = subprocess.run([sys.executable, str(script), "--one", model_type, *subset], capture_output=True,
+                              text=True, timeout=timeout, preexec_fn=_limit_memory, env=env)
     except subprocess.TimeoutExpired:
         return {"type": model_type, "kind": kind, "timeout": timeout}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]

@@ -96,3 +96,44 @@ def test_text_after_an_image_decodes_with_stale_rope_deltas(model_type):
     except RuntimeError as exc:
         broken = "must match" in str(exc)
     assert broken == holds
+
+
+def _masked_loop(model, ids: torch.Tensor, prefill: int, mask: bool) -> torch.Tensor:
+    """`_decode`, each forward given the 2D mask of every token so far (as attention models take it) or none."""
+    cache = transformers.DynamicCache(config=model.config)
+    keyword = cache_keyword(model)
+    masks = (lambda t: {"attention_mask": torch.ones_like(ids[:, :t])}) if mask else (lambda t: {})
+    with torch.inference_mode():
+        model(input_ids=ids[:, :prefill], **{keyword: cache}, use_cache=True, **masks(prefill))
+        steps = [model(input_ids=ids[:, t:t + 1], **{keyword: cache}, use_cache=True, **masks(t + 1)).logits[0, -1]
+                 for t in range(prefill, ids.shape[1])]
+    return torch.stack(steps)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_5_omni_thinker", "qwen3_omni_moe_thinker"])
+def test_a_decode_step_given_the_whole_mask_crashes_the_omni_thinkers(model_type):
+    """The Qwen2.5-Omni and Qwen3-Omni thinkers (the sweep's tiny models, float64) set rope_deltas on every prefill, a
+    text prompt's too (0), so a cached step without position_ids takes compute_3d_position_ids' decoding branch, which
+    numbers every token of the 2D mask (its cumsum over the cache and the new token) instead of the new token: the
+    one-token step rotates its query into 9 and the mask built for one does not fit (RuntimeError). Not history: a
+    fresh model crashes on its first step. Twins: the same loop without the mask equals the full forward, and
+    Qwen2-VL, whose text prompt sets no rope_deltas, runs the loop with the mask."""
+    from posdiag.testing.multimodal import small_model
+
+    model = small_model(model_type).to(torch.float64).eval()
+    if callable(getattr(model, "set_experts_implementation", None)):
+        model.set_experts_implementation("eager")  # grouped_mm has no float64 kernel
+    text = torch.randint(4, 200, (1, 10), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        full = model(input_ids=text).logits[0, 8:]
+    assert _rel(_masked_loop(model, text, 8, mask=False), full) < BUG
+    holds = finding(model_type, "serving") is not None
+    try:
+        crashed = _rel(_masked_loop(model, text, 8, mask=True), full) > BUG
+    except RuntimeError as exc:
+        crashed = "must match the size of tensor b" in str(exc)
+    assert crashed == holds
+    twin = small_model("qwen2_vl").to(torch.float64).eval()
+    with torch.inference_mode():
+        reference = twin(input_ids=text).logits[0, 8:]
+    assert _rel(_masked_loop(twin, text, 8, mask=True), reference) < BUG

@@ -240,6 +240,51 @@ def test_recurrent_gemma_cached_step_without_ids_restarts_at_0():
         assert bug < 1e-9 and twin < 1e-9, (bug, twin)
 
 
+# ------------------------------------------------------------------ serving's paths on a selective-scan cache
+def _masked_steps(model, ids: torch.Tensor, prefill: int) -> tuple[torch.Tensor, list[int]]:
+    """ids[prefill:] fed one token a forward after a prefill, each forward given the 2D mask of every token so far (as
+    attention models take it, and as a hand-written loop or a padded batch's decode passes it): (the last logits of
+    each step, how many positions each step returned)."""
+    cache = transformers.DynamicCache(config=model.config)
+    model(ids[:, :prefill], cache=cache, use_cache=True, attention_mask=torch.ones_like(ids[:, :prefill]))
+    steps = [model(ids[:, t:t + 1], cache=cache, use_cache=True, attention_mask=torch.ones_like(ids[:, :t + 1])).logits
+             for t in range(prefill, ids.shape[1])]
+    return torch.cat([s[:, -1:] for s in steps], 1), [s.shape[1] for s in steps]
+
+
+@pytest.mark.parametrize("model_type", ["mamba", "falcon_mamba"])
+def test_cached_step_given_every_token_s_mask_broadcasts_it(model_type):
+    """Mamba and FalconMamba on serving's paths, two causes. A multi-token continuation (chunks, chunked prefill, a
+    shared prefix's suffix, prompt lookup's verification) is scanned from a zero SSM state, as `cache`'s chunks. And a
+    one-token cached step given the 2D mask of every token so far multiplies the token's [B, 1, D] states by the
+    [B, T, 1] mask: T copies of the token are scanned as a new sequence and the step returns T positions
+    (generate() drops the mask after its prefill; a hand-written loop and a padded batch's decode pass it). The twin:
+    the same one-token steps without the mask."""
+    model = model64(model_type)
+    ids = ids_of(1, 12)
+    with torch.no_grad():
+        full = model(ids).logits[:, 6:]
+        chunks = rel(_continue(model, ids, 6, 3, position_ids=False), full)
+        twin = rel(_continue(model, ids, 6, 1, position_ids=False), full)
+        masked, widths = _masked_steps(model, ids, 6)
+    assert_as_found(model_type, "serving", chunks, twin)
+    assert_as_found(model_type, "serving", rel(masked, full), twin)
+    assert (widths == list(range(7, 13))) == (finding(model_type, "serving") is not None), widths
+
+
+# serving's FAILs whose first failing path is the computation another check's finding reproduces: (type, that check).
+# Jamba's chunks restart its SSM state as `cache`'s do; the hybrids' prompt lookup keeps the rejected candidates in the
+# recurrent state as `state`'s does (the same generate() call).
+SERVING_AS = (("jamba", "cache"), ("qwen3_5", "state"), ("qwen3_5_moe", "state"))
+
+
+@pytest.mark.parametrize("model_type, check", SERVING_AS)
+def test_serving_fails_where_another_check_s_reproduction_shows(model_type, check):
+    serving, other = finding(model_type, "serving"), finding(model_type, check)
+    assert (serving is None) == (other is None)
+    assert serving is None or serving.test == other.test
+
+
 # ------------------------------------------------------------------ a padded row against the same row alone
 def _padded(model, left: bool, position_ids: bool = False) -> float:
     """A 10-token row padded by 4 (left or right, masked) against the row alone: relative logit difference over the

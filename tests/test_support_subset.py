@@ -76,3 +76,22 @@ def test_every_finding_names_a_test_that_exists():
     for model_type, name, finding in sweep.every_finding():
         path, _, function = finding.test.partition("::")
         assert f"def {function}(" in (ROOT / path).read_text(), (model_type, name, finding.test)
+
+
+def test_a_serving_crash_is_told_from_wrong_values():
+    """`serving` names the path and what it ran, then how it crashed: a crash fingerprint matches that, and a
+    wrong-values fingerprint of the same path does not."""
+    sweep = _sweep()
+    crash = sweep.FINDINGS["qwen2_5_omni_thinker"]["serving"]
+    crashed = ("decode loop after another prompt: a hand-written decode loop (4 steps, no position_ids) on the 16-token "
+               "prompt after the same loop on another prompt: crashed (RuntimeError: The size of tensor a (17) must "
+               "match the size of tensor b (9) at non-singleton dimension 3), a path transformers accepts")
+    assert crash.matches(crashed)
+    assert not crash.matches(crashed.replace("RuntimeError", "IndexError"))
+    assert not crash.matches("decode loop after another prompt: a hand-written decode loop: first departs at decode "
+                             "step 1 (position 16) by 0.759 = 1.5e+06x the noise floor 5e-07")
+    wrong = sweep.FINDINGS["mamba"]["serving"]
+    assert wrong.matches("chunks of 3: the 16-token prompt fed 3 tokens a forward into one cache: first departs at "
+                         "position 3 by 0.00297 = 5.98e+03x the noise floor 5e-07")
+    assert not wrong.matches("chunks of 3: the 16-token prompt fed 3 tokens a forward into one cache: crashed "
+                             "(RuntimeError: boom), a path transformers accepts")
