@@ -83,9 +83,9 @@ def test_a_serving_crash_is_told_from_wrong_values():
     wrong-values fingerprint of the same path does not."""
     sweep = _sweep()
     crash = sweep.FINDINGS["qwen2_5_omni_thinker"]["serving"]
-    crashed = ("decode loop after another prompt: a hand-written decode loop (4 steps, no position_ids) on the 16-token "
-               "prompt after the same loop on another prompt: crashed (RuntimeError: The size of tensor a (17) must "
-               "match the size of tensor b (9) at non-singleton dimension 3), a path transformers accepts")
+    crashed = ("decode loop after another prompt: a hand-written decode loop (4 steps, no position_ids) on the "
+               "16-token prompt after the same loop on another prompt: crashed (RuntimeError: The size of tensor a "
+               "(17) must match the size of tensor b (9) at non-singleton dimension 3), a path transformers accepts")
     assert crash.matches(crashed)
     assert not crash.matches(crashed.replace("RuntimeError", "IndexError"))
     assert not crash.matches("decode loop after another prompt: a hand-written decode loop: first departs at decode "
