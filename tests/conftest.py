@@ -60,6 +60,33 @@ def pytest_cmdline_main(config):
     without xdist (`-p no:xdist`, or not installed) refuses `--dist` and exits 4."""
     if getattr(config.option, "numprocesses", None) and getattr(config.option, "dist", "no") == "no":
         config.option.dist = "loadgroup"
+    if getattr(config, "workerinput", {}).get("posdiag_loadgroup"):
+        # A worker rebuilds its options from the command line, where no --dist was given, and would not add the group
+        # to each test's id: the controller's LoadGroupScheduling then sees no group and spreads a module's tests
+        # over both workers, each building the module's session fixtures (measured: SmolLM2's broken copies twice).
+        config.option.loadgroup = True
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """A worker scheduling by group names each grouped test `id@group`, which is how the controller keeps a group on
+    one worker. pytest-xdist 3.8 writes that name to item._nodeid, which pytest 9 no longer reads (a node's id is
+    item._id): every group was silently spread over the workers. Written here where xdist's did not take."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    from _pytest.nodeid import coerce_node_id
+
+    for item in items:
+        groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                         for m in item.iter_markers("xdist_group")})
+        if groups and "@" not in item.nodeid.rsplit("]", 1)[-1]:
+            item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(groups)}")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """xdist's controller, before a worker starts: whether the run schedules by group (see pytest_cmdline_main)."""
+    node.workerinput["posdiag_loadgroup"] = node.config.getvalue("dist") == "loadgroup"
 
 
 def pytest_configure(config):

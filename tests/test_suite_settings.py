@@ -21,6 +21,39 @@ def pytest_run(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+GROUPED = """
+import os
+import pytest
+
+pytestmark = pytest.mark.xdist_group("one")
+
+
+@pytest.mark.parametrize("i", range(6))
+def test_where(i):
+    with open(os.environ["WHERE"], "a") as f:
+        f.write(os.environ["PYTEST_XDIST_WORKER"] + "\\n")
+"""
+
+
+def test_a_group_runs_on_one_worker(tmp_path):
+    """pytest-xdist 3.8 names a test's group on item._nodeid, which pytest 9 no longer reads: without the suite's own
+    naming (tests/conftest.py) the six tests below went to both workers, and each worker built a real-model module's
+    session fixtures again (SmolLM2's broken copies twice, ~150 s of one core). The suite's conftest is loaded as a
+    plugin here, so --dist is named (test_xdist_schedules_by_group shows the suite choosing loadgroup itself)."""
+    pytest.importorskip("xdist")
+    (tmp_path / "test_grouped.py").write_text(GROUPED)
+    where = tmp_path / "where.txt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "conftest", "-n", "2",
+                           "--dist", "loadgroup", "-q", "--rootdir", str(tmp_path), str(tmp_path / "test_grouped.py")],
+                          cwd=tmp_path,
+                          env={**env, "WHERE": str(where), "PYTHONPATH": str(ROOT / "tests"),
+                               "POSDIAG_ALLOW_MISSING_EVIDENCE": "1"}, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    workers = where.read_text().split()
+    assert len(workers) == 6 and len(set(workers)) == 1, workers
+
+
 def test_plain_pytest_takes_the_project_settings():
     done = pytest_run("-p", "no:xdist", "--collect-only", "-q", ONE_TEST)
     assert done.returncode == 0, done.stdout + done.stderr
