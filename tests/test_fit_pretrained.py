@@ -5,8 +5,9 @@ weights and tokenizer, rewritten config; the layout copy writes its own permuted
 checkpoint. 512 tokens of the shipped prose for the healthy model, 256 for the layout and scaling copies, 1024 for the
 lost rope_theta, and copy evidence at distances 64 and 256 keep each run short; the verdicts hold there with margin
 (measured: healthy nearest z = -2.9 over 511 tokens; layout z = 14.1, scaling z = 12.4 over 255 (22.1 and 19.8 over
-511); lost theta z = 9.2 over 1023; docs/checks.md has the table). One xdist worker runs the module (its fixtures are
-built once; the group is scheduled first, beside the other real-model module)."""
+511); lost theta z = 9.2 over 1023; docs/checks.md has the table). Under xdist, the tests of each session fixture
+(every check on the healthy model; the broken copies) run on one worker, so each is built once; the two groups may
+run side by side."""
 
 import pytest
 from plants_fit import as_mistral, converter_permuted, interleaved_qk, spurious_scaling, theta_lost
@@ -16,7 +17,10 @@ from posdiag.model.loading import load_subject
 from posdiag.options import RunOptions
 from posdiag.results import Status
 
-pytestmark = pytest.mark.xdist_group("smollm2-fit")
+# Each session fixture's tests run on one xdist worker (the fixture built once); the two groups and the tests that
+# build nothing shared go to whichever worker is free.
+REPORT = pytest.mark.xdist_group("smollm2-report")
+BROKEN = pytest.mark.xdist_group("smollm2-broken")
 
 SHORT = RunOptions(check_options={"fit": {"text_tokens": 512, "copy_distances": [64, 256]}})
 # A q/k layout or a scaling block nobody trained with costs over a nat a token: 256 tokens give z >= 12.
@@ -33,17 +37,18 @@ def fit(path, options=SHORT):
     return api.run_checks(load_subject(str(path)), ["fit"], options).checks[0]
 
 
-@pytest.fixture(scope="session")  # one worker runs the module (xdist_group); kept when it interleaves another
+@pytest.fixture(scope="session")  # one worker runs its tests (xdist_group); kept when it interleaves another
 def report(smollm2_dir):
     """Every check on the healthy model, once (what `posdiag check` runs)."""
     return api.run_checks(load_subject(str(smollm2_dir)), None, EVERY_CHECK)
 
 
-@pytest.fixture(scope="session")  # one worker runs the module (xdist_group); kept when it interleaves another
+@pytest.fixture(scope="session")  # one worker runs its tests (xdist_group); kept when it interleaves another
 def healthy(report):
     return report.check("fit")
 
 
+@REPORT
 def test_every_other_check_keeps_its_verdict_on_the_healthy_model(report):
     """A RoPE model: `table` and `load` have nothing to judge; everything else passes, `fit` included."""
     statuses = {c.name: c.status for c in report.checks}
@@ -53,7 +58,7 @@ def test_every_other_check_keeps_its_verdict_on_the_healthy_model(report):
     assert report.exit_code == 0
 
 
-@pytest.fixture(scope="session")  # one worker runs the module (xdist_group); kept when it interleaves another
+@pytest.fixture(scope="session")  # one worker runs its tests (xdist_group); kept when it interleaves another
 def broken(smollm2_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("smollm2-broken")
     return {name: fit(plant(smollm2_dir, root / name), options)
@@ -61,6 +66,7 @@ def broken(smollm2_dir, tmp_path_factory):
                                          ("scaling", spurious_scaling, QUICK))}
 
 
+@REPORT
 def test_healthy_model_fits_its_configuration(healthy):
     assert healthy.status is Status.PASS, healthy.summary
     assert healthy.details["source"].startswith("text (shipped prose, 512 tokens)")
@@ -70,6 +76,7 @@ def test_healthy_model_fits_its_configuration(healthy):
     assert list(healthy.metrics["copy_accuracy"]) == ["configured"]
 
 
+@BROKEN
 @pytest.mark.parametrize("name, fits, configured", [
     ("theta", "rope_theta ~ ", "the configured 10000"),
     ("layout", "q/k rows in the interleaved pairing order", "the half-split order the code rotates"),
@@ -85,6 +92,7 @@ def test_each_broken_copy_fails_naming_its_mistake(broken, name, fits, configure
     assert set(result.metrics["copy_accuracy"]) == {"configured", result.metrics["nearest"]}
 
 
+@BROKEN
 def test_the_cached_checkpoint_is_untouched(smollm2_dir, broken):
     import json
 
@@ -114,6 +122,7 @@ def test_a_gguf_file_is_scored_on_text_through_its_own_tokenizer(smollm2_gguf):
     assert material.source.startswith("text (shipped prose, 64 tokens)"), material.source
 
 
+@REPORT
 def test_state_passes_on_the_real_model(report):
     """The real SmolLM2 keeps no state across calls: every sequence (a long input, another prompt, a conversation
     continued from its cache, assisted and prompt-lookup decoding, a padded batch after another) gives what a fresh
@@ -124,6 +133,7 @@ def test_state_passes_on_the_real_model(report):
                                                         "multi-turn", "assisted decoding", "prompt lookup"]
 
 
+@REPORT
 def test_serving_passes_on_the_real_model(report):
     """Every serving path on the real SmolLM2 reproduces one full forward: chunks of 3 and 16 (by hand and
     generate's prefill_chunk_size), a shared prefix, a padded batch, assisted and prompt-lookup decoding, the
@@ -133,6 +143,7 @@ def test_serving_passes_on_the_real_model(report):
     assert len(serving.tables[0].rows) == 12 and "not run" not in serving.summary
 
 
+@BROKEN
 def test_the_line_search_names_the_base_the_weights_were_trained_with(broken):
     """Configured at 1e4, trained at 1e5: the grid's x10 is refined by the line search to a value near 1e5, with
     an interval that holds it."""
