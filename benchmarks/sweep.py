@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -82,7 +82,8 @@ class Finding:
         crashed = f"{self.path} crashed: "
         state_crash = "the call crashed ("  # `state` names the sequence first, then how its call crashed
         serving_crash = ": crashed ("  # `serving` names the path and what it ran, then how it crashed
-        own = summary.split(self.path, 1)[1].split("; ", 1)[0]  # the path's own clause (up to the next "; ")
+        # the path's own clause (up to the next "; "); a finding naming no path owns the whole summary
+        own = (summary.split(self.path, 1)[1] if self.path else summary).split("; ", 1)[0]
         if self.kind == WRONG:  # the path's own clause is no crash; a later path's may be
             return not own.startswith(" crashed: ") and state_crash not in own and serving_crash not in own
         return (f"{crashed}{self.kind}:" in summary or f"{state_crash}{self.kind}: " in summary
@@ -126,8 +127,6 @@ KEPT_CACHE_TURN = Finding("multi-turn", WRONG, "generate() continued from the ca
 # the candidates the lookup rejects are cropped from the attention cache, not taken back out of that state.
 KEPT_REJECTED = Finding("prompt lookup", WRONG, "prompt-lookup decoding differs from greedy generate(): rejected "
                         "candidates are not taken back out of the recurrent state", GENERATE_STATE)
-# serving's prompt lookup (its own prompt, 3 candidates a step) departs on these, for the same reason
-SERVING_LOOKUP = ("qwen3_5", "qwen3_5_moe")
 LOOKUP_CRASH = _crash("prompt lookup", "IndexError", "list index out of range", "prompt-lookup decoding crashes "
                       "(greedy generate() runs)", f"{PLAIN}::test_prompt_lookup_crashes")
 # state with images (Qwen2-VL's compute_3d_position_ids, copied by the families after it): rope_deltas set by an image
@@ -170,11 +169,11 @@ FINDINGS: dict[str, dict[str, Finding | tuple[Finding, ...]]] = {
                      "serving": SCAN_SERVING},
     "zamba2": {"state": Finding("prompt lookup", WRONG, "prompt-lookup decoding differs from greedy generate(): "
                                 "rejected candidates are not taken back out of the Mamba state", GENERATE_STATE)},
-    **{t: {"state": KEPT_REJECTED} | ({"serving": KEPT_REJECTED} if t in SERVING_LOOKUP else {})
+    **{t: {"state": KEPT_REJECTED, "serving": KEPT_REJECTED}
        for t in ("bailing_hybrid", "glm5_next", "granitemoehybrid", "kimi_linear", "lara_mini", "mamba2", "olmo_hybrid",
                  "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next")},
-    "zamba": {"state": LOOKUP_CRASH},
-    "zaya": {"state": LOOKUP_CRASH},
+    "zamba": {"state": LOOKUP_CRASH, "serving": LOOKUP_CRASH},
+    "zaya": {"state": LOOKUP_CRASH, "serving": LOOKUP_CRASH},
     "paligemma": {"kernels": Finding("on the unpadded input", WRONG, "the SDPA path is not causal on text without "
                                      "token_type_ids", f"{PLAIN}::test_paligemma_sdpa_is_not_causal_on_text")},
     "deepseek_v4": {"generate": Finding("dynamic/batch", WRONG, "a left-padded batch differs from each row alone "
@@ -228,10 +227,13 @@ FINDINGS: dict[str, dict[str, Finding | tuple[Finding, ...]]] = {
     "yoso": {"batch": Finding("row 'a right-padded'", WRONG, "its padding mask is a no-op (a 0/1 mask read as "
                               "additive)", PADDED)},
     "bamba": {"cache": Finding("dynamic/decode", WRONG, "a cached forward without position_ids numbers the new tokens "
-                               "from 0", CONTINUATION)},
-    "blt": {"generate": _crash("dynamic/single", "AttributeError", "num_hidden_layers", "every cached forward crashes: "
-                               "DynamicCache(config) reads a num_hidden_layers BltConfig lacks",
-                               f"{PLAIN}::test_cached_path_crashes")},
+                               "from 0", CONTINUATION),
+              "serving": Finding("chunks of 3", WRONG, "a cached forward without position_ids numbers the new tokens "
+                                 "from 0 (chunks, a shared prefix's suffixes)", CONTINUATION)},
+    "blt": {name: _crash(path, "AttributeError", "num_hidden_layers", "every cached forward crashes: "
+                         "DynamicCache(config) reads a num_hidden_layers BltConfig lacks",
+                         f"{PLAIN}::test_cached_path_crashes")
+            for name, path in (("generate", "dynamic/single"), ("serving", "chunks of 3"))},
     "prophetnet": {"cache": _static_crash("static/decode", "crashes with a static cache (its mask is built for the "
                                           "static key length)"),
                    "generate": _crash("static/single", "RuntimeError", "expand(", "crashes with a static cache (its "
@@ -240,6 +242,10 @@ FINDINGS: dict[str, dict[str, Finding | tuple[Finding, ...]]] = {
     **{"cpmant": {name: _crash(path, "IndexError", "index_copy_()", "crashes with a static cache (its prompt "
                                "positions are not counted)", f"{PLAIN}::test_cached_path_crashes")
                   for name, path in (("cache", "static/decode"), ("generate", "static/single"))}
+                  | {"serving": Finding("chunks of 3", WRONG, "a forward continuing a cache slices its output by the "
+                                        "cache's length as if fed the whole sequence: 3 tokens after 3 return none "
+                                        "(its decode loops crash)", f"{PLAIN}::test_cpmant_forward_continuing_a_cache_"
+                                        "returns_too_few_positions")}
                   | {"state": Finding("multi-turn", WRONG, "generate() continued from the cache it returned differs "
                                       "from generating the whole conversation; prompt-lookup decoding differs from "
                                       "greedy too", GENERATE_STATE)}},
@@ -316,6 +322,19 @@ FINDINGS: dict[str, dict[str, Finding | tuple[Finding, ...]]] = {
                                             "test_the_shifted_prompt_route_is_named_on_the_real_file",
                                             engine="llama-cpp-python")},
 }
+
+
+# serving's FAILs whose first failing path runs the computation a listed finding of another check reproduces (model
+# type -> that check, serving's path): chunks numbered from 0 or restarting the convolution state, a left-padded
+# batch's cached steps, the compressor pooling left padding.
+SERVING_AS = {"bamba": ("cache", "chunks of 3"), "recurrent_gemma": ("cache", "chunks of 3"),
+              "git": ("generate", "padded batch"), "trocr": ("generate", "padded batch"),
+              "kosmos-2": ("generate", "decode loop after a padded batch"),
+              "kosmos-2.5": ("generate", "decode loop after a padded batch"), "deepseek_v4": ("batch", "padded batch")}
+for _type, (_check, _path) in SERVING_AS.items():
+    _entry = FINDINGS[_type][_check]
+    FINDINGS[_type]["serving"] = tuple(replace(f, path=_path) for f in _entry) if isinstance(_entry, tuple) \
+        else replace(_entry, path=_path)
 
 
 def model_types() -> dict[str, str]:
