@@ -272,10 +272,32 @@ def test_cached_step_given_every_token_s_mask_broadcasts_it(model_type):
     assert (widths == list(range(7, 13))) == (finding(model_type, "serving") is not None), widths
 
 
+def test_cpmant_forward_continuing_a_cache_returns_too_few_positions():
+    """CPM-Ant prepends its prompt tokens to every input and slices the output by the cache's length, as if each
+    forward were fed the whole sequence: 3 tokens continuing a 6-token cache return no position (serving's chunks and
+    a shared prefix's suffixes; its decode loops crash). The twin: the same 3 tokens without a cache return 3."""
+    model = model64("cpmant")
+    ids = ids_of(1, 9)
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids[:, :6], past_key_values=cache, use_cache=True)
+        continued = model(ids[:, 6:], past_key_values=cache, use_cache=True).logits
+        alone = model(ids[:, 6:], use_cache=False).logits
+    assert alone.shape[1] == 3
+    assert (continued.shape[1] < 3) == (finding("cpmant", "serving") is not None), continued.shape
+
+
 # serving's FAILs whose first failing path is the computation another check's finding reproduces: (type, that check).
-# Jamba's chunks restart its SSM state as `cache`'s do; the hybrids' prompt lookup keeps the rejected candidates in the
-# recurrent state as `state`'s does (the same generate() call).
-SERVING_AS = (("jamba", "cache"), ("qwen3_5", "state"), ("qwen3_5_moe", "state"))
+# Jamba's chunks restart its SSM state as `cache`'s do, Bamba's and RecurrentGemma's are numbered from 0; the hybrids'
+# prompt lookup keeps the rejected candidates in the recurrent state (Zamba's and ZAYA's crashes) as `state`'s does
+# (the same generate() call); GIT's, TrOCR's and the Kosmos models' left-padded batches decode as `generate`'s do,
+# DeepSeek-V4's compressor pools the padding as in `batch`.
+SERVING_AS = (("jamba", "cache"), ("bamba", "cache"), ("recurrent_gemma", "cache"), ("git", "generate"),
+              ("trocr", "generate"), ("kosmos-2", "generate"), ("kosmos-2.5", "generate"), ("deepseek_v4", "batch"),
+              ("zamba", "state"), ("zaya", "state"), ("bailing_hybrid", "state"), ("glm5_next", "state"),
+              ("granitemoehybrid", "state"), ("kimi_linear", "state"), ("lara_mini", "state"), ("mamba2", "state"),
+              ("olmo_hybrid", "state"), ("qwen3_5", "state"), ("qwen3_5_moe", "state"), ("qwen3_5_moe_text", "state"),
+              ("qwen3_5_text", "state"), ("qwen3_next", "state"))
 
 
 @pytest.mark.parametrize("model_type, check", SERVING_AS)
@@ -509,7 +531,8 @@ CRASHES = {
     ("cpmant", "cache"): ({}, lambda m: _decode_step(m, _static(m, 16)), _generate),
     ("cpmant", "generate"): ({}, lambda m: _generate(m, cache_implementation="static"), _generate),
     # BLT: any cached forward builds DynamicCache(config) on a BltConfig with no num_hidden_layers; it runs uncached.
-    ("blt", "generate"): ({}, _generate, lambda m: m(ids_of(1, 12), use_cache=False)),
+    **{("blt", check): ({}, _generate, lambda m: m(ids_of(1, 12), use_cache=False)) for check in ("generate",
+                                                                                                  "serving")},
     # Inkling: generate(cache_implementation="static") past the sliding window builds a full-length mask for the
     # window-long sliding layers; the dynamic cache runs.
     **{(t, "generate"): (INKLING, lambda m: _generate(m, cache_implementation="static"), _generate)

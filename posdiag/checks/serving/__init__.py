@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from posdiag.checks import CheckSpec, Option
 from posdiag.checks._cache_plan import original_context
-from posdiag.checks.serving.calls import Calls, Refused
+from posdiag.checks.serving.calls import Calls, Refused, ShortOutput
 from posdiag.checks.serving.paths import LOOKUP, NotCopyable, Path, Settings, plan
 from posdiag.errors import PosdiagError, describe_error, raised_in_posdiag
 from posdiag.model.arbitration import arbitrate
@@ -79,10 +79,16 @@ class Outcome:
     found: list[tuple[str, float]] = field(default_factory=list)
     crashed: str = ""
     not_run: str = ""
+    short: str = ""  # a forward returned fewer positions than fed: nothing to compare there
+
+    @property
+    def broken(self) -> str:
+        """Why the path gave nothing to compare (it crashed, or a forward returned too few positions): a FAIL."""
+        return self.crashed or self.short
 
     @property
     def error(self) -> float:
-        return float("inf") if self.crashed else worst_error(e for _, e in self.found)
+        return float("inf") if self.broken else worst_error(e for _, e in self.found)
 
 
 @dataclass
@@ -107,13 +113,13 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
         return SPEC.result(Status.SKIP, why)
     fresh, dtype = snapshot(subject.model), subject.dtype_name
     try:
-        first = measure(subject, fresh, settings, set(chosen), jitter=options.seed)
+        first = measure(subject, settings, set(chosen), jitter=options.seed)
         judged = [o for o in first.outcomes if not o.not_run]
-        verdicts = {o.path.name: judge_agreement(o.error, first.floor, dtype) for o in judged if not o.crashed}
+        verdicts = {o.path.name: judge_agreement(o.error, first.floor, dtype) for o in judged if not o.broken}
         arbitration = arbitrate(
-            subject, lambda names: measure(subject, fresh, settings, set(chosen), names, jitter=options.seed),
+            subject, lambda names: measure(subject, settings, set(chosen), names, jitter=options.seed),
             first.floor, verdicts, dtype, lambda m: (m.floor, {o.path.name: o.error for o in m.outcomes
-                                                               if not (o.not_run or o.crashed)}), subset=True)
+                                                               if not (o.not_run or o.broken)}), subset=True)
     finally:
         restored(fresh)  # the model is left as it was before the check
     verdicts.update(arbitration.verdicts)
@@ -140,14 +146,24 @@ def _settings(subject: Subject, options: RunOptions) -> tuple[Settings | None, s
                     generates=callable(can) and bool(can())), ""
 
 
-def measure(subject: Subject, fresh: ModelState, settings: Settings, kinds: set[str], names: set[str] | None = None,
+def measure(subject: Subject, settings: Settings, kinds: set[str], names: set[str] | None = None,
             jitter: int = 0) -> Measurement:
-    """The floor, then every chosen path (only `names` in the float64 re-run), each from the model as loaded."""
+    """The floor, then every chosen path (only `names` in the float64 re-run), each from the model as this run found
+    it: as loaded, in the dtype the run computes in (a float64 re-run's conversion is part of that state: its
+    converted buffers and the forwards it installs stay while it runs). The model is left as found."""
+    start = snapshot(subject.model)
+    try:
+        return _measured(subject, start, settings, kinds, names, jitter)
+    finally:
+        restored(start)
+
+
+def _measured(subject: Subject, start: ModelState, settings: Settings, kinds: set[str], names: set[str] | None,
+              jitter: int) -> Measurement:
     calls = Calls(subject)
     paths, not_run = plan(calls, settings)
     paths = [p for p in paths if any(p.name.startswith(k) for k in kinds) and (names is None or p.name in names)]
     not_run = {k: v for k, v in not_run.items() if any(k.startswith(kind) for kind in kinds)}
-    restored(fresh)
     ids = settings.ids[None]
     full = calls.full(ids, keep=ids.shape[1])
     with jittered(subject, "decoder", 0, 1, jitter, settle_masks=False) as found:
@@ -157,7 +173,7 @@ def measure(subject: Subject, fresh: ModelState, settings: Settings, kinds: set[
                                            float(per_token_change(shaken.logits[0], full.logits[0]).max()))
     outcomes = []
     for path in paths:
-        restored(fresh)
+        restored(start)
         outcomes.append(_ran(path))
     return Measurement(floor, outcomes, not_run)
 
@@ -169,6 +185,8 @@ def _ran(path: Path) -> Outcome:
         return Outcome(path, not_run=f"transformers refuses it for this model: {exc}")
     except NotCopyable as exc:
         return Outcome(path, not_run=str(exc))
+    except ShortOutput as exc:
+        return Outcome(path, short=str(exc))
     except Exception as exc:  # a path transformers accepts that crashes: users hit it
         if raised_in_posdiag(exc):
             raise
@@ -194,12 +212,14 @@ def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict],
     rows = []
     for o in ran:
         v = verdicts.get(o.path.name)
-        status = Status.FAIL if o.crashed else v.status
-        departing = None if o.crashed or status is Status.PASS else _first_departing(o, tolerance)
-        rows.append((o.path.name, status.value, str(len(o.found)), "crashed" if o.crashed else f"{o.error:.3e}",
-                     f"{floor:.2e}", "-" if o.crashed else f"{v.ratio:.3g}",
-                     o.crashed or (departing[0] if departing else "-")))
+        status = Status.FAIL if o.broken else v.status
+        departing = None if o.broken or status is Status.PASS else _first_departing(o, tolerance)
+        rows.append((o.path.name, status.value, str(len(o.found)),
+                     "crashed" if o.crashed else "too few positions" if o.short else f"{o.error:.3e}",
+                     f"{floor:.2e}", "-" if o.broken else f"{v.ratio:.3g}",
+                     o.broken or (departing[0] if departing else "-")))
         details["paths"][o.path.name] = {"story": o.path.story, "status": status, "crashed": o.crashed,
+                                         "short": o.short,
                                          "errors": dict(o.found), "first_departing": departing and departing[0],
                                          "decided": arbitration.clause(o.path.name)}
     table = Table("each serving path vs one full forward", ("path", "status", "positions", "max error",
@@ -217,7 +237,7 @@ def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict],
         return SPEC.result(Status.PASS, summary, metrics, details, (table,))
     summary = "; ".join(_failure(o, verdicts, arbitration, tolerance) for o in failing[:3])
     more = f" (failing: {', '.join(o.path.name for o in failing)})" if len(failing) > 3 else ""
-    status = Status.worst([Status.FAIL if o.crashed else verdicts[o.path.name].status for o in failing])
+    status = Status.worst([Status.FAIL if o.broken else verdicts[o.path.name].status for o in failing])
     return SPEC.result(status, summary + more + tail, metrics, details, (table,))
 
 
@@ -225,6 +245,8 @@ def _failure(o: Outcome, verdicts: dict[str, FloorVerdict], arbitration: Arbitra
     name, story = o.path.name, o.path.story
     if o.crashed:
         return f"{name}: {story}: crashed ({o.crashed}), a path transformers accepts"
+    if o.short:
+        return f"{name}: {story}: {o.short}, nothing to compare at the others (a path transformers accepts)"
     v = verdicts[name]
     departing = _first_departing(o, tolerance)
     if departing is None:

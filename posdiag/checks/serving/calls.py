@@ -23,6 +23,11 @@ class Refused(Exception):
     """transformers' generation code refused a request (an option or mode it does not support for this model)."""
 
 
+class ShortOutput(Exception):
+    """A forward returned fewer positions than it was fed (CPM-Ant continuing a cache returns none): the path has no
+    output at positions users asked for, a FAIL of the path as a crash is."""
+
+
 @dataclass
 class Output:
     """A forward's final hidden state at every position fed ([B, n, D], float64: it determines the logits and spares
@@ -85,6 +90,12 @@ class Calls:
             if not self.hidden and "logits_to_keep" in kwargs:
                 return self.forward(ids, mask, positions, cache, keep)
         logits = output_of(out)
+        if (self.hidden and state is None) or logits.shape[1] < min(n, keep):
+            hidden = getattr(out, "hidden_states", None)
+            width = hidden[-1].shape[1] if hidden and isinstance(hidden[-1], torch.Tensor) else logits.shape[1]
+            raise ShortOutput(f"a forward of {n} token{'s' if n != 1 else ''} "
+                              f"{'continuing a cache ' if cache is not None else ''}returned {width} position"
+                              f"{'s' if width != 1 else ''}")
         states = state if self.hidden else logits[:, -n:]
         return Output(states.to(torch.float64), logits[:, -keep:].to(torch.float64))
 
