@@ -274,15 +274,16 @@ def test_cached_step_given_every_token_s_mask_broadcasts_it(model_type):
 
 def test_cpmant_forward_continuing_a_cache_returns_too_few_positions():
     """CPM-Ant prepends its prompt tokens to every input and slices the output by the cache's length, as if each
-    forward were fed the whole sequence: 3 tokens continuing a 6-token cache return no position (serving's chunks and
-    a shared prefix's suffixes; its decode loops crash). The twin: the same 3 tokens without a cache return 3."""
+    forward were fed the whole sequence: 3 tokens continuing a 3-token cache return no position (serving's chunks and
+    a shared prefix's suffixes; more new tokens than that mis-size the position bias, and its decode loops crash).
+    The twin: the same 3 tokens without a cache return 3."""
     model = model64("cpmant")
-    ids = ids_of(1, 9)
+    ids = ids_of(1, 6)
     cache = transformers.DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids[:, :6], past_key_values=cache, use_cache=True)
-        continued = model(ids[:, 6:], past_key_values=cache, use_cache=True).logits
-        alone = model(ids[:, 6:], use_cache=False).logits
+        model(ids[:, :3], past_key_values=cache, use_cache=True)
+        continued = model(ids[:, 3:], past_key_values=cache, use_cache=True).logits
+        alone = model(ids[:, 3:], use_cache=False).logits
     assert alone.shape[1] == 3
     assert (continued.shape[1] < 3) == (finding("cpmant", "serving") is not None), continued.shape
 
