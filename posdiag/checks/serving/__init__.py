@@ -29,11 +29,12 @@ from dataclasses import dataclass, field
 
 from posdiag.checks import CheckSpec, Option
 from posdiag.checks._cache_plan import original_context
-from posdiag.checks.serving.calls import Calls, Refused, ShortOutput
+from posdiag.checks.serving.calls import Calls, ShortOutput
 from posdiag.checks.serving.paths import LOOKUP, NotCopyable, Path, Settings, plan
 from posdiag.errors import PosdiagError, describe_error, raised_in_posdiag
 from posdiag.model.arbitration import arbitrate
 from posdiag.model.caches import cache_support, keeps_kv_cache
+from posdiag.model.greedy import Refused
 from posdiag.model.jitter import FLOOR_SOURCE, jittered
 from posdiag.model.module_state import ModelState, restored, snapshot
 from posdiag.model.subject import Subject

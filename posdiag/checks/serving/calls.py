@@ -12,15 +12,10 @@ from typing import Any
 
 import torch
 
-from posdiag.errors import describe_error, raised_in_generation
 from posdiag.model.caches import cache_keyword, new_cache
+from posdiag.model.greedy import greedy, own_drafts
 from posdiag.model.outputs import final_state, output_of
-from posdiag.model.quiet import transformers_quiet
 from posdiag.model.subject import Subject
-
-
-class Refused(Exception):
-    """transformers' generation code refused a request (an option or mode it does not support for this model)."""
 
 
 class ShortOutput(Exception):
@@ -142,29 +137,14 @@ class Calls:
     def generate(self, ids: torch.Tensor, new_tokens: int, **extra: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy generate() of one prompt with `extra` options -> (every id: prompt and generated, the logits of each
         generated step [1, steps, V] float64). A ValueError of transformers' generation code is a refusal."""
-        kwargs = dict(do_sample=False, num_beams=1, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                      output_logits=True, return_dict_in_generate=True, pad_token_id=self.pad, eos_token_id=None,
-                      forced_eos_token_id=None, forced_bos_token_id=None, attention_mask=torch.ones_like(ids))
-        try:
-            with torch.inference_mode(), transformers_quiet():
-                out = self.subject.model.generate(ids, **kwargs, **extra)
-        except Exception as exc:
-            if raised_in_generation(exc):
-                raise Refused(describe_error(exc)) from exc
-            raise
-        self.subject.forward_count += len(out.logits)
+        out = greedy(self.subject, ids, new_tokens, self.pad, exact=True, **extra)
         return out.sequences, torch.stack(out.logits, 1).to(torch.float64)
 
     def assisted(self, ids: torch.Tensor, new_tokens: int, candidates: int) -> tuple[torch.Tensor, torch.Tensor]:
         """generate() with the model as its own assistant, `candidates` drafts a step (its generation config set for
         the call and put back after: transformers' default grows the drafts until one step drafts every token)."""
-        config = self.subject.model.generation_config
-        saved = (config.num_assistant_tokens, config.num_assistant_tokens_schedule)
-        config.num_assistant_tokens, config.num_assistant_tokens_schedule = candidates, "constant"
-        try:
+        with own_drafts(self.subject.model, candidates):
             return self.generate(ids, new_tokens, assistant_model=self.subject.model)
-        finally:
-            config.num_assistant_tokens, config.num_assistant_tokens_schedule = saved
 
     def continued(self, ids: torch.Tensor, cache: Any, steps: int) -> Decoded:
         """`ids` fed into a cache that already holds a prefix, then `steps` greedy tokens, the model's default

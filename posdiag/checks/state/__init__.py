@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 
 from posdiag.checks import CheckSpec, Option
 from posdiag.checks.state.images import IMAGE_SEQUENCES, image_plan
-from posdiag.checks.state.sequences import SEQUENCES, Refused, Sequence, plan
+from posdiag.checks.state.sequences import SEQUENCES, Sequence, plan
 from posdiag.errors import PosdiagError, describe_error
 from posdiag.model.arbitration import arbitrate
+from posdiag.model.greedy import Refused
 from posdiag.model.jitter import FLOOR_SOURCE, jittered
 from posdiag.model.module_state import ModelState, changes, restored, snapshot
 from posdiag.model.subject import Subject

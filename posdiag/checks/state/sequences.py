@@ -15,10 +15,9 @@ from typing import Any
 import torch
 
 from posdiag.checks._cache_plan import declared_boundaries, original_context
-from posdiag.errors import describe_error, raised_in_generation
 from posdiag.model.caches import cache_keyword, cache_layer_note, cache_support, takes_cache, text_config
+from posdiag.model.greedy import greedy, own_drafts
 from posdiag.model.outputs import output_of
-from posdiag.model.quiet import transformers_quiet
 from posdiag.model.subject import Subject
 
 PAST_BOUNDARY = 12  # tokens the long input runs past the largest boundary it must cross
@@ -28,11 +27,6 @@ LOOKUP = 3  # prompt_lookup_num_tokens: candidates copied from the prompt per st
 # step, so no verification continues another and a position not advanced by the accepted candidates never shows.
 ASSISTED = 2
 SEQUENCES = ("long input", "batch after batch", "another prompt", "multi-turn", "assisted decoding", "prompt lookup")
-
-
-class Refused(Exception):
-    """transformers' generation code refused a generate() request (a mode or configuration it does not support for
-    this model)."""
 
 
 @dataclass(frozen=True)
@@ -209,28 +203,12 @@ class _Calls:
     def assisted(self, ids: torch.Tensor) -> Any:
         """generate() with the model as its own assistant, ASSISTED candidates a step (its generation config set for
         the call, put back after)."""
-        config = self.subject.model.generation_config
-        saved = (config.num_assistant_tokens, config.num_assistant_tokens_schedule)
-        config.num_assistant_tokens, config.num_assistant_tokens_schedule = ASSISTED, "constant"
-        try:
+        with own_drafts(self.subject.model, ASSISTED):
             return self.generate(ids, assistant_model=self.subject.model)
-        finally:
-            config.num_assistant_tokens, config.num_assistant_tokens_schedule = saved
 
     def generate(self, ids: torch.Tensor, full: bool = False, **extra: Any) -> Any:
         """Greedy generate(): the logits of every generated step (float64, flattened); `full`: the whole output."""
-        model = self.subject.model
-        kwargs = dict(do_sample=False, num_beams=1, max_new_tokens=self.new_tokens, output_logits=True,
-                      return_dict_in_generate=True, pad_token_id=self.pad, eos_token_id=None,
-                      forced_eos_token_id=None, forced_bos_token_id=None, attention_mask=torch.ones_like(ids))
-        try:
-            with torch.inference_mode(), transformers_quiet():
-                out = model.generate(ids, **kwargs, **extra)
-        except Exception as exc:
-            if raised_in_generation(exc):
-                raise Refused(describe_error(exc)) from exc
-            raise
-        self.subject.forward_count += len(out.logits)
+        out = greedy(self.subject, ids, self.new_tokens, self.pad, **extra)
         return out if full else torch.stack(out.logits, 1).to(torch.float64).flatten()
 
 
