@@ -52,7 +52,7 @@ def emit(out: Path, **row) -> None:
 def compare_rows(model: str, out: Path) -> None:
     import torch
 
-    from posdiag.model.gguf_file import inspect_file, rewrite
+    from posdiag.model.gguf_file import inspect_file, one_parse_per_file, rewrite
     from posdiag.model.loading import load_subject
     from posdiag.options import RunOptions
     from posdiag.ports import logits as port_compare
@@ -69,18 +69,18 @@ def compare_rows(model: str, out: Path) -> None:
     port_compare.judge_profile = spy
     src = {"smollm2": pretrained.smollm2_gguf, "gemma3": pretrained.gemma3_gguf}[model]()
     arch = inspect_file(str(src)).metadata["general.architecture"]
-    with tempfile.TemporaryDirectory(prefix="posdiag-constants-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="posdiag-constants-") as tmp, one_parse_per_file():
         for case in ("healthy", "rope base 1e4"):
             # The reference is PyTorch on the healthy file's own weights, loaded from a copy of it; for the broken
             # case that copy is then replaced by its rewrite with the rope base at 1e4, so the engine runs the same
             # weights (the split needs no converter: Gemma 3 has none) under the metadata a bad converter wrote.
             path = Path(tmp) / f"{case.replace(' ', '-')}.gguf"
             shutil.copyfile(src, path)
-            reference = load_subject(str(path), checked=inspect_file(str(path)))
+            reference = load_subject(str(path))
             if case != "healthy":
                 aside = rewrite(str(path), Path(tmp) / "aside.gguf", keys={f"{arch}.rope.freq_base": 1e4})
                 os.replace(aside, path)
-            engine = open_port(str(path), PortOptions(checked=inspect_file(str(path))))
+            engine = open_port(str(path), PortOptions())
             for n in COMPARE_TOKENS[model]:
                 for seed in SEEDS:
                     seen.clear()

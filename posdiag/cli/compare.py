@@ -6,7 +6,6 @@ by position. Exit codes: 0 the same model within rounding (or inconclusive), 1 t
 from __future__ import annotations
 
 import enum
-import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, NoReturn
@@ -128,10 +127,13 @@ def compare(reference: ReferenceArg, candidate: CandidateArg = None, long: LongO
         settings, model=candidate, dtype=candidate_dtype.value if candidate_dtype else load.dtype,
         attn_implementation=candidate_attn or load.attn_implementation, upcast=load.upcast and candidate_dtype is None,
     )
-    served = _served(reference, candidate, served_model, api_key, served_dtype, route, top_k, long_prompt,
-                     output.debug)
-    ref, cand = _load_both(settings, candidate_settings, served)
-    comparison = _compare(ref, cand, settings, long, mapping, served)
+    from posdiag.model.gguf_file import one_parse_per_file
+
+    with one_parse_per_file():  # a .gguf named as reference, candidate and --served-dtype: read once
+        served = _served(reference, candidate, served_model, api_key, served_dtype, route, top_k, long_prompt,
+                         output.debug)
+        ref, cand = _load_both(settings, candidate_settings, served)
+        comparison = _compare(ref, cand, settings, long, mapping, served)
     _emit(comparison, ref, policy, settings, plot, f"posdiag compare {Path(reference).name} vs {Path(candidate).name}")
 
 
@@ -213,25 +215,11 @@ def _load_both(reference: Settings, candidate: Settings, served: dict):
     ref_opts, cand_opts = load_options(reference), load_options(candidate)
     quiet_transformers()
     with loading(reference.model):
-        checked = guarded(lambda: _one_gguf_file(reference.model, candidate.model), reference.debug)
-        ref = guarded(lambda: load_subject(reference.model, ref_opts, checked=checked), reference.debug)
-    port = PortOptions(served_model=served["served_model"], api_key=served["api_key"], checked=checked)
+        ref = guarded(lambda: load_subject(reference.model, ref_opts), reference.debug)
+    port = PortOptions(served_model=served["served_model"], api_key=served["api_key"])
     with loading(candidate.model):
         cand = guarded(lambda: open_candidate(candidate.model, cand_opts, port), reference.debug)
     return ref, cand
-
-
-def _one_gguf_file(reference: str, candidate: str):
-    """`compare model.gguf`: the file validated once for both sides (a parse of SmolLM2: 1.7-3.4 s by CPU);
-    held only here, as the parsed fields are ~160 MB that `check` has no use for. None for any other pair."""
-    from posdiag.ports.candidates import is_gguf
-
-    same = os.path.isfile(reference) and os.path.realpath(reference) == os.path.realpath(candidate)
-    if not (is_gguf(reference) and same):
-        return None
-    from posdiag.model.gguf_file import inspect_file
-
-    return inspect_file(reference)
 
 
 def _compare(ref, cand, settings: Settings, long: bool, mapping, served: dict):

@@ -138,8 +138,44 @@ def parsed_once(reader: Any) -> Iterator[None]:
         gguf.GGUFReader, gguf.get_tensor_name_map = original, name_map
 
 
+_parsed_in_scope: dict[tuple, GGUFFile] | None = None
+
+
+@contextlib.contextmanager
+def one_parse_per_file() -> Iterator[None]:
+    """Inside the block, inspect_file answers a file it has read from that reading (the same path, inode, size and
+    modification time): one command names a file several times (`compare model.gguf http://...`: its tensor types
+    for --served-dtype, checked before anything loads, then the reference and the server's floor; four parses, 0.7 s
+    each for SmolLM2). Outside, nothing is kept: a parsed vocabulary holds ~70 MB that `check` has no use for."""
+    global _parsed_in_scope
+    outer = _parsed_in_scope
+    _parsed_in_scope = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _parsed_in_scope = outer
+
+
 def inspect_file(path: str) -> GGUFFile:
     """Read and validate PATH (see the module docstring); PosdiagError naming the first problem."""
+    key = _identity(path)
+    if key is not None and _parsed_in_scope is not None and key in _parsed_in_scope:
+        return _parsed_in_scope[key]
+    info = _inspected(path)
+    if key is not None and _parsed_in_scope is not None:
+        _parsed_in_scope[key] = info
+    return info
+
+
+def _identity(path: str) -> tuple | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _inspected(path: str) -> GGUFFile:
     reader = open_reader(path)
     size = os.path.getsize(path)
     info = GGUFFile(path=path, reader=reader)

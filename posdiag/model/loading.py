@@ -127,9 +127,8 @@ def _check_attn_implementation(model: torch.nn.Module, options: LoadOptions) -> 
             raise PosdiagError(f"cannot switch the model to eager attention: {exc}") from None
 
 
-def load_subject(spec: str, options: LoadOptions | None = None, *, checked: Any = None) -> Subject:
-    """MODEL -> Subject. Every failure becomes a PosdiagError with one line of advice. CHECKED: a .gguf MODEL's
-    validated parse (GGUFFile) when the caller made one (compare runs its engine on the same file)."""
+def load_subject(spec: str, options: LoadOptions | None = None) -> Subject:
+    """MODEL -> Subject. Every failure becomes a PosdiagError with one line of advice."""
     options = options or LoadOptions()
     if not options.device_map:
         for given, flag in ((options.max_memory, "--max-memory"), (options.offload_folder, "--offload-folder")):
@@ -139,7 +138,7 @@ def load_subject(spec: str, options: LoadOptions | None = None, *, checked: Any 
         parse_max_memory(options.max_memory)  # a malformed budget fails before anything is read
     if looks_like_factory(spec):
         return _load_factory(spec, options)
-    return _load_pretrained(spec, options, checked)
+    return _load_pretrained(spec, options)
 
 
 def looks_like_factory(spec: str) -> bool:
@@ -201,11 +200,11 @@ def _cast_keeping_frequencies(model: torch.nn.Module, device: Any, dtype: torch.
     return model
 
 
-def _load_pretrained(spec: str, options: LoadOptions, checked: Any = None) -> Subject:
+def _load_pretrained(spec: str, options: LoadOptions) -> Subject:
     """A checkpoint directory or hub id: config, weight files, from_pretrained, then the Subject with its notes."""
     local = Path(spec)
     if local.is_file() and local.suffix.lower() == ".gguf":
-        return _load_gguf(local, options, checked)
+        return _load_gguf(local, options)
     is_local = check_spec(spec, local)
     config = read_config(spec, options, is_local)
     family = family_for(config)
@@ -247,7 +246,7 @@ def _note_placement(subject: Subject, options: LoadOptions, plan: LoadPlan, note
                              f"float32 size, twice {name}'s; --no-upcast keeps {name})")
 
 
-def _load_gguf(path: Path, options: LoadOptions, checked: Any = None) -> Subject:
+def _load_gguf(path: Path, options: LoadOptions) -> Subject:
     """A .gguf file as a MODEL: validated (posdiag.model.gguf_file), then dequantised by transformers' GGUF
     support into its PyTorch class, tokenizer included. Nothing is written anywhere: transformers reads the
     file in place and keeps the dequantised weights in memory."""
@@ -256,7 +255,7 @@ def _load_gguf(path: Path, options: LoadOptions, checked: Any = None) -> Subject
 
     if options.device_map:
         raise PosdiagError("--device-map places checkpoint files; a .gguf file is dequantised into memory")
-    info = checked or inspect_file(str(path))
+    info = inspect_file(str(path))  # parsed once per command (gguf_file.one_parse_per_file)
     dtype = torch.float32 if options.dtype == "auto" else DTYPES[options.dtype]
     with parsed_once(info.reader):  # config, model and tokenizer: one parse of the file, not six
         family, model, loading = _dequantised(path, info, dtype, options)

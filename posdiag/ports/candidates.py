@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from posdiag.errors import PosdiagError
 from posdiag.options import LoadOptions
@@ -28,7 +27,6 @@ class PortOptions:
 
     served_model: str | None = None  # an HTTP server: the model to ask for
     api_key: str | None = None  # an HTTP server: its key (else POSDIAG_API_KEY)
-    checked: Any = None  # a .gguf file already validated (its parse), when the reference is the same file
 
 
 @dataclass(frozen=True)

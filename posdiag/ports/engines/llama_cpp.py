@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from posdiag.errors import PosdiagError
-from posdiag.model.gguf_file import GGUFFile, inspect_file
+from posdiag.model.gguf_file import inspect_file
 from posdiag.ports.engines.child_process import DEFAULT_TIMEOUT, EngineProcess
 from posdiag.ports.engines.logits_only import Engine, engine_threads
 
@@ -48,14 +48,15 @@ class LlamaCppRunner:
 
 def open_port(spec: str, options: Any) -> Engine:
     """The runtime entry (posdiag/ports/candidates.RUNTIMES): a .gguf file in llama.cpp."""
-    return load_gguf(spec, checked=options.checked)
+    return load_gguf(spec)
 
 
 def load_gguf(path: str, *, kv_cache: str = "f32", threads: int | None = None, repack: bool = False,
-              timeout: float = DEFAULT_TIMEOUT, checked: GGUFFile | None = None) -> Engine:
+              timeout: float = DEFAULT_TIMEOUT) -> Engine:
     """Open PATH with llama.cpp in a child process. PosdiagError (one line) when the file is unsound or the
-    engine missing; EngineCrash when llama.cpp dies or hangs loading it. CHECKED: PATH already validated."""
-    info = checked or inspect_file(path)
+    engine missing; EngineCrash when llama.cpp dies or hangs loading it. PATH is validated first (parsed once
+    per command: posdiag/model/gguf_file.one_parse_per_file)."""
+    info = inspect_file(path)
     try:
         import llama_cpp  # noqa: F401  (only whether it is there: the child imports it)
     except ImportError:
