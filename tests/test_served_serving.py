@@ -97,10 +97,17 @@ def proxy(base: str, *, slot_off: bool = False, refuse_concurrent: bool = False,
     return canned_server(answer)
 
 
-def test_every_serving_path_of_a_healthy_server_passes(served):
-    """Measured: each path within 1.0-1.7x its floor, |Δ log-prob| at most 8e-6, top-1 100%."""
+def test_every_serving_path_of_a_healthy_server_passes(served, monkeypatch):
+    """Measured: each path within 1.0-1.7x its floor, |Δ log-prob| at most 8e-6, top-1 100%. Replies the server
+    gave alike (a prompt cold and as a prefix hit) are scored on the reference once."""
+    import posdiag.ports.served as served_module
+
     reference, base = served
+    scored, reference_scores = [], served_module.reference_scores
+    monkeypatch.setattr(served_module, "reference_scores",
+                        lambda ref, ids, *a, **k: scored.append(tuple(ids)) or reference_scores(ref, ids, *a, **k))
     result = compare_served(reference, open_served(base), route="serving", new_tokens=N).result
+    assert len(scored) == len(set(scored)) < sum(r["requests"] for r in result.details["routes"].values())
     assert result.status is Status.PASS, result.summary
     routes = result.details["routes"]
     assert list(routes) == ["serving/cold", "serving/prefix hit", "serving/long prompt", "serving/concurrent"]

@@ -24,6 +24,7 @@ from posdiag.ports.served import precision as served_precision
 from posdiag.ports.served import serving_paths
 from posdiag.ports.served.precision import ServedFloor
 from posdiag.ports.served.scores import (
+    Scores,
     Vocabulary,
     alignment,
     check_prompt_tokens,
@@ -143,8 +144,11 @@ def _generation_route(reference: Subject, engine: ServedEngine, vocab: Vocabular
 
 
 def _reply_judged(reference: Subject, vocab: Vocabulary, text: str, reply: Any, k: int, floor: ServedFloor | None,
-                  profiles: list[LayerProfile], sources: set[str], name: str, spread: list[float]) -> dict[str, Any]:
-    """One greedy reply judged position by position against the reference on the prompt and the tokens it chose."""
+                  profiles: list[LayerProfile], sources: set[str], name: str, spread: list[float],
+                  scored: dict[tuple, Scores] | None = None) -> dict[str, Any]:
+    """One greedy reply judged position by position against the reference on the prompt and the tokens it chose.
+    SCORED: the reference's scores already made in this comparison, by (ids, decoded_from): the serving paths send
+    the same prompts, and a server that answers them alike asks the same three reference runs of each."""
     prompt_ids = vocab.encode(text)
     check_prompt_tokens(reply, prompt_ids, vocab, f"on the {name} route", echoed=False)
     gen = vocab.ids(reply, f"on the {name} route")
@@ -154,7 +158,12 @@ def _reply_judged(reference: Subject, vocab: Vocabulary, text: str, reply: Any, 
     if len(gen) < 4:
         raise PosdiagError(f"the server generated {len(gen)} tokens ({reply.finish_reason}); at least 4 are needed")
     ids = prompt_ids + gen
-    scores = reference_scores(reference, ids[:-1], floor, decoded_from=len(prompt_ids))
+    key = (tuple(ids[:-1]), len(prompt_ids))
+    scores = scored.get(key) if scored is not None else None
+    if scores is None:
+        scores = reference_scores(reference, ids[:-1], floor, decoded_from=len(prompt_ids))
+        if scored is not None:
+            scored[key] = scores
     sources.add(scores.floor_source)
     sources.add("the spread of the same request sent twice")
     start = len(prompt_ids) - 1
@@ -180,13 +189,14 @@ def _serving_routes(reference: Subject, engine: ServedEngine, vocab: Vocabulary,
     runs = serving_paths.run_paths(engine, texts, n, k, spread=lambda a, b: generation_spread(a, b)[0])
     spread = runs[0].spread if runs and runs[0].name == "cold" else []
     routes: dict[str, dict[str, Any]] = {}
+    scored: dict[tuple, Scores] = {}
     for run in runs:
         name = f"serving/{run.name}"
         if run.not_offered or not run.sent:
             routes[name] = {"status": "skip", "why": f"the server does not offer it ({run.not_offered or 'no reply'})"}
             continue
-        judged = [_reply_judged(reference, vocab, sent.prompt, sent.reply, k, floor, profiles, sources, name, spread)
-                  for sent in run.sent]
+        judged = [_reply_judged(reference, vocab, sent.prompt, sent.reply, k, floor, profiles, sources, name, spread,
+                                scored) for sent in run.sent]
         worst = max(judged, key=lambda r: (r["status"] == "fail", r["worst_ratio"]))
         routes[name] = {**worst, "story": run.story, "requests": len(judged)}
         if worst["status"] == "fail":  # the path's story, not the generation route's advice about its prompt
