@@ -120,21 +120,24 @@ def compare(reference: ReferenceArg, candidate: CandidateArg = None, long: LongO
 
     policy = guarded(lambda: gate_policy(gate.fail_on, gate.require, also=("compare",)), output.debug)
     validate.outputs(json=output.json, plot=plot)
-    if plot:
-        _require_matplotlib()
+    _require_matplotlib(plot)
     mapping = guarded(lambda: _layer_map(layer_map), output.debug) if layer_map else None
     candidate_settings = replace(  # the candidate's differ only where the candidate options say
         settings, model=candidate, dtype=candidate_dtype.value if candidate_dtype else load.dtype,
         attn_implementation=candidate_attn or load.attn_implementation, upcast=load.upcast and candidate_dtype is None,
     )
-    from posdiag.model.gguf_file import one_parse_per_file
-
-    with one_parse_per_file():  # a .gguf named as reference, candidate and --served-dtype: read once
+    with _one_parse_per_file():  # a .gguf named as reference, candidate and --served-dtype: read once
         served = _served(reference, candidate, served_model, api_key, served_dtype, route, top_k, long_prompt,
                          output.debug)
         ref, cand = _load_both(settings, candidate_settings, served)
         comparison = _compare(ref, cand, settings, long, mapping, served)
     _emit(comparison, ref, policy, settings, plot, f"posdiag compare {Path(reference).name} vs {Path(candidate).name}")
+
+
+def _one_parse_per_file():
+    from posdiag.model.gguf_file import one_parse_per_file
+
+    return one_parse_per_file()
 
 
 def _candidate_spec(reference: str, candidate: str | None) -> str:
@@ -194,7 +197,9 @@ def _emit(comparison, ref, policy, settings: Settings, plot: str | None, title: 
     raise typer.Exit(report.exit_code)
 
 
-def _require_matplotlib() -> None:
+def _require_matplotlib(plot: str | None) -> None:
+    if not plot:
+        return
     try:
         import matplotlib  # noqa: F401
     except ImportError:
