@@ -5,9 +5,9 @@ weights and tokenizer, rewritten config; the layout copy writes its own permuted
 checkpoint. 512 tokens of the shipped prose for the healthy model, 256 for the layout and scaling copies, 768 for the
 lost rope_theta, and copy evidence at distances 64 and 256 keep each run short; the verdicts hold there with margin
 (measured: healthy nearest z = -2.9 over 511 tokens; layout z = 14.1, scaling z = 12.4 over 255 (22.1 and 19.8 over
-511); lost theta z = 7.4 over 767 (9.2 over 1023); docs/checks.md has the table). Under xdist, the tests of each session fixture
-(every check on the healthy model; the broken copies) run on one worker, so each is built once; the two groups may
-run side by side."""
+511); lost theta z = 7.4 over 767 (9.2 over 1023); docs/checks.md has the table). Under xdist, the tests of each
+session fixture (every check on the healthy model; the broken copies) run on one worker, so each is built once; the
+two groups may run side by side."""
 
 import pytest
 from plants_fit import as_mistral, converter_permuted, interleaved_qk, spurious_scaling, theta_lost
@@ -173,9 +173,9 @@ def test_a_checkpoint_no_configuration_makes_predict_text_fails(smollm2_dir, tmp
 def test_a_window_the_weights_were_not_trained_with_fails_naming_it(smollm2_dir, tmp_path):
     """SmolLM2 (trained without a window) as the same network in Mistral's class with a 128-token sliding window
     declared: scored over 255 tokens, no window beats the declared one (measured +0.57 nats, z = 6.8; copying at
-    distance 192 0.00 -> 0.36; over 383 tokens z = 8.1). This proves the window is among the alternatives and decides on trained weights; the
-    other direction (a window the weights were trained with, dropped from the config) needs a checkpoint trained
-    with a window, which the suite does not have."""
+    distance 192 0.00 -> 0.36; over 383 tokens z = 8.1). This proves the window is among the alternatives and
+    decides on trained weights; the other direction (a window the weights were trained with, dropped from the config)
+    needs a checkpoint trained with a window, which the suite does not have."""
     options = RunOptions(check_options={"fit": {"text_tokens": 256, "copy_distances": [192]}})
     result = fit(as_mistral(smollm2_dir, tmp_path / "windowed", 128), options)
     assert result.status is Status.FAIL, result.summary
