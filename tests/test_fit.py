@@ -454,3 +454,47 @@ def test_a_gain_short_of_the_bound_is_undecided_not_a_pass():
     for settled in (Comparison(alt, scored, 10 * MIN_GAIN, Z_BOUND), Comparison(alt, scored, MIN_GAIN / 2, 4.0),
                     Comparison(alt, scored, -1.0, -3.0)):
         assert undecided([settled], material) == ""
+
+
+def test_copy_stages_split_the_targets_and_the_bound_is_exact():
+    """Stages hold about a quarter of the targets each (whole rows); a candidate is out of reach only when copying
+    every target not yet scored would still leave it under COPY_TRAINED."""
+    import numpy as np
+
+    from posdiag.checks.fit import copying
+    from posdiag.checks.fit.judging import COPY_TRAINED, Scored
+
+    targets = torch.full((8, 12), -1)
+    targets[:, 2:12] = 1  # 10 targets a row, 80 in all
+    material = Material(torch.zeros(8, 12, dtype=torch.long), targets, "repeated random sequences", 1.0, (10,) * 8)
+    assert copying.stage_rows(material) == [2, 4, 6, 8]
+    hits = np.zeros(20, dtype=bool)
+    hits[:12] = True  # 12 of the first 20: 60%
+    part = Scored("alt", np.zeros(20), hits)
+    assert COPY_TRAINED == (12 + 60) / 80 and not copying.out_of_reach(part, 80)  # every later hit reaches it
+    hits[11] = False
+    assert copying.out_of_reach(Scored("alt", np.zeros(20), hits), 80)
+
+
+@pytest.mark.parametrize("plant", [lambda src, dst: theta_lost(src, dst, theta=1000.0), interleaved_qk])
+def test_stopping_alternatives_early_changes_no_verdict(tmp_path, plant, monkeypatch):
+    """A broken copier copies little under its configuration, so its alternatives run stage by stage; the fix stays
+    in reach, the others stop, and then score their remaining rows: every figure is the one scoring each alternative
+    on the whole material gives."""
+    import posdiag.checks.fit as fit_module
+    from posdiag.checks.fit import copying
+
+    broken = load_subject(str(plant(FIXTURE, tmp_path / "broken")))
+    rows = []  # the rows of each scoring forward
+    score = fit_module.score
+    monkeypatch.setattr(fit_module, "score", lambda subject, material, *a: rows.append(material.ids.shape[0])
+                        or score(subject, material, *a))
+    staged = fit(broken)
+    assert min(rows) < max(rows)  # stage by stage (the line search's points score every row at once)
+    monkeypatch.setattr(copying, "STAGES", 1)
+    rows.clear()
+    whole = fit(broken)
+    assert min(rows) == max(rows)
+    assert staged.status is whole.status is Status.FAIL, staged.summary
+    assert staged.summary == whole.summary and staged.metrics == whole.metrics
+    assert staged.details["candidates"] == whole.details["candidates"]
