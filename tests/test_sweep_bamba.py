@@ -7,6 +7,7 @@ import warnings
 import pytest
 import torch
 import transformers
+from sweep_support import SMALL_MAMBA2
 
 from posdiag.api import run_checks
 from posdiag.model.loading import from_module
@@ -44,7 +45,7 @@ def test_bamba_cached_forward_without_ids_restarts_positions_at_zero(offset_fixe
     if offset_fixed:
         monkeypatch.setattr(modeling_bamba.BambaModel, "forward",
                             _numbered_from_the_cache(modeling_bamba.BambaModel.forward))
-    subject = from_module(small_model("bamba"), name="bamba")
+    subject = from_module(small_model("bamba", **SMALL_MAMBA2), name="bamba")
     options = RunOptions(seq_len=8, check_options={"cache": {"decode_steps": 2}})
     result = run_checks(subject, ["cache"], options).check("cache")
     if offset_fixed:

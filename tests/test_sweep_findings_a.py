@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 import transformers
-from sweep_support import pinned
+from sweep_support import SMALL_MAMBA2, pinned
 
 from posdiag.api import run_checks
 from posdiag.errors import refused_by_generation
@@ -138,7 +138,7 @@ def test_hybrid_small_configs_keep_an_attention_layer():
 
 
 def test_granitemoehybrid_with_attention_caches_and_generates():
-    model = build("granitemoehybrid")
+    model = build("granitemoehybrid", small_config("granitemoehybrid", **SMALL_MAMBA2))
     for name in ("cache", "generate"):
         result = check(model, name)
         assert result.status is Status.PASS, (name, result.summary)
@@ -148,7 +148,8 @@ def test_pure_mamba_granitemoehybrid_cannot_use_a_cache():
     """transformers' own default GraniteMoeHybrid config is all Mamba, and any cached forward of it raises in the
     mask builder (a cache of linear-attention layers only is refused: by Cache.get_seq_length up to transformers
     5.24, by Cache.get_mask_sizes from 5.25): cache and generate FAIL naming the exception."""
-    model = build("granitemoehybrid", small_config("granitemoehybrid", layer_types=["linear_attention"] * 2))
+    model = build("granitemoehybrid", small_config("granitemoehybrid", layer_types=["linear_attention"] * 2,
+                                                   **SMALL_MAMBA2))
     for name in ("cache", "generate"):
         pinned(check(model, name), "granitemoehybrid:all-mamba", name)
 
