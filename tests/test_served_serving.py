@@ -4,7 +4,9 @@ prompt longer than the batch and the request among concurrent ones, each judged 
 front of the same server plant one bug a path: a prefix hit served one slot off (FAIL on the hit, the cold request
 right), a prompt longer than the batch losing the token at the boundary (FAIL on the long prompt only), a request
 run one slot on while another is in flight (FAIL on the concurrent path only); one refuses concurrent requests
-(named, not failed). The same proxy passing requests as they are is their healthy twin."""
+(named, not failed). The proxies pass the requests they do not plant as they are, and those paths PASS (the cold
+request, the prefix hit and the concurrent one through the long-prompt proxy; the long prompt through the concurrent
+one): the proxy itself is shown healthy on every path."""
 
 from __future__ import annotations
 
@@ -129,8 +131,6 @@ def test_a_prefix_hit_served_one_slot_off_fails_the_hit_not_the_cold_request(ser
     assert routes["serving/prefix hit"]["onset_position"] == routes["serving/prefix hit"]["first_position"]
     assert result.summary.startswith("serving/prefix hit route: error from position 34 on"), result.summary
     assert "right after it, a prompt sharing its first 20 words" in result.summary
-    with proxy(base) as twin:  # the same proxy passing requests as they are
-        assert compare_served(reference, open_served(twin), route="serving", new_tokens=N).result.status is Status.PASS
 
 
 def test_a_path_the_server_refuses_is_named_not_failed(served):
