@@ -115,6 +115,8 @@ def test_without_its_tokenizer_a_text_model_is_not_ranked_on_copies(smollm2_dir,
     assert "rank configurations only for a model trained to copy them" in result.summary, result.summary
     assert "repeated random sequences" in result.summary
     assert "and each of the 5 alternatives fell out of reach after" in result.summary, result.summary
+    stopped = result.details["candidates"]  # each alternative's targets scored before 90% was out of its reach
+    assert len(stopped) == 5 and all(c["targets"] < result.metrics["targets"] and c["copied"] < 0.9 for c in stopped)
 
 
 def test_a_gguf_file_is_scored_on_text_through_its_own_tokenizer(smollm2_gguf):

@@ -105,11 +105,13 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     if not alternatives:
         return SPEC.result(Status.SKIP, f"no alternative configuration to score against ({subject.position_kind}"
                            f" positions{'; ' + '; '.join(notes) if notes else ''})")
-    comparisons, skipped, why = _measure(subject, material, configured, alternatives)
-    if why:  # repeated sequences no candidate copies, found before every alternative scored every row
-        return SPEC.result(Status.SKIP, why, {"loss": configured.loss, "unigram": material.unigram,
-                                              "targets": material.count},
-                           {"source": material.source, "notes": notes + skipped})
+    comparisons, skipped, stopped = _measure(subject, material, configured, alternatives)
+    if stopped:  # repeated sequences no candidate copies, found before every alternative scored every row
+        return SPEC.result(Status.SKIP, copying.none_copies(material, configured, list(stopped.values())),
+                           {"loss": configured.loss, "unigram": material.unigram, "targets": material.count},
+                           {"source": material.source, "notes": notes + skipped,
+                            "candidates": [{"label": label, "targets": s.hits.size, "copied": copying.copied(s)}
+                                           for label, s in stopped.items()]})
     result = _judge(subject, options, material, configured, comparisons, notes + skipped)
     result.metrics.update(context_gain=screen.gain, context_gain_error=screen.spread)  # the screen's, on every verdict
     return result
@@ -138,11 +140,11 @@ def _not_applicable(subject: Subject) -> str:
 
 
 def _measure(subject: Subject, material: Material, configured: Scored,
-             alternatives: list[Alternative]) -> tuple[list[Comparison], list[str], str]:
+             alternatives: list[Alternative]) -> tuple[list[Comparison], list[str], dict[str, Scored]]:
     """Each alternative applied in memory, scored on the same tokens, undone. On repeated sequences the configuration
     does not copy, stage by stage while the alternative can still copy enough for them to rank anything (copying.py):
-    where none can, the third value says why, and the rows left are never run; otherwise every alternative stopped
-    early scores its remaining rows."""
+    where none can, the third value holds each one's scores so far, and the rows left are never run; otherwise every
+    alternative stopped early scores its remaining rows."""
     bounds = copying.stage_rows(material) if copying.staged(material, configured) else [int(material.ids.shape[0])]
     scored, skipped = [], []
     for alt in alternatives:
@@ -155,14 +157,14 @@ def _measure(subject: Subject, material: Material, configured: Scored,
         if done is not None:
             scored.append((alt, done, rows))
     if len(bounds) > 1 and scored and all(copying.out_of_reach(s, material.count) for _, s, _ in scored):
-        return [], skipped, copying.none_copies(material, configured, [s for _, s, _ in scored])
+        return [], skipped, {alt.label: done for alt, done, _ in scored}
     comparisons = []
     for alt, done, rows in scored:
         if rows < material.ids.shape[0]:  # stopped early: its remaining rows (independent of the ones scored)
             done = _joined(done, _scored(subject, material.rows(rows), alt, skipped))
         if done is not None:
             comparisons.append(compare(alt, configured, done))
-    return comparisons, skipped, ""
+    return comparisons, skipped, {}
 
 
 def _scored(subject: Subject, material: Material, alt: Alternative, skipped: list[str]) -> Scored | None:
