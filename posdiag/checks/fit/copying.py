@@ -7,7 +7,8 @@ every configuration (SmolLM2-135M: 68-75%), and scoring each alternative on ever
 about 1/STAGES of the targets each) while it can still reach COPY_TRAINED: hits so far plus every target not yet
 scored. That bound is exact, so stopping loses nothing: where no candidate can reach it, the material is not the
 model's task whichever candidate's loss is best; where one can, the stopped alternatives score their remaining rows
-(rows are independent, so the joined scores are the whole material's) and `fit` judges as on any material.
+(rows are independent: the joined scores are the whole material's, up to the rounding of another batch size) and
+`fit` judges as on any material.
 """
 
 from __future__ import annotations
