@@ -161,6 +161,14 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_twin(smollm2_gguf, tmp_path_factory) -> Path:
+    """The real file's F32 twin (the same weights dequantised), written once per worker for the served tests."""
+    from posdiag.model.gguf_file import rewrite
+
+    return rewrite(str(smollm2_gguf), tmp_path_factory.mktemp("twin") / "twin.gguf", dequantise=True)
+
+
+@pytest.fixture(scope="session")
 def smollm2_kquant() -> Path:
     """SmolLM2 as a Q4_K_M file llama.cpp quantised from the real file's F32 twin (made once, cached)."""
     from posdiag.testing.pretrained import smollm2_kquant as make

@@ -48,12 +48,12 @@ def reference(smollm2_dir):
 
 
 @pytest.fixture(scope="session")  # one worker runs the module (xdist_group); kept when it interleaves another
-def files(smollm2_gguf, tmp_path_factory):
-    """The F32 twin of the real file and two planted twins of it."""
+def files(smollm2_gguf, smollm2_twin, tmp_path_factory):
+    """The F32 twin of the real file (shared with test_served_serving.py) and two planted twins of it."""
     out = tmp_path_factory.mktemp("served")
     reader = open_reader(str(smollm2_gguf))
-    arrays = dequantised(reader)  # once for the three files
-    twin = rewrite(str(smollm2_gguf), out / "twin.gguf", dequantise=True, reader=reader, arrays=arrays)
+    arrays = dequantised(reader)  # once for the two planted files
+    twin = smollm2_twin
     heads = {"attn_q": 9, "attn_k": 3}
 
     def rows(tensor: str, data):

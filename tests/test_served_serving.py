@@ -23,7 +23,6 @@ pytest.importorskip("gguf", reason="GGUF files need the gguf package: pip instal
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'posdiag[gguf]')")
 pytest.importorskip("fastapi", reason="llama-cpp-python's server extra is not installed (pip install 'posdiag[dev]')")
 
-from posdiag.model.gguf_file import rewrite
 from posdiag.model.loading import load_subject
 from posdiag.ports.engines.http_server import open_served
 from posdiag.ports.protocol import CompareRequest
@@ -36,11 +35,10 @@ N = 8  # generated tokens a request: a slot kept before a cached prefix shows fr
 
 
 @pytest.fixture(scope="module")
-def served(smollm2_dir, smollm2_gguf, tmp_path_factory):
+def served(smollm2_dir, smollm2_twin):
     """(reference, base URL) of a server of the F32 twin with its prompt cache on and a small batch."""
-    twin = rewrite(str(smollm2_gguf), tmp_path_factory.mktemp("serving") / "twin.gguf", dequantise=True)
     options = ("--n_batch", str(BATCH), "--n_ubatch", str(BATCH), "--cache", "True")
-    with llama_server(twin, n_ctx=512, extra=options) as (base, _):
+    with llama_server(smollm2_twin, n_ctx=512, extra=options) as (base, _):
         yield load_subject(str(smollm2_dir)), base
 
 
