@@ -143,7 +143,7 @@ def test_a_quantised_server_is_judged_against_its_own_quantisation(reference, sm
 def test_the_command_line_takes_a_quantised_reference_files_types_as_the_served_precision(smollm2_gguf, tmp_path,
                                                                                            monkeypatch):
     """The file names the served precision and is the reference: read once for both (its tensor types, checked
-    before anything loads, then the reference; 0.7 s a parse), the floor's own conversion once."""
+    before anything loads, then the reference; 0.1 s a parse), the floor's own conversion once."""
     from typer.testing import CliRunner
 
     from posdiag.cli import app

@@ -72,7 +72,8 @@ class Subject:
     tested: str = ""  # multimodal models: the tower the checks run on (towers.tested_tower)
     mask_refusals: dict[str, str] = field(default_factory=dict)  # stack -> why it refuses explicit masks ("": takes)
     cleanup: list[Any] = field(default_factory=list, repr=False)  # weakref.finalize: temporary offload folders
-    tokenizer: tuple[Any, str] | None = field(default=None, repr=False)  # (tokenizer, why none): a .gguf file's
+    # (tokenizer, why none): a .gguf file's, read with its weights; a checkpoint's, once a check has loaded it
+    tokenizer: tuple[Any, str] | None = field(default=None, repr=False)
 
     def close(self) -> None:
         """Release what loading created outside the model (the temporary offload folder).

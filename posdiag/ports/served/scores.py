@@ -25,6 +25,7 @@ starts at position 0, where a token sees only itself and no relative position ca
 from __future__ import annotations
 
 import statistics
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,8 @@ from posdiag.ports.engines.http_server import Reply, ServedEngine
 from posdiag.ports.reference import finer_run, run_stack
 from posdiag.ports.served.precision import ServedFloor
 from posdiag.verdict import MACHINE_EPSILON
+
+_DECODED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (sizes, its Vocabulary)
 
 OFFSETS = (0, 1, -1)
 """Alignments tried for the prompt route: top_logprobs[i] against the reference's distribution over token
@@ -53,14 +56,20 @@ class Vocabulary:
 
     @classmethod
     def of(cls, reference: Subject) -> Vocabulary:
+        """Decoded once per tokenizer and vocabulary size (every comparison with a server needs it: 0.35 s for
+        SmolLM2's 49k ids), kept only as long as the tokenizer lives."""
         tokenizer, why = load_tokenizer(reference)
         if tokenizer is None:
             raise PosdiagError(f"comparing with a server needs the reference's tokenizer (servers take text): {why}")
-        pieces = tokenizer.batch_decode([[i] for i in range(reference.vocab_size)])
-        ids_of: dict[str, list[int]] = {}
-        for i, piece in enumerate(pieces):
-            ids_of.setdefault(piece, []).append(i)
-        return cls(tokenizer, pieces, ids_of)
+        key = (reference.vocab_size, len(tokenizer))  # an added token changes the decoding: decoded again
+        known = _DECODED.get(tokenizer)
+        if known is None or known[0] != key:
+            pieces = tokenizer.batch_decode([[i] for i in range(reference.vocab_size)])
+            ids_of: dict[str, list[int]] = {}
+            for i, piece in enumerate(pieces):
+                ids_of.setdefault(piece, []).append(i)
+            known = _DECODED[tokenizer] = (key, cls(tokenizer, pieces, ids_of))
+        return known[1]
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text)["input_ids"])
