@@ -127,15 +127,18 @@ def test_healthy(posdiag):
 def test_broken(posdiag):
     model = zoo.tiny_model("llama")
     zoo.remove_positions(model, "llama")
-    posdiag.assert_ok(model, checks=["shuffle"])
+    posdiag.assert_ok(model, checks=["load", "shuffle"])
 '''
 
 
 def test_pytest_plugin(pytester):
+    """The `posdiag` fixture passes a healthy model and fails a broken one, listing only the problems (load's PASS
+    is not among them)."""
     pytester.makepyfile(test_model=PLUGIN_TEST)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*posdiag found 1 problem(s)*", "*FAIL shuffle: outputs merely permute*"])
+    assert "PASS load" not in result.stdout.str()
 
 
 @pytest.mark.parametrize("path", ["examples/github-workflow.yml", ".pre-commit-hooks.yaml"])

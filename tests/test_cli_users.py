@@ -372,24 +372,6 @@ def test_show_config_shows_only_the_same_from_either_source(tmp_path, monkeypatc
     assert "['shuffle', 'load']" in next(line for line in from_file.splitlines() if "│ only" in line)
 
 
-PLUGIN_TEST = '''
-from posdiag.testing import zoo
-
-def test_broken(posdiag):
-    model = zoo.tiny_model("llama")
-    zoo.remove_positions(model, "llama")
-    posdiag.assert_ok(model, checks=["load", "shuffle"])
-'''
-
-
-def test_pytest_plugin_lists_only_the_problems(pytester):
-    pytester.makepyfile(test_model=PLUGIN_TEST)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist")
-    result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*posdiag found 1 problem(s)*", "*FAIL shuffle: outputs merely permute*"])
-    assert "PASS load" not in result.stdout.str()
-
-
 def test_junit_is_written_when_the_run_ends_before_any_check(fixtures_dir, tmp_path):
     """--seq-len past the declared context ends the run at once (exit 2), but the JUnit file a CI job uploads is
     still there, saying why."""

@@ -245,6 +245,15 @@ def test_required(posdiag):
     posdiag.assert_ok(zoo.tiny_model("llama"), checks=["table"], require=["table"])
 '''
 
+DOCS_EXAMPLE = '''
+from posdiag.testing import zoo
+
+def test_positions(posdiag):
+    posdiag.assert_ok(zoo.tiny_model("llama"), require=["shuffle", "cache"])  # docs/ci.md, on a fresh Llama
+    posdiag.assert_ok(zoo.tiny_model("llama"))  # every check: fit is n/a on an untrained model built in memory
+'''
+
+
 PLUGIN_DEFAULTS = '''
 import pytest
 from posdiag.results import CheckResult, Report, Status
@@ -271,9 +280,14 @@ def test_allowed_when_told():
 
 
 def test_pytest_plugin_respects_the_policy(pytester):
-    pytester.makepyfile(test_model=PLUGIN_TEST)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist")
-    result.assert_outcomes(passed=1, failed=1)
+    """The fixture reads a policy as the command line does (table is n/a on RoPE: OK by default, a FAIL when
+    required), and docs/ci.md's `require` example passes on a fresh Llama (one run of both files)."""
+    pytester.makepyfile(test_model=PLUGIN_TEST, test_docs_example=DOCS_EXAMPLE)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", "-v")
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines(["*test_docs_example.py::test_positions PASSED*"])
+    result.stdout.fnmatch_lines(["*test_model.py::test_default_policy PASSED*",
+                                 "*test_model.py::test_required FAILED*"])
     result.stdout.fnmatch_lines(["*posdiag found 1 problem(s)*", "*N/A table:*", "*gate: table required, but n/a*"])
 
 
@@ -327,21 +341,6 @@ def test_require_means_only_the_required_checks_must_pass(pytester):
     result.assert_outcomes(passed=1, failed=3)
     result.stdout.fnmatch_lines(["*test_only_the_required_must_pass PASSED*", "*gate: cache required, but skip*",
                                  "*FAIL fit: said so*", "*gate: fit skip, and the gate fails on skip*"])
-
-
-DOCS_EXAMPLE = '''
-from posdiag.testing import zoo
-
-def test_positions(posdiag):
-    posdiag.assert_ok(zoo.tiny_model("llama"), require=["shuffle", "cache"])  # docs/ci.md, on a fresh Llama
-    posdiag.assert_ok(zoo.tiny_model("llama"))  # every check: fit is n/a on an untrained model built in memory
-'''
-
-
-def test_the_documented_require_example_passes_on_a_fresh_llama(pytester):
-    pytester.makepyfile(test_docs_example=DOCS_EXAMPLE)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist")
-    result.assert_outcomes(passed=1)
 
 
 @pytest.mark.parametrize("fixture", ["bert-tiny", "t5-tiny"])
