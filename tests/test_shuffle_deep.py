@@ -7,6 +7,8 @@ on exactly the bug the check exists for (a zoo Llama without positions, 64 layer
 The float64 re-run decides: measured on position-less zoo models of six families at 32 layers x 256 tokens (Llama,
 Qwen2, GPT-NeoX, Phi, GPT-2, OPT), the residual falls to 3e-15..2e-14 against a jittered-row floor of 6e-15..4e-14
 (ratio 0.44-0.61), while each healthy twin keeps 0.75-1.4 (above 1e5x its floor).
+The suite runs 64 x 64 for the false PASS the report found at 64 x 256: the same verdict read off one ulp (143x and
+352x it), decided by the same float64 re-run (ratio 0.29 at 64 x 256), in 4 s of one core instead of 14.
 """
 
 import pytest
@@ -50,10 +52,3 @@ def test_deep_healthy_twin_passes(depth):
     result = shuffle(deep_llama(layers, hidden, tokens, positions=True), tokens)
     assert result.status is Status.PASS, result.summary
     assert result.metrics["ratio"] >= 100
-
-
-@pytest.mark.slow  # ~55 s on two CPU cores: the configuration the false PASS was first measured on
-def test_the_reported_configuration_fails():
-    result = shuffle(deep_llama(64, 256, 256, positions=False), 256)
-    assert result.status is Status.FAIL, result.summary
-    assert result.metrics["residual"] < 1e-12
