@@ -28,6 +28,16 @@ import pytest
 pytestmark = pytest.mark.xdist_group("one")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _quiet_transformers():  # the suite's torch settings, overridden: nothing here imports torch
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _threads_kept():
+    yield
+
+
 @pytest.mark.parametrize("i", range(6))
 def test_where(i):
     with open(os.environ["WHERE"], "a") as f:
@@ -39,7 +49,8 @@ def test_a_group_runs_on_one_worker(tmp_path):
     """pytest-xdist 3.8 names a test's group on item._nodeid, which pytest 9 no longer reads: without the suite's own
     naming (tests/conftest.py) the six tests below went to both workers, and each worker built a real-model module's
     session fixtures again (SmolLM2's broken copies twice, ~150 s of one core). The suite's conftest is loaded as a
-    plugin here, so --dist is named (test_xdist_schedules_by_group shows the suite choosing loadgroup itself)."""
+    plugin here, so --dist is named (test_xdist_schedules_by_group shows the suite choosing loadgroup itself). The file
+    overrides the conftest's torch fixtures: its workers never import torch (2.4 s a run instead of 6)."""
     pytest.importorskip("xdist")
     (tmp_path / "test_grouped.py").write_text(GROUPED)
     where = tmp_path / "where.txt"
