@@ -5,6 +5,7 @@ exit code, never a traceback or a core dump. Also `compare --fail-on/--require`,
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -44,11 +45,14 @@ def test_a_native_crash_in_the_child_is_one_line_naming_the_signal_and_the_file(
 
 
 def test_a_hang_is_stopped_at_the_timeout():
+    """Killed at the timeout: a hung child never reads the quit message a healthy one gets 5 s to obey."""
     process = planted("hang")
     process.request({"open": {}}, "loading it")  # starting Python may take seconds on a busy machine
     process.timeout = 2
+    started = time.monotonic()
     with pytest.raises(EngineCrash, match=r"did not answer within 2 s on 'model.gguf' while running 4 tokens"):
         process.logits([1, 2, 3, 4])
+    assert time.monotonic() - started < 2 + 4  # not the timeout and then the 5 s grace period
     assert process.proc.poll() is not None  # killed, not left behind
 
 

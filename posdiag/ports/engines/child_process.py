@@ -89,7 +89,9 @@ class EngineProcess:
         stream = self.proc.stdout
         while True:
             left = deadline - time.monotonic()
-            if left <= 0:
+            if left <= 0:  # a hung child reads no quit message: killed at once, not after close's grace period
+                self.proc.kill()
+                self.proc.wait()
                 self.close()
                 raise EngineCrash(f"{self.what} did not answer within {self.timeout:g} s on '{self.file}' while "
                                   f"{doing}: stopped (a hang; POSDIAG_ENGINE_TIMEOUT sets the limit)")
