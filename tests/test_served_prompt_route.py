@@ -7,6 +7,8 @@ The reference is fixtures/window-text (a trained character-level Mistral with it
 posdiag's prose). The server computes its answers with its own copy of the model in float32, the way a server runs
 it; each request costs ~0.5 s."""
 
+import gc
+import weakref
 from pathlib import Path
 
 import pytest
@@ -137,10 +139,15 @@ def test_the_reference_tokenizer_is_loaded_and_decoded_once_per_subject():
 
     subject = load_subject(str(MODEL))
     first = Vocabulary.of(subject)
-    assert Vocabulary.of(subject) is first and load_tokenizer(subject)[0] is first.tokenizer
+    second = Vocabulary.of(subject)
+    assert second.pieces is first.pieces and second.tokenizer is first.tokenizer is load_tokenizer(subject)[0]
     assert first.pieces[first.encode("a")[-1]] == "a"
     first.tokenizer.add_tokens(["<posdiag-added>"])
     again = Vocabulary.of(subject)
-    assert again is not first and again.tokenizer is first.tokenizer
+    assert again.pieces is not first.pieces and again.tokenizer is first.tokenizer
     other = Vocabulary.of(load_subject(str(MODEL)))  # another Subject loads its own
     assert other.tokenizer is not first.tokenizer and other.pieces == first.pieces
+    gone = weakref.ref(first.tokenizer)  # what is kept for a tokenizer does not keep it alive
+    del subject, first, second, again
+    gc.collect()
+    assert gone() is None

@@ -130,8 +130,8 @@ def _plain_views(base: type) -> type:
                 parts, end = list(values.reshape(n, 1)), offs + int(values.nbytes)
             else:  # arrays of arrays: the library's way
                 return super()._get_field_parts(orig_offs, raw_type)
-            step = 2 if item == GGUFValueType.STRING else 1
-            data = list(range(2 + step - 1, 2 + step * n, step))
+            step = 2 if item == GGUFValueType.STRING else 1  # a string is two parts: its length, then its bytes
+            data = list(range(2 + step - 1, 2 + step * n, step))  # each item's value, after the type and the count
             return end - orig_offs, [raw_itype, count, *parts], data, [GGUFValueType.ARRAY] + ([item] if n else [])
 
         def _strings(self, offs: int, n: int) -> tuple[list[np.ndarray], int]:

@@ -39,7 +39,7 @@ from posdiag.ports.reference import finer_run, run_stack
 from posdiag.ports.served.precision import ServedFloor
 from posdiag.verdict import MACHINE_EPSILON
 
-_DECODED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (sizes, its Vocabulary)
+_DECODED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (sizes, pieces, ids by piece)
 
 OFFSETS = (0, 1, -1)
 """Alignments tried for the prompt route: top_logprobs[i] against the reference's distribution over token
@@ -68,8 +68,8 @@ class Vocabulary:
             ids_of: dict[str, list[int]] = {}
             for i, piece in enumerate(pieces):
                 ids_of.setdefault(piece, []).append(i)
-            known = _DECODED[tokenizer] = (key, cls(tokenizer, pieces, ids_of))
-        return known[1]
+            known = _DECODED[tokenizer] = (key, pieces, ids_of)  # no reference back to the tokenizer: it can go
+        return cls(tokenizer, known[1], known[2])
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text)["input_ids"])
