@@ -26,20 +26,23 @@ masked; a block whose only difference is such a figure is left as written. tests
 commands in-process under the same TERMINAL and compares them with this module's `expected`, so a pasted block
 that no longer matches what this script renders fails the suite. Rounding-level figures (a residual of 2.85e-16, a
 ratio of two of them) depend on the arithmetic the CPU kernels take, so writing records that arithmetic (torch's
-version and SIMD capability) in RENDERED_ON; on other arithmetic the suite compares blocks with every number masked,
-and the figures within tests/test_docs.py's factor.
+version, SIMD capability and a fingerprint of the bits its kernels give) in RENDERED_ON; on other arithmetic the
+suite compares blocks with every number masked, and the figures within tests/test_docs.py's factor.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
+import functools
 import os
 import re
 import shlex
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -260,11 +263,51 @@ def masked(lines: list[str]) -> list[str]:
     return out
 
 
+@functools.lru_cache(maxsize=1)
 def arithmetic() -> str:
-    """What rounding-level figures depend on: torch's version and the SIMD path its CPU kernels take."""
+    """What rounding-level figures depend on: torch's version, the SIMD path its CPU kernels take, and the bits those
+    kernels give. The SIMD capability alone does not settle it: on two CPUs that both report AVX512 (a Sapphire Rapids
+    and an older Xeon) oneDNN and MKL pick other kernels, and the docs' residuals move in their third digit."""
     import torch
 
-    return f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}"
+    return f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, kernels {kernel_fingerprint()}"
+
+
+def kernel_fingerprint() -> str:
+    """Eight hex digits of the bits the docs' own arithmetic gives on one thread, as rendering runs it: the logits of
+    fixtures/llama-tiny and fixtures/gpt2-tiny on fixed tokens, in float32 and float64, through eager attention and
+    SDPA, and a cached decoding step (~1 s, once a process)."""
+    import hashlib
+    import warnings
+
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    threads, verbosity, bars = torch.get_num_threads(), logging.get_verbosity(), logging.is_progress_bar_enabled()
+    digest = hashlib.sha256()
+    ids = torch.arange(3, 3 + 2 * 24).remainder(250).reshape(2, 24)
+    torch.set_num_threads(1)
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        for name in ("llama-tiny", "gpt2-tiny"):
+            loaded = AutoModelForCausalLM.from_pretrained(ROOT / "fixtures" / name).eval()
+            for model in (loaded, copy.deepcopy(loaded).double()):
+                for attention in ("eager", "sdpa"):
+                    model.set_attn_implementation(attention)
+                    with torch.inference_mode(), warnings.catch_warnings():
+                        warnings.simplefilter("ignore")  # the cache's keyword is renamed across transformers 5.x
+                        out = model(ids[:, :-1], use_cache=True)
+                        step = model(ids[:, -1:], past_key_values=out.past_key_values).logits
+                    for logits in (out.logits, step):
+                        digest.update(logits.contiguous().numpy().tobytes())
+    finally:
+        torch.set_num_threads(threads)
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()
+    return digest.hexdigest()[:8]
 
 
 def rendered_on() -> str:
@@ -276,17 +319,26 @@ def without_numbers(lines: list[str]) -> list[str]:
 
 
 def drift(block: Block, body: list[str], numbers: bool = True) -> str:
-    """'' when the page shows `body` (volatile figures masked; every number too unless `numbers`), else the first
-    line that differs."""
+    """'' when the page shows `body` (volatile figures masked), else the first line that differs. Without `numbers`
+    (other arithmetic) every number is masked and the words are compared, not the lines: a figure printed one digit
+    wider wraps a line elsewhere."""
     shown, real = masked(block.body), masked(body)
     if not numbers:
-        shown, real = without_numbers(shown), without_numbers(real)
+        missing, extra = Counter(words(shown)), Counter(words(real))
+        missing, extra = missing - extra, extra - missing
+        return "" if not missing and not extra else (f"the block shows {sorted(missing)[:5]} the run does not print"
+                                                     f" and the run prints {sorted(extra)[:5]}")
     if shown == real:
         return ""
     for n, (a, b) in enumerate(zip(shown, real, strict=False)):
         if a != b:
             return f"line {n + 1} of the block: shows {a!r}, renders {b!r}"
     return f"the block shows {len(shown)} lines, the run renders {len(real)}"
+
+
+def words(lines: list[str]) -> list[str]:
+    """The words of LINES with every number masked, table borders left out: what a rewrap cannot change."""
+    return [w for w in " ".join(without_numbers(lines)).split() if any(c.isalnum() for c in w)]
 
 
 def config_example(page: Path) -> str | None:
