@@ -118,29 +118,6 @@ def test_python_api_on_an_in_memory_model():
     assert check_model(model, ["shuffle"]).exit_code == 1
 
 
-PLUGIN_TEST = '''
-from posdiag.testing import zoo
-
-def test_healthy(posdiag):
-    posdiag.assert_ok(zoo.tiny_model("llama"), checks=["shuffle"])
-
-def test_broken(posdiag):
-    model = zoo.tiny_model("llama")
-    zoo.remove_positions(model, "llama")
-    posdiag.assert_ok(model, checks=["load", "shuffle"])
-'''
-
-
-def test_pytest_plugin(pytester):
-    """The `posdiag` fixture passes a healthy model and fails a broken one, listing only the problems (load's PASS
-    is not among them)."""
-    pytester.makepyfile(test_model=PLUGIN_TEST)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist")
-    result.assert_outcomes(passed=1, failed=1)
-    result.stdout.fnmatch_lines(["*posdiag found 1 problem(s)*", "*FAIL shuffle: outputs merely permute*"])
-    assert "PASS load" not in result.stdout.str()
-
-
 @pytest.mark.parametrize("path", ["examples/github-workflow.yml", ".pre-commit-hooks.yaml"])
 def test_example_ci_files_are_valid_yaml(path):
     from pathlib import Path

@@ -245,6 +245,18 @@ def test_required(posdiag):
     posdiag.assert_ok(zoo.tiny_model("llama"), checks=["table"], require=["table"])
 '''
 
+HEALTHY_AND_BROKEN = '''
+from posdiag.testing import zoo
+
+def test_healthy(posdiag):
+    posdiag.assert_ok(zoo.tiny_model("llama"), checks=["shuffle"])
+
+def test_broken(posdiag):
+    model = zoo.tiny_model("llama")
+    zoo.remove_positions(model, "llama")
+    posdiag.assert_ok(model, checks=["load", "shuffle"])
+'''
+
 DOCS_EXAMPLE = '''
 from posdiag.testing import zoo
 
@@ -281,14 +293,19 @@ def test_allowed_when_told():
 
 def test_pytest_plugin_respects_the_policy(pytester):
     """The fixture reads a policy as the command line does (table is n/a on RoPE: OK by default, a FAIL when
-    required), and docs/ci.md's `require` example passes on a fresh Llama (one run of both files)."""
-    pytester.makepyfile(test_model=PLUGIN_TEST, test_docs_example=DOCS_EXAMPLE)
+    required); it passes a healthy model and fails a broken one, listing only the problems (load's PASS is not among
+    them); and docs/ci.md's `require` example passes on a fresh Llama. One run of the three files: each inner run
+    costs a process importing torch and transformers."""
+    pytester.makepyfile(test_model=PLUGIN_TEST, test_plugin=HEALTHY_AND_BROKEN, test_docs_example=DOCS_EXAMPLE)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", "-v")
-    result.assert_outcomes(passed=2, failed=1)
+    result.assert_outcomes(passed=3, failed=2)
     result.stdout.fnmatch_lines(["*test_docs_example.py::test_positions PASSED*"])
     result.stdout.fnmatch_lines(["*test_model.py::test_default_policy PASSED*",
                                  "*test_model.py::test_required FAILED*"])
+    result.stdout.fnmatch_lines(["*test_plugin.py::test_healthy PASSED*", "*test_plugin.py::test_broken FAILED*"])
     result.stdout.fnmatch_lines(["*posdiag found 1 problem(s)*", "*N/A table:*", "*gate: table required, but n/a*"])
+    result.stdout.fnmatch_lines(["*posdiag found 1 problem(s)*", "*FAIL shuffle: outputs merely permute*"])
+    assert "PASS load" not in result.stdout.str()
 
 
 def test_pytest_plugin_refuses_skips_and_warnings_unless_told(pytester):
