@@ -308,16 +308,6 @@ def test_pytest_plugin_respects_the_policy(pytester):
     assert "PASS load" not in result.stdout.str()
 
 
-def test_pytest_plugin_refuses_skips_and_warnings_unless_told(pytester):
-    """A SKIP or a WARN was not judged: assert_ok does not pass it by default (allow_skips / allow_warnings)."""
-    pytester.makepyfile(test_defaults=PLUGIN_DEFAULTS, tests_info=f"from posdiag.results import ModelInfo\n"
-                        f"MODEL = {MODEL!r}\n")
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist")
-    result.assert_outcomes(passed=1, failed=2)
-    result.stdout.fnmatch_lines(["*gate: shuffle skip, and the gate fails on skip*",
-                                 "*gate: shuffle warn, and the gate fails on warn*"])
-
-
 PLUGIN_REQUIRE = '''
 import pytest
 from posdiag.results import CheckResult, Report, Status
@@ -348,16 +338,22 @@ def test_told_to_refuse_skips_it_does():
 '''
 
 
-def test_require_means_only_the_required_checks_must_pass(pytester):
-    """`assert_ok(model, require=[...])` held every other check to PASS too (its default refusal of skips and
-    warnings stayed on), so fit's SKIP failed the docs/ci.md example on every fresh decoder. Named, the required
-    checks must PASS; the rest may skip, warn or be n/a; a FAIL anywhere, or a required check that skips, fails."""
-    pytester.makepyfile(test_require=PLUGIN_REQUIRE, tests_info=f"from posdiag.results import ModelInfo\n"
-                        f"MODEL = {MODEL!r}\n")
+def test_pytest_plugin_gates_skips_warnings_and_required_checks(pytester):
+    """A SKIP or a WARN was not judged: assert_ok does not pass it by default (allow_skips / allow_warnings).
+    `assert_ok(model, require=[...])` held every other check to PASS too (its default refusal of skips and warnings
+    stayed on), so fit's SKIP failed the docs/ci.md example on every fresh decoder. Named, the required checks must
+    PASS; the rest may skip, warn or be n/a; a FAIL anywhere, or a required check that skips, fails. One inner run
+    of both files."""
+    pytester.makepyfile(test_defaults=PLUGIN_DEFAULTS, test_require=PLUGIN_REQUIRE,
+                        tests_info=f"from posdiag.results import ModelInfo\nMODEL = {MODEL!r}\n")
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", "-v")
-    result.assert_outcomes(passed=1, failed=3)
-    result.stdout.fnmatch_lines(["*test_only_the_required_must_pass PASSED*", "*gate: cache required, but skip*",
-                                 "*FAIL fit: said so*", "*gate: fit skip, and the gate fails on skip*"])
+    result.assert_outcomes(passed=2, failed=5)
+    result.stdout.fnmatch_lines(["*test_defaults.py::test_allowed_when_told PASSED*",
+                                 "*test_require.py::test_only_the_required_must_pass PASSED*"])
+    result.stdout.fnmatch_lines(["*gate: shuffle skip, and the gate fails on skip*",
+                                 "*gate: shuffle warn, and the gate fails on warn*"])
+    result.stdout.fnmatch_lines(["*gate: cache required, but skip*", "*FAIL fit: said so*",
+                                 "*gate: fit skip, and the gate fails on skip*"])
 
 
 @pytest.mark.parametrize("fixture", ["bert-tiny", "t5-tiny"])
