@@ -7,7 +7,7 @@ row's first position (drop=1: a decode step of one token sees position 0; drop=0
 same for both, so inductor's on-disk cache compiles the float32 shapes once for the pair; the planted twin adds its
 float64 re-run. Measured with OMP_NUM_THREADS=1 on a busy 2-core machine: 25-37 s with inductor's on-disk cache warm
 (/tmp/torchinductor_$USER), 91 s cold (gcc builds 34 kernels of 4 graphs at 1-3 s each: the compile is the cost);
-on a quiet one, 12 s warm and 45 s cold, 33 s cold with scalar kernels (the fixture below)."""
+on a quiet one, 12 s warm and 45 s cold, 30 s cold with scalar kernels (the fixture below)."""
 
 from dataclasses import replace
 
@@ -81,7 +81,7 @@ def test_compiled_generate_compiles_and_judges_the_compiled_path():
 def _clean_compiler_state():
     """Inductor builds scalar C++ kernels here (cpp.vec_isa_ok off): the same four graphs (batch 1 and 3, float32 and
     the float64 re-run) through the same C compiler on the same compiled path, without the vectorised code that gcc
-    spends most of a cold build on. CI always starts cold: measured with OMP_NUM_THREADS=1, 33 s instead of 45 cold,
+    spends most of a cold build on. CI always starts cold: measured with OMP_NUM_THREADS=1, 30 s instead of 45 cold,
     12 s either way warm. What is judged (the plant moving positions under compilation only) does not depend on it."""
     from torch._inductor import config
 
