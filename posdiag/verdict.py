@@ -125,6 +125,36 @@ def judge_agreement(error: float, measured_floor: float, dtype: str, factor: flo
     return FloorVerdict(Status.FAIL, error, floor, ratio, f"differs by {ratio:.3g}x the noise floor")
 
 
+# Power: could this PASS have failed? An agreement path proves something only where a position bug on that very path
+# would have stood above its tolerance in the same run. The smallest such bug is a one-position slip at the path's
+# boundary (a continuation numbered one early, a prefix hit one slot off, a chunk restarted one short): posdiag plants
+# it itself, runs the same path in the same dtype against the same reference and floor, and reads its ratio. A slip
+# the band would pass means the path's PASS could not have failed: inconclusive (WARN), never PASS. Measured on the
+# real SmolLM2 stored in bfloat16: a chunked prefill one position early moves the logits by 7.2-7.7 yet measured
+# 0.376x a bfloat16 floor of 0.16, so a PASS there claimed power it never had.
+
+
+def slip_detectable(slip_error: float, measured_floor: float, dtype: str) -> bool:
+    """A one-position slip on a path, measured like the path itself, stands above the agreement tolerance (a
+    non-finite slip counts: the band would FAIL it)."""
+    return not within_tolerance(slip_error, noise_floor(measured_floor, dtype))
+
+
+def with_power(verdict: FloorVerdict, slip_error: float | None, measured_floor: float, dtype: str,
+               path: str = "this path") -> FloorVerdict:
+    """A PASS whose one-position slip (its error `slip_error`, measured in `dtype` against `measured_floor`) the band
+    would also pass becomes a WARN naming the dtype and the slip's ratio; any other verdict, or a path whose slip
+    could not be planted (None), stands as it is."""
+    if verdict.status is not Status.PASS or slip_error is None or slip_detectable(slip_error, measured_floor, dtype):
+        return verdict
+    floor = noise_floor(measured_floor, dtype)
+    return FloorVerdict(
+        Status.WARN, verdict.residual, verdict.noise_floor, verdict.ratio,
+        f"inconclusive in {dtype}: a one-position slip on {path} measures {slip_error:.3g} = {slip_error / floor:.3g}x "
+        f"the noise floor {floor:.2g}, within the {FAIL_RATIO:g}x tolerance, so this agreement could not have failed; "
+        f"rerun in float32 (--dtype float32) to decide")
+
+
 # Float64 arbitration. Rounding error scales with the unit of the dtype: float32 -> float64 shrinks it by
 # ~1e9 (measured: a healthy hybrid's chunked cache continuation 4.4e-7 in float32, 0.0 in float64), while a bug
 # stays (the buggy ones: 4.9e-2 in both). A disagreement that shrinks by SHRINK_RATIO or more, that passes the
