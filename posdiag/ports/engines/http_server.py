@@ -61,6 +61,9 @@ class Reply:
     finish_reason: str | None
     prompt_logprobs: bool = False
     """True when the scores came from vLLM's `prompt_logprobs` (token ids known), not from echo."""
+    cached_tokens: int | None = None
+    """Prompt tokens the server says it served from its cache (usage.prompt_tokens_details.cached_tokens: vLLM with
+    --enable-prompt-tokens-details, recent llama.cpp; llama.cpp's timings.cache_n); None: it does not say."""
 
 
 @dataclass
@@ -114,6 +117,20 @@ class ServedEngine:
         if self.model is None and len(names) > 1:
             raise PosdiagError(f"the server at {self.base} serves {len(names)} models ({', '.join(names[:4])}): "
                                "name one with --served-model")
+
+    def metrics(self) -> dict[str, float] | None:
+        """The server's Prometheus counters (GET /metrics beside /v1: vLLM, SGLang, llama.cpp with --metrics), each
+        name summed over its labels; None where it serves none (any error: the counters are evidence, not needed)."""
+        root = self.base[:-len("/v1")] if self.base.endswith("/v1") else self.base
+        request = urllib.request.Request(root + "/metrics", headers={"Accept": "text/plain"}, method="GET")
+        if self.api_key:
+            request.add_header("Authorization", f"Bearer {self.api_key}")
+        try:
+            with _OPENER.open(request, timeout=self.timeout) as response:
+                text = response.read().decode(errors="replace")
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+        return prometheus_sums(text) or None
 
     def post(self, path: str, payload: dict[str, Any], doing: str) -> dict[str, Any]:
         return self.call("POST", path, payload, doing)
@@ -194,6 +211,33 @@ def _reason(reason: Any) -> str:
     return " ".join(str(reason).split())[:160] or type(reason).__name__
 
 
+def prometheus_sums(text: str) -> dict[str, float]:
+    """Prometheus text format: each sample's value summed by metric name (its labels dropped)."""
+    sums: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        labelled = "{" in line and "}" in line
+        name = line[:line.index("{")] if labelled else line.split()[0]
+        rest = (line[line.rindex("}") + 1:] if labelled else line[len(name):]).split()  # value [timestamp]
+        try:
+            sums[name] = sums.get(name, 0.0) + float(rest[0])
+        except (IndexError, ValueError):
+            continue
+    return sums
+
+
+def cached_tokens(reply: dict[str, Any]) -> int | None:
+    """The prompt tokens a reply says were served from the server's cache, where it says."""
+    details = (reply.get("usage") or {}).get("prompt_tokens_details")
+    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+        return details["cached_tokens"]
+    timings = reply.get("timings")
+    if isinstance(timings, dict) and isinstance(timings.get("cache_n"), int):
+        return timings["cache_n"]
+    return None
+
+
 def _choice(reply: dict[str, Any], what: str) -> dict[str, Any]:
     choices = reply.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
@@ -249,4 +293,5 @@ def _generated_part(reply: dict[str, Any], k: int) -> Reply:
         raise PosdiagError(f"the server returned {len(scored[few[0]].top)} log-probs per token, fewer than the {k} "
                            "asked (its limit on `logprobs`?): ask fewer with --top-k")
     usage = reply.get("usage") or {}
-    return Reply(tuple(scored), str(choice.get("text", "")), usage.get("prompt_tokens"), choice.get("finish_reason"))
+    return Reply(tuple(scored), str(choice.get("text", "")), usage.get("prompt_tokens"), choice.get("finish_reason"),
+                 cached_tokens=cached_tokens(reply))
