@@ -155,6 +155,25 @@ def with_power(verdict: FloorVerdict, slip_error: float | None, measured_floor: 
         f"rerun in float32 (--dtype float32) to decide")
 
 
+def powered(verdicts: dict[str, FloorVerdict], slip_error: float | None, measured_floor: float, dtype: str,
+            finer_decided: bool, path: str) -> tuple[dict[str, FloorVerdict], str]:
+    """Every PASS checked for power in the dtype that decided it, and the clause a summary carries. Where a float64
+    re-run decided (always in half precision), its floor resolves a slip and the verdicts stand; where the run dtype
+    decided in half precision, a PASS whose slip the band would pass is a WARN (with_power). In float32 the slip's
+    ratio is reported: one within the band there means the path reads no position from position_ids (ALiBi, a
+    model without positions), which is not a precision's blindness."""
+    if slip_error is None:
+        return verdicts, ""
+    floor = noise_floor(measured_floor, dtype)
+    ratio = slip_error / floor
+    clause = f"a one-position slip on {path}: {ratio:.3g}x the {dtype} floor"
+    if finer_decided and not slip_detectable(slip_error, measured_floor, dtype):
+        return verdicts, f"{clause}, which {dtype} alone could not resolve: decided in float64"
+    if dtype not in LOW_PRECISION or finer_decided:
+        return verdicts, clause
+    return {name: with_power(v, slip_error, measured_floor, dtype, path) for name, v in verdicts.items()}, clause
+
+
 # Float64 arbitration. Rounding error scales with the unit of the dtype: float32 -> float64 shrinks it by
 # ~1e9 (measured: a healthy hybrid's chunked cache continuation 4.4e-7 in float32, 0.0 in float64), while a bug
 # stays (the buggy ones: 4.9e-2 in both). A disagreement that shrinks by SHRINK_RATIO or more, that passes the
@@ -175,9 +194,11 @@ def degenerate_floor(measured_floor: float, dtype: str) -> bool:
 
 
 def needs_arbitration(verdict: FloorVerdict, measured_floor: float, dtype: str) -> bool:
-    """Re-run both sides in float64 when the run-dtype verdict is not a pass (a pass needs no deciding: a
-    degenerate floor only makes the tolerance stricter)."""
-    return verdict.status is not Status.PASS
+    """Re-run both sides in float64 when the run-dtype verdict is not a pass (in float32 a pass needs no deciding: a
+    degenerate floor only makes the tolerance stricter), and always in half precision: there the float64 re-run is
+    read both ways (a bfloat16 floor is coarse enough to pass a one-position slip, which float64 shows as a bug), and
+    it is what decides."""
+    return verdict.status is not Status.PASS or dtype in LOW_PRECISION
 
 
 def judge_arbitrated(error: float, measured_floor: float, dtype: str, error64: float, floor64: float,
@@ -194,8 +215,11 @@ def judge_arbitrated(error: float, measured_floor: float, dtype: str, error64: f
         return FloorVerdict(Status.FAIL, error, floor, ratio, f"{both}: non-finite outputs in {finer}")
     shrink = error / error64 if error64 > 0 else float("inf")
     # Back within the run dtype's own tolerance in float64: what is left is smaller than the rounding the run
-    # dtype allows (code that casts to float32 inside keeps some: Falcon-H1's decode step, 2.6e-8 in float64).
-    within = error64 <= agreement_tolerance(measured_floor, dtype)
+    # dtype allows (code that casts to float32 inside keeps some: Falcon-H1's decode step, 2.6e-8 in float64). A
+    # half-precision run allows no more than float32 does here: its own tolerance (a bfloat16 floor of 0.16 on the real
+    # SmolLM2) would excuse a one-position slip (0.06) that float64 shows at full size.
+    within = error64 <= (agreement_tolerance(0.0, "float32") if dtype in LOW_PRECISION
+                         else agreement_tolerance(measured_floor, dtype))
     if judge_agreement(error64, floor64, finer).status is Status.PASS or shrink >= SHRINK_RATIO or within:
         return FloorVerdict(Status.PASS, error, floor, ratio, f"{both}: rounding (it shrinks with precision)")
     return FloorVerdict(Status.FAIL, error, floor, ratio, f"{both}: a bug (it does not shrink with precision)")

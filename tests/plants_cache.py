@@ -145,3 +145,25 @@ def generation_positions_ignore_padding(model: torch.nn.Module) -> torch.nn.Modu
 
     model.prepare_inputs_for_generation = types.MethodType(prepare, model)
     return model
+
+
+def continuation_one_early(model: torch.nn.Module) -> torch.nn.Module:
+    """A forward that continues a cache without position_ids numbers its tokens from the cache length - 1 (a chunked
+    prefill or decode step one position early: moeut PR #6, mlx-vlm #1983's class); the first forward and every call
+    given position_ids are right. A forward pre-hook on the model instance writes the wrong position_ids."""
+    from posdiag.model.caches import cache_keyword
+
+    keyword = cache_keyword(model)
+
+    def hook(module, args, kwargs):
+        cache = kwargs.get(keyword)
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if kwargs.get("position_ids") is not None or cache is None or ids is None:
+            return args, kwargs
+        past = int(cache.get_seq_length())
+        if past > 0:
+            kwargs["position_ids"] = torch.arange(past - 1, past - 1 + ids.shape[-1], device=ids.device)[None]
+        return args, kwargs
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    return model

@@ -67,11 +67,12 @@ def test_a_long_window_is_run_a_few_tokens_past_and_each_shared_forward_is_fed_o
     assert continues["dynamic/chunks"] == {"path": "dynamic/chunked_prefill", "steps_shared": 2}
     assert continues["dynamic/decode+position_ids"] == {"path": "dynamic/decode", "steps_shared": 1}
     # tokens: the full forward, the floor's prefix (the decode prefill), a jittered full forward where that floor
-    # was degenerate, every path's own steps (not those it shares), and the two-token cache probe
+    # was degenerate, every path's own steps (not those it shares), the two-token cache probe and the one-token slip
+    # (the decode path's first step one position early: the run's power)
     own = sum(end - start for p in paths.values() for start, end in p["steps"][(p.get("continues") or {}).get(
         "steps_shared", 0):])
     jitter = length if "jittered" in result.details["floor_source"] else 0
-    assert sum(fed) == 2 + length + (length - 4) + jitter + own
+    assert sum(fed) == 2 + length + (length - 4) + jitter + own + 1
     tail = 2 * PAST_BOUNDARY  # chunks continue from window - PAST_BOUNDARY: the window sits mid-tail
     assert chunks[2][0] == LONG_WINDOW - PAST_BOUNDARY
     assert own == 2 * (length + length + tail) + 4 + tail  # dynamic and static: decode, chunked, chunks; ids twins

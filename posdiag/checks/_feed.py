@@ -40,14 +40,16 @@ class Feed:
         length = self.ids.shape[1]
         return new_cache(self.subject, kind, max_len=length + room, encoder_len=length if self.seq2seq else 0)
 
-    def __call__(self, start: int, end: int, cache: Any = None, with_ids: bool = False) -> torch.Tensor:
+    def __call__(self, start: int, end: int, cache: Any = None, with_ids: bool = False, slip: int = 0) -> torch.Tensor:
+        """The final state of tokens start..end-1 fed in one forward; `with_ids`: position_ids passed, numbered `slip`
+        positions early (posdiag's own one-position slip: the power of a comparison)."""
         subject, ids = self.subject, self.ids
         subject.forward_count += 1
         first = 0 if self.whole and cache is not None else start  # CPM-Ant slices the cached prefix off itself
         kwargs: dict[str, Any] = {self.keyword: cache, "use_cache": cache is not None, "return_dict": True,
                                   "output_hidden_states": True, **self.extra}
         if with_ids:
-            positions = torch.arange(start, end, device=ids.device)[None]
+            positions = torch.arange(start - slip, end - slip, device=ids.device)[None]
             kwargs["position_ids"] = subject.position_ids_for(positions)
         try:
             out = self._forward(ids[:, first:end] if not self.seq2seq else ids[:, start:end], kwargs)
@@ -55,13 +57,13 @@ class Feed:
             if self.hidden is not None or not torch.is_tensor(self.extra.get("logits_to_keep")):
                 raise
             self.extra = {"logits_to_keep": 1}  # the first (cache-free) forward refused an empty head: one row
-            return self(start, end, cache, with_ids)
+            return self(start, end, cache, with_ids, slip)
         state = final_state(out, end - start)
         if self.hidden is None:  # the first forward (the full one) settles what every later one is compared by
             self.hidden = state is not None
             if not self.hidden and self.extra:  # no state per token: logits, then at every position
                 self.extra = {}
-                return self(start, end, cache, with_ids)
+                return self(start, end, cache, with_ids, slip)
         if self.hidden and state is None:
             raise StateMissing(f"{type(subject.model).__name__} returned no final hidden state for a cached step "
                                "although its full forward did: posdiag cannot compare the two")
@@ -86,3 +88,14 @@ def feeds_whole_sequence(model: torch.nn.Module) -> bool:
         return step["input_ids"].shape[1] > 1
     except Exception:  # a signature of its own: steps are fed as generate() feeds most models
         return False
+
+
+def prefill_layers(cache: Any) -> list[Any]:
+    """Cache layers that keep the tokens of the first forward (the prefill) apart from those continued after it:
+    reference sliding-window attention (transformers' ``reference_sliding_attention`` layers) lets every later token
+    see all prefill tokens and only the last ``sliding_window`` of the rest, while a forward without a cache treats
+    every token as prefill. A continuation is compared with the full forward with the same prefill declared
+    (``set_prefill_length``, as generate() declares it); against the plain forward, chunks past the window differed
+    by design (Unlimited-OCR: 0.06, the same in float64; 1.6e-7 with the prefill declared)."""
+    cache = getattr(cache, "self_attention_cache", cache)
+    return [layer for layer in getattr(cache, "layers", ()) if callable(getattr(layer, "set_prefill_length", None))]

@@ -39,7 +39,7 @@ import torch
 
 from posdiag.checks import CheckSpec, Option
 from posdiag.checks._cache_plan import Plan, Schedule, plan_probe, schedules
-from posdiag.checks._feed import Feed, StateMissing
+from posdiag.checks._feed import Feed, StateMissing, prefill_layers
 from posdiag.checks._image_decode import decode_after_image, with_image_decode
 from posdiag.checks._image_paths import with_chunked_prefill
 from posdiag.errors import describe_error, raised_in_posdiag
@@ -66,6 +66,7 @@ from posdiag.verdict import (
     degenerate_floor,
     judge_agreement,
     noise_floor,
+    powered,
     worst_error,
 )
 
@@ -118,8 +119,9 @@ class Measurement:
     floor: float  # measured, before the dtype minimum
     paths: list[PathResult]
     finite: bool = True
-    prefill_declared: bool = False  # each path's reference declares its first forward the prefill (_prefill_layers)
+    prefill_declared: bool = False  # each path's reference declares its first forward the prefill (prefill_layers)
     floor_source: str = FLOOR_SOURCE
+    slip_error: float | None = None  # the decode path's first step fed one position early (None: not planted)
 
 
 def run(subject: Subject, options: RunOptions) -> CheckResult:
@@ -157,10 +159,12 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
         return _measure(subject, ids, _paths(planned, explicit, kinds), _steps_to_rerun(first, names, tolerance))
 
     tolerance = agreement_tolerance(first.floor, dtype)
-    arbitration = arbitrate(subject, measure, first.floor, verdicts, dtype,
-                            lambda m: (m.floor, {p.name: p.max_error for p in m.paths if p.judged}), subset=True)
+    finer: list[Measurement] = []  # the float64 re-run, where one ran: it names the first step that departs
+    arbitration = arbitrate(subject, measure, first.floor, verdicts, dtype, lambda m: finer.append(m) or (
+        m.floor, {p.name: p.max_error for p in m.paths if p.judged}), subset=True)
     verdicts.update(arbitration.verdicts)
-    result = _report(subject, first, verdicts, arbitration, plan, dtype, refused)
+    verdicts, power = powered(verdicts, first.slip_error, first.floor, dtype, bool(finer), "the decode path")
+    result = _report(subject, first, verdicts, arbitration, plan, dtype, refused, finer, power)
     result = with_image_decode(result, subject, options.seed, lambda prompt: decode_after_image(  # multimodal RoPE
         subject, prompt, new_cache(subject, "dynamic", max_len=prompt.ids.shape[1] + steps + 1), steps, options.seed))
     return with_chunked_prefill(result, subject, options.seed, steps)  # and its prompt fed in chunks
@@ -214,7 +218,22 @@ def _measure(subject: Subject, ids: torch.Tensor, paths: list[PathResult], only:
         snapshot = _run_path(feed, path, cache, reference, first, branch)
         if snapshot is not None:
             trunks[path.name] = snapshot
-    return Measurement(floor, paths, prefill_declared=bool(references), floor_source=source)
+    slip = _slip(feed, paths, trunks.get("dynamic/decode"), full, references)
+    return Measurement(floor, paths, prefill_declared=bool(references), floor_source=source, slip_error=slip)
+
+
+def _slip(feed: Feed, paths: list[PathResult], trunk: tuple[Any, list[float]] | None, full: torch.Tensor,
+          references: dict[int, torch.Tensor]) -> float | None:
+    """The run's power: the decode path's first step after the prefill fed with position_ids one early (a copy of its
+    cache after the prefill, kept where the explicit-ids path continues it), against the same reference. None where
+    the family takes no position_ids or that cache is not there."""
+    path = next((p for p in paths if p.name == "dynamic/decode" and p.judged), None)
+    cache = copied_cache(trunk[0]) if trunk is not None and path is not None else None
+    if cache is None:
+        return None
+    start = path.steps[0][1]
+    reference = _reference(feed, path, cache, full, references)
+    return relative_l2(feed(start, start + 1, cache, True, slip=1), reference[start:start + 1])
 
 
 def _floor(subject: Subject, feed: Feed, paths: list[PathResult], full: torch.Tensor,
@@ -238,12 +257,12 @@ def _reference(feed: Feed, path: PathResult, cache: Any, full: torch.Tensor,
                references: dict[int, torch.Tensor]) -> torch.Tensor:
     """What the path is compared with: the full forward, or (reference sliding-window cache layers) the full forward
     with the path's first forward declared the prefill, computed once per prefill length."""
-    if not _prefill_layers(cache):
+    if not prefill_layers(cache):
         return full
     prefill = path.steps[0][1]
     if prefill not in references:
         declared = feed.cache("dynamic")
-        for layer in _prefill_layers(declared):
+        for layer in prefill_layers(declared):
             layer.set_prefill_length(prefill)
         references[prefill] = feed(0, full.shape[0], declared)
     return references[prefill]
@@ -286,17 +305,6 @@ def _steps_to_rerun(m: Measurement, names: set[str], tolerance: float) -> dict[s
     return steps
 
 
-def _prefill_layers(cache: Any) -> list[Any]:
-    """Cache layers that keep the tokens of the first forward (the prefill) apart from those continued after it:
-    reference sliding-window attention (transformers' ``reference_sliding_attention`` layers) lets every later token
-    see all prefill tokens and only the last ``sliding_window`` of the rest, while a forward without a cache treats
-    every token as prefill. A continuation is compared with the full forward with the same prefill declared
-    (``set_prefill_length``, as generate() declares it); against the plain forward, chunks past the window differed
-    by design (Unlimited-OCR: 0.06, the same in float64; 1.6e-7 with the prefill declared)."""
-    cache = getattr(cache, "self_attention_cache", cache)
-    return [layer for layer in getattr(cache, "layers", ()) if callable(getattr(layer, "set_prefill_length", None))]
-
-
 def _notes(subject: Subject, m: Measurement, plan: Plan, refused: str, refusals: list,
            details: dict[str, Any]) -> str:
     """The summary's tail (boundaries not reached, paths not run or not judged, the reference used, the cache note),
@@ -322,7 +330,7 @@ def _notes(subject: Subject, m: Measurement, plan: Plan, refused: str, refusals:
 
 
 def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict], arbitration: Any,
-            plan: Plan, dtype: str, refused: str = "") -> CheckResult:
+            plan: Plan, dtype: str, refused: str = "", finer: list[Measurement] = (), power: str = "") -> CheckResult:
     length, floor = plan.length, noise_floor(m.floor, dtype)
     tolerance = FAIL_RATIO * floor
     judged = [p for p in m.paths if p.judged]
@@ -349,7 +357,10 @@ def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict],
             details["paths"][p.name]["continues"] = {"path": p.parent, "steps_shared": p.shared}
     table = Table("cached decoding vs full forward", ("path", "forwards", "max step error", "noise floor", "ratio",
                                                       "first diverging step"), tuple(rows))
-    tail = _notes(subject, m, plan, refused, refusals, details)
+    tail = _notes(subject, m, plan, refused, refusals, details) + (f"; {power}" if power and not failing else "")
+    if m.slip_error is not None:
+        details["slip"] = {"error": m.slip_error, "ratio": m.slip_error / floor, "dtype": dtype,
+                           "how": "dynamic/decode's first step after the prefill, position_ids one early"}
     if worst.crashed:
         metrics = {"paths_judged": len(judged)}
         summary = f"{worst.name} crashed: {worst.crashed} (a cache transformers accepts for this model){tail}"
@@ -358,12 +369,16 @@ def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict],
     metrics = {"error": v.residual, "noise_floor": v.noise_floor, "ratio": v.ratio, "tolerance": tolerance,
                "paths_judged": len(judged), **arbitration.metrics}
     if status is Status.FAIL:
+        worst_finer = next((p for f in finer for p in f.paths if p.name == worst.name), None)
         bad = _first_bad(worst, tolerance)
+        if bad is None and worst_finer is not None:  # decided in float64: the first step over its tolerance there
+            bad = _first_bad(worst_finer, agreement_tolerance(finer[0].floor, "float64"))
         step = _step_name(worst, bad) if bad is not None else "?"
-        err = worst.errors[bad] if bad is not None else worst.max_error
+        err = worst.errors[bad] if bad is not None and bad < len(worst.errors) else worst.max_error
         details["first_diverging"] = {"path": worst.name, "step": step, "error": err}
-        summary = (f"{worst.name}: {step} differs from the full forward by {err:.3g} = {err / floor:.3g}x the noise "
-                   f"floor {floor:.2g}{arbitration.clause(worst.name)} "
+        size = f"by {err:.3g} = {err / floor:.3g}x the noise floor {floor:.2g}" if err > tolerance else \
+            f"in float64 (within the {dtype} floor {floor:.2g} as run)"
+        summary = (f"{worst.name}: {step} differs from the full forward {size}{arbitration.clause(worst.name)} "
                    f"(failing: {', '.join(p.name for p in failing)}){tail}")
     elif status is Status.WARN:
         summary = f"{worst.name}: {v.reason}{tail}"

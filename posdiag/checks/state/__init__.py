@@ -31,7 +31,7 @@ from posdiag.model.subject import Subject
 from posdiag.model.tensors import relative_l2
 from posdiag.options import RunOptions, probe_ids
 from posdiag.results import CheckResult, Status, Table
-from posdiag.verdict import FloorVerdict, agreement_tolerance, judge_agreement
+from posdiag.verdict import LOW_PRECISION, FloorVerdict, agreement_tolerance, judge_agreement
 
 SPEC = CheckSpec(
     name="state",
@@ -131,7 +131,7 @@ def _judged(subject: Subject, fresh: ModelState, seq: Sequence, seed: int) -> Ou
         outcome.verdict = FloorVerdict(Status.FAIL, float("inf"), outcome.floor, float("inf"), "crashed")
         return outcome
     outcome.verdict = judge_agreement(outcome.error, outcome.floor, dtype)
-    if outcome.verdict.status is Status.FAIL and outcome.error == outcome.error:
+    if (outcome.verdict.status is Status.FAIL or dtype in LOW_PRECISION) and outcome.error == outcome.error:
         name = seq.name
         # a re-run that crashed or did not run where the run dtype ran did not compute the same path (a vision
         # tower converted module by module takes float32 pixels into float64 weights): the next way of converting
