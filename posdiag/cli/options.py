@@ -85,6 +85,9 @@ MaxBatchOpt = Annotated[int | None,
 JsonOpt = Annotated[str | None,
                     typer.Option("--json", metavar="PATH", help="Write the JSON report to PATH ('-' for stdout).")]
 JunitOpt = Annotated[str | None, typer.Option("--junit", metavar="PATH", help="Write a JUnit XML report to PATH.")]
+HtmlOpt = Annotated[str | None, typer.Option(
+    "--html", metavar="PATH", help="Write a self-contained HTML report to PATH (the verdicts, a plot of error against "
+                                   "position per check, what each path confirmed).")]
 FormatOpt = Annotated[str | None,
                       typer.Option("--format", metavar="|".join(stream_names()), help=format_help())]
 ConfigOpt = Annotated[Path | None,
@@ -120,8 +123,8 @@ RUN = Group("run", {
     "compile": Opt(CompileOpt, False),
 })
 OUTPUT = Group("output", {
-    "json": Opt(JsonOpt), "junit": Opt(JunitOpt), "format": Opt(FormatOpt), "quiet": Opt(QuietOpt, False),
-    "debug": Opt(DebugOpt, False),
+    "json": Opt(JsonOpt), "junit": Opt(JunitOpt), "html": Opt(HtmlOpt), "format": Opt(FormatOpt),
+    "quiet": Opt(QuietOpt, False), "debug": Opt(DebugOpt, False),
 })
 GATE = Group("gate", {
     "fail_on": Opt(FailOnOpt), "require": Opt(RequireOpt), "save_baseline": Opt(SaveBaselineOpt),
@@ -164,6 +167,7 @@ class Settings:
     # output
     json: str | None = None  # JSON report path, '-' for stdout
     junit: str | None = None
+    html: str | None = None  # the HTML report's path
     format: str | None = None  # a stream format of report.formats; None = github inside GitHub Actions
     save_baseline: str | None = None
     baseline: str | None = None  # a missing file is written by a passing run, unless baseline_required

@@ -98,8 +98,21 @@ class JunitFormat(ReportFormat):
         return format_junit(report)
 
 
+class HtmlFormat(ReportFormat):
+    """One self-contained HTML page (inline CSS and SVG, nothing fetched): the terminal's view, then a section per
+    check with its error plotted against position, its tables and what each path it ran confirmed."""
+
+    name, suffix, paths = "html", ".html", ("html",)
+
+    def format(self, report: Report) -> str:
+        from posdiag.report.html import format_html
+
+        return format_html(report)
+
+
 CONSOLE = ConsoleFormat()
-FORMATS: dict[str, ReportFormat] = {f.name: f for f in (CONSOLE, GithubFormat(), JsonFormat(), JunitFormat())}
+FORMATS: dict[str, ReportFormat] = {f.name: f for f in (CONSOLE, GithubFormat(), JsonFormat(), JunitFormat(),
+                                                        HtmlFormat())}
 
 
 def stream_names() -> tuple[str, ...]:
