@@ -43,7 +43,7 @@ from typing import Any
 from posdiag.checks import CheckSpec
 from posdiag.checks._image_paths import with_padded_image_row
 from posdiag.checks.batch.forward import DEFAULTS, LEFT_DEFAULTS
-from posdiag.checks.batch.padded import Measured, Probe, mask_ignored, plan
+from posdiag.checks.batch.padded import SLIP_ROW, Measured, Probe, mask_ignored, plan
 from posdiag.model.arbitration import arbitrate
 from posdiag.model.introspect import takes_attention_mask
 from posdiag.model.jitter import FLOOR_SOURCE
@@ -51,7 +51,7 @@ from posdiag.model.storage_mixing import length_dependent_pooling
 from posdiag.model.subject import Subject
 from posdiag.options import RunOptions
 from posdiag.results import CheckResult, Status, Table, combine_stacks
-from posdiag.verdict import FloorVerdict, agreement_tolerance, judge_agreement
+from posdiag.verdict import FloorVerdict, agreement_tolerance, judge_agreement, noise_floor, powered
 
 SPEC = CheckSpec(
     name="batch",
@@ -81,9 +81,15 @@ def _run_stack(subject: Subject, options: RunOptions, stack: str) -> CheckResult
         return SPEC.result(Status.FAIL, m.non_finite, details={"stack": stack, "row": m.non_finite_row})
     dtype = subject.dtype_name
     verdicts = {name: judge_agreement(err, m.floor, dtype) for name, err in m.errors.items()}
-    arbitration = arbitrate(subject, probe.measure, m.floor, verdicts, dtype, lambda f: (f.floor, f.errors))
+    finer: list[Measured] = []
+    arbitration = arbitrate(subject, probe.measure, m.floor, verdicts, dtype,
+                            lambda f: finer.append(f) or (f.floor, f.errors))
     verdicts.update(arbitration.verdicts)
+    verdicts, power = powered(verdicts, m.slip_error, m.floor, dtype, bool(finer), "a padded row")
     details = _details(subject, probe, m, arbitration)
+    if m.slip_error is not None:
+        details["slip"] = {"error": m.slip_error, "ratio": m.slip_error / noise_floor(m.floor, dtype), "dtype": dtype,
+                           "how": SLIP_ROW, "clause": power}
     lead = _ignored_mask_lead(subject, probe, verdicts, m.floor, details)
     if m.crashed:
         details["defaults_crashed"] = m.crashed
@@ -134,6 +140,8 @@ def _report(stack: str, kind: str, m: Measured, verdicts: dict, arbitration: Any
     if status is Status.PASS:
         summary = (f"every row equals itself run alone (max error {verdict.residual:.2g} <= {tol:.2g}"
                    f"{arbitration.clause(worst)}; {tested})")
+        if details.get("slip", {}).get("clause"):
+            summary += f"; {details['slip']['clause']}"
         if notes:
             summary += f"; {notes[0].split(':')[0]}"
     elif status is Status.WARN:

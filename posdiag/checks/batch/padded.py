@@ -131,7 +131,19 @@ def _rows(subject: Subject, a: torch.Tensor, b: torch.Tensor, pads: int, takes: 
                             "b", left))
     else:
         notes.append("rows with non-affine positions not tested: the family takes no position_ids")
-    return rows + [replace(rows[0], name="a right-padded, jittered (noise floor)")]
+    slip = [replace(rows[0], name=SLIP_ROW, positions=_slipped(rows[0].positions, n))] if takes else []
+    return rows + slip + [replace(rows[0], name="a right-padded, jittered (noise floor)")]
+
+
+SLIP_ROW = "a right-padded, one position early past its first token (power)"
+
+
+def _slipped(positions: torch.Tensor, n: int) -> torch.Tensor:
+    """The run's power: row a's positions with every valid token after the first numbered one early (0, 0, 1, 2...):
+    the smallest slip a relative scheme sees (a constant shift of the whole row is invisible to RoPE)."""
+    slipped = positions.clone()
+    slipped[1:n] -= 1
+    return slipped
 
 
 @dataclass
@@ -143,6 +155,7 @@ class Measured:
     non_finite: str = ""
     non_finite_row: str = ""
     crashed: str = ""  # the exception the model's own forward raised on its defaults path (no position_ids)
+    slip_error: float | None = None  # the power row against row a alone (None: no position_ids to slip)
 
 
 def measure(probe: Probe) -> Measured:
@@ -166,6 +179,7 @@ def measure(probe: Probe) -> Measured:
     floor = relative_l2(out[jitter_row, :n], out[0, :n]) if has_jitter else 0.0
     floor_tok = float(per_token_change(out[jitter_row, :n], out[0, :n]).max()) if has_jitter else 0.0
     compared = compared[:jitter_row]
+    slip = compared.pop()[1:] if compared[-1][0] == SLIP_ROW else None
     crashed = ""
     if probe.defaults_too:
         try:
@@ -180,7 +194,8 @@ def measure(probe: Probe) -> Measured:
         errors[name] = relative_l2(got, want)
         bad = (per_token_change(got, want) > agreement_tolerance(floor_tok, dtype)).nonzero().flatten()
         first_token[name] = int(bad[0]) if bad.numel() else None
-    return Measured(errors=errors, first_token=first_token, floor=floor, has_jitter=has_jitter, crashed=crashed)
+    return Measured(errors=errors, first_token=first_token, floor=floor, has_jitter=has_jitter, crashed=crashed,
+                    slip_error=None if slip is None else relative_l2(*slip))
 
 
 def _non_finite(compared: list[tuple[str, torch.Tensor, torch.Tensor]], alone: dict[str, torch.Tensor],

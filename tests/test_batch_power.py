@@ -1,0 +1,47 @@
+"""batch in half precision and its power: the padded batch carries one more row, row a numbered one position early
+past its first token (0, 0, 1, 2...: the smallest slip a relative scheme sees), and its error against row a alone is
+the run's power. In half precision every row is decided by the float64 re-run, a PASS included."""
+
+import plants_order
+import pytest
+import torch
+
+from posdiag.api import _run_one
+from posdiag.model.loading import from_module
+from posdiag.options import RunOptions
+from posdiag.results import Status
+from posdiag.testing import zoo
+
+OPTIONS = RunOptions(seq_len=16)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def batch(model):
+    return _run_one(from_module(model), "batch", OPTIONS)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_row0_positions_fail_and_the_healthy_twin_passes_with_its_power(family, dtype):
+    model = zoo.tiny_model(family, dtype=DTYPES[dtype])
+    healthy = batch(model)
+    assert healthy.status is Status.PASS, healthy.summary
+    slip = healthy.details["slip"]
+    assert slip["dtype"] == dtype and "one position early" in slip["how"]
+    assert "slip" not in " ".join(healthy.details["error_per_row"])  # the power row is not judged as a row
+    if dtype == "float32":
+        assert slip["ratio"] > 10, slip  # the PASS could have failed
+    else:
+        assert healthy.details["arbitration"]["ran"] and healthy.details["arbitration"]["dtype"] == "float64"
+    handles = plants_order.row0_positions(model, family)
+    planted = batch(model)
+    assert planted.status is Status.FAIL, planted.summary
+    assert "restart positions" in planted.summary
+    for h in handles:
+        h.remove()
+
+
+def test_a_family_without_position_ids_reports_no_slip():
+    result = batch(zoo.tiny_model("bloom"))  # ALiBi from the mask: nothing to number one early
+    assert result.status is Status.PASS, result.summary
+    assert "slip" not in result.details
