@@ -100,6 +100,22 @@ def first_over(series: Iterable[Series], bound: Callable[[float], float | None])
     return min(found) if found else None
 
 
+def readable(series: list[Series]) -> list[Series]:
+    """At most SHOWN curves: the failing ones first, the others beyond it drawn as one, the worst of them at each
+    x (a path the check passed shows where the passing paths lie, not which is which)."""
+    if len(series) <= SHOWN:
+        return series
+    ordered = sorted(series, key=lambda s: not s.failing)
+    kept, rest = ordered[:SHOWN - 1], ordered[SHOWN - 1:]
+    worst: dict[float, float] = {}
+    for s in rest:
+        for x, y in s.points:
+            worst[x] = max(worst.get(x, y), y)
+    failing = any(s.failing for s in rest)
+    label = f"{len(rest)} other paths{' (some failing)' if failing else ''}, the worst at each position"
+    return [*kept, Series(label, tuple(sorted(worst.items())), failing)]
+
+
 def _failing(path: dict[str, Any], result: CheckResult) -> bool:
     """A path the check reported failing: its own status, else the check's."""
     status = path.get("status")
@@ -110,6 +126,7 @@ def _against_tolerance(result: CheckResult, series: list[Series], title: str, x_
                        *, log_x: bool = False) -> list[Plot]:
     if not series:
         return []
+    series = readable(series)
     levels = _levels(result)
     tolerance = _number(result.metrics.get("tolerance"))
     first = first_over(series, lambda x: tolerance) if tolerance is not None else None
@@ -145,6 +162,8 @@ def _generate(result: CheckResult, details: dict[str, Any]) -> list[Plot]:
 
 
 POSITION = re.compile(r"^(.*?)\s*position (\d+)\)?$")
+STEP = re.compile(r"\b(?:generated |decode )?step \d+\b")  # a step of one curve, not a curve of its own
+SHOWN = 8  # series drawn one by one; the rest as one curve (the worst of them at each x)
 
 
 def _serving(result: CheckResult, details: dict[str, Any]) -> list[Plot]:
@@ -159,7 +178,7 @@ def _serving(result: CheckResult, details: dict[str, Any]) -> list[Plot]:
         for key, err in errors.items():
             match = POSITION.match(str(key))
             if match and _number(err) is not None:
-                prefix = re.sub(r"\s*\(?$", "", re.sub(r"generated step \d+", "", match.group(1))).strip()
+                prefix = STEP.sub("", match.group(1)).strip(" (")
                 curves.setdefault(prefix, []).append((float(match.group(2)), float(err)))
         failing = _failing(path, result)
         for prefix, points in curves.items():

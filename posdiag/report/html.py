@@ -39,7 +39,7 @@ section.check.warn{border-left-color:#f9a825}section.check.error{border-left-col
 .status.error{background:#8e24aa}.status.skip,.status.na{background:#9e9e9e}
 table{border-collapse:collapse;margin:4px 0 8px;font-size:12.5px}td,th{border:1px solid #ddd;padding:2px 6px;
 text-align:left;vertical-align:top}th{background:#f0f0f0}td.num{text-align:right;font-variant-numeric:tabular-nums}
-figure{margin:8px 0;overflow-x:auto}svg.plot{font:11px sans-serif;background:#fff}svg .title{font-size:13px;
+figure{margin:8px 0}svg.plot{font:11px sans-serif;background:#fff;max-width:100%;height:auto}svg .title{font-size:13px;
 font-weight:600}dl{margin:2px 0 2px 12px}dt{font-weight:600;display:inline}dd{display:inline;margin:0 0 0 6px}
 dl>div{margin:1px 0}details{margin:6px 0}summary{cursor:pointer;color:#444}nav a{margin-right:10px}
 .verdict{font-weight:700;font-size:15px}.verdict.ok{color:#2e7d32}.verdict.bad{color:#c62828}
@@ -76,7 +76,7 @@ def _meta(report: Report | None) -> str:
 def _verdict(report: Report) -> str:
     """The gate in one line, as the terminal's panel judges it (findings, refusals, internal errors), then the
     exit code."""
-    lines = [f"{r.check}: {r.why}" + (f" — {r.summary}" if r.summary else "") for r in report.gate]
+    lines = [f'<a href="#check-{escape(r.check)}">{escape(r.check)}</a>: {escape(r.why)}' for r in report.gate]
     if report.incomplete:
         head, cls = "INCOMPLETE — interrupted, not every check ran", "bad"
     elif lines:
@@ -84,7 +84,7 @@ def _verdict(report: Report) -> str:
     else:
         head, cls = "gate passed", "ok"
     counts = " · ".join(f"{n} {s.value}" for s in Status if (n := sum(c.status is s for c in report.checks)))
-    items = "".join(f"<li>{escape(line)}</li>" for line in lines)
+    items = "".join(f"<li>{line}</li>" for line in lines)  # escaped above
     policy = report.policy.describe() or "default gate"
     return (f'<section id="verdict"><p class="verdict {cls}">{escape(head)}</p>{f"<ul>{items}</ul>" if items else ""}'
             f'<p class="muted">{escape(counts or "no checks ran")} · {escape(policy)}'

@@ -14,6 +14,7 @@ LEFT, RIGHT, TOP, BOTTOM = 70, 20, 30, 46
 PALETTE = ("#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f")
 LEVEL_STYLE = {"floor": ("#777777", "2 3"), "tolerance": ("#e08a00", "6 4"), "fail": ("#d62728", "6 4")}
 FAILING = "#d62728"
+LEGEND_COLUMNS = 2
 
 
 def render_svg(plot: Plot) -> str:
@@ -28,7 +29,7 @@ def render_svg(plot: Plot) -> str:
     if x_hi == x_lo:
         x_hi = x_lo + 1
     legend = _legend_entries(plot)
-    rows = math.ceil(len(legend) / 3)
+    rows = math.ceil(len(legend) / LEGEND_COLUMNS)
     height = HEIGHT + 18 * rows
     inner_w, inner_h = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
 
@@ -140,11 +141,11 @@ def _legend_entries(plot: Plot) -> list[tuple[str, str, str, str]]:
 
 def _legend(entries: list[tuple[str, str, str, str]], top: float) -> list[str]:
     out = []
-    col_w = (WIDTH - LEFT) / 3
+    col_w = (WIDTH - LEFT) / LEGEND_COLUMNS
     for i, (label, color, dash, kind) in enumerate(entries):
-        x, y = LEFT + (i % 3) * col_w, top + 4 + 18 * (i // 3)
+        x, y = LEFT + (i % LEGEND_COLUMNS) * col_w, top + 4 + 18 * (i // LEGEND_COLUMNS)
         dashes = f' stroke-dasharray="{dash}"' if dash else ""
         out.append(f'<g class="legend key-{escape(kind)}"><line x1="{x:.1f}" x2="{x + 22:.1f}" y1="{y:.1f}" '
                    f'y2="{y:.1f}" stroke="{color}" stroke-width="2"{dashes}/><text x="{x + 28:.1f}" y="{y + 4:.1f}" '
-                   f'class="legend">{escape(_short(label, 34))}</text></g>')
+                   f'class="legend">{escape(_short(label, 54))}</text></g>')
     return out
