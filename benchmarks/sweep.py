@@ -305,6 +305,12 @@ FINDINGS: dict[str, dict[str, Finding | tuple[Finding, ...]]] = {
     **{t: {"serving": OMNI_MASKED_STEP} for t in ("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker")},
     **{t: {"state": STALE_ROPE_DELTAS} for t in ("qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm46v", "glmga",
                                                  "glm_ocr", "cosmos3_edge", "cosmos3_omni")},
+    # GLM-4V's processor writes a video's frames as image tokens (mm_token_type_ids 2); its forward counts every image
+    # token against the still images' features, so a prompt holding images and a video crashes (each alone runs).
+    "glm4v": {"state": STALE_ROPE_DELTAS, "positions": _crash(
+        "2 images and a 4-frame video", "ValueError", "Image features and image tokens do not match",
+        "a prompt holding images and a video crashes the forward (the video's frames counted as image tokens)",
+        f"{MULTIMODAL}::test_glm4v_crashes_on_images_and_a_video_together")},
     # RobertaForCausalLM with is_decoder=True (the sweep builds roberta as a masked LM)
     "roberta:is_decoder": {"generate": Finding("dynamic/single", WRONG, "generate() numbers positions from 0, the "
                                                "forward from padding_idx + 1", f"{PLAIN}::test_roberta_decoder_"

@@ -197,3 +197,67 @@ def _without_mask(model: nn.Module) -> nn.Module:
 
     inner.get_rope_index = get_rope_index
     return model
+
+
+def video_tower_crashes(model_type: str) -> nn.Module:
+    """The video path raises (an IndexError in the video features, as a frame-count mismatch does); images run."""
+    model = healthy(model_type)
+
+    def get_video_features(*args, **kwargs):
+        raise IndexError("planted: index 2 is out of bounds for dimension 0 with size 2")
+
+    model.model.get_video_features = get_video_features
+    return model
+
+
+def frames_by_index(model_type: str = "qwen2_5_vl") -> nn.Module:
+    """The video's temporal patches numbered by index: the time scaling (tokens_per_second x second_per_grid_ts)
+    dropped where the vision positions are built."""
+    model = healthy(model_type)
+    inner = model.model
+    original = inner.get_vision_position_ids
+
+    def get_vision_position_ids(start, grid, temp_merge_size=1, spatial_merge_size=1, time_interval=1.0, **kwargs):
+        return original(start, grid, temp_merge_size, spatial_merge_size, 1.0, **kwargs)
+
+    inner.get_vision_position_ids = get_vision_position_ids
+    return model
+
+
+def forward_drops_seconds(model_type: str = "qwen2_5_vl") -> nn.Module:
+    """The forward's own numbering (compute_3d_position_ids) calls get_rope_index without second_per_grid_ts, so the
+    video takes the default of 1 s per temporal patch; get_rope_index called directly is right."""
+    model = healthy(model_type)
+    inner = model.model
+    original = inner.compute_3d_position_ids
+
+    def compute_3d_position_ids(*args, second_per_grid_ts=None, **kwargs):
+        return original(*args, **kwargs)
+
+    inner.compute_3d_position_ids = compute_3d_position_ids
+    return model
+
+
+def forward_second_image_as_first(model_type: str) -> nn.Module:
+    """The forward's own numbering (compute_3d_position_ids) numbers the second image from the first image's start;
+    get_rope_index called directly is right."""
+    model = healthy(model_type)
+    inner = model.model
+    original = inner.compute_3d_position_ids
+    image = model.config.image_token_id
+
+    def compute_3d_position_ids(*args, **kwargs):
+        pos = original(*args, **kwargs)
+        ids = kwargs.get("input_ids")
+        if pos is None or ids is None or kwargs.get("image_grid_thw") is None:
+            return pos
+        pos = pos.clone()
+        for row in range(ids.shape[0]):
+            runs = _runs((ids[row] == image) & (kwargs["mm_token_type_ids"][row] == 1))
+            if len(runs) > 1:
+                (a, _), (b, e) = runs[0], runs[1]
+                pos[:, row, b:e] += pos[0, row, a] - pos[0, row, b]
+        return pos
+
+    inner.compute_3d_position_ids = compute_3d_position_ids
+    return model

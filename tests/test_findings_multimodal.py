@@ -137,3 +137,23 @@ def test_a_decode_step_given_the_whole_mask_crashes_the_omni_thinkers(model_type
     with torch.inference_mode():
         reference = twin(input_ids=text).logits[0, 8:]
     assert _rel(_masked_loop(twin, text, 8, mask=True), reference) < BUG
+
+
+def test_glm4v_crashes_on_images_and_a_video_together():
+    """GLM-4V's processor writes a video's frames as image tokens (mm_token_type_ids 2, between video delimiters); the
+    forward's placeholder check counts every image token against the still images' features, so posdiag's prompt of
+    two images and a video raises ValueError. Twins: the images alone and the video alone run."""
+    model = plants.healthy("glm4v")
+    parts = [build_prompt(model, 0, **kw)[0] for kw in ({}, {"video": False}, {"images": False})]
+    assert [p.contents for p in parts] == ["2 images and a 4-frame video", "2 images", "a 4-frame video"]
+    holds = finding("glm4v", "positions") is not None
+    try:
+        with torch.inference_mode():
+            model(**parts[0].inputs())
+        crashed = False
+    except ValueError as exc:
+        crashed = "Image features and image tokens do not match" in str(exc)
+    assert crashed == holds
+    with torch.inference_mode():
+        for part in parts[1:]:
+            assert torch.isfinite(model(**part.inputs()).logits).all()
