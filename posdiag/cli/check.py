@@ -58,7 +58,8 @@ def run_command(ctx: typer.Context, given: Settings, fixed_checks: list[str] | N
         fail("no MODEL given (pass one, or set `model` in [tool.posdiag] / posdiag.toml)")
     validate.model_spec(settings.model)
     validate.output_format(settings)
-    validate.outputs(json=settings.json, junit=settings.junit, save_baseline=settings.save_baseline)
+    validate.outputs(json=settings.json, junit=settings.junit, html=settings.html,
+                     save_baseline=settings.save_baseline)
     stored = validate.baseline(settings)
 
     from posdiag.api import gate_policy, run_checks, select_checks

@@ -193,7 +193,7 @@ def _emit(comparison, ref, policy, settings: Settings, plot: str | None, title: 
         write_output(settings.json, FORMATS["json"].format(report), settings.debug)
     if plot and comparison.profiles:
         guarded(lambda: write_png(plot, comparison, title), settings.debug)
-        out.print(f"plot written to {plot}", style="dim")
+        out.print(f"wrote {plot}")
     raise typer.Exit(report.exit_code)
 
 

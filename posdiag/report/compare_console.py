@@ -172,6 +172,8 @@ def write_png(path: str, comparison: Any, title: str = "") -> None:
     for p in comparison.profiles:
         line, = ax.plot(positions[:len(p.per_position)], [max(v, tiny) for v in p.per_position], label=p.name, lw=1)
         ax.axhline(max(p.tolerance, tiny), color=line.get_color(), ls="--", lw=0.6)
+    if comparison.profiles:  # one legend entry for every dashed line: each is its layer's tolerance, in its colour
+        ax.plot([], [], color="gray", ls="--", lw=0.6, label="dashed: each layer's tolerance (its colour)")
     ax.set_yscale("log")
     ax.set_ylim(bottom=tiny / 2)
     ax.set_xlabel("token position")
