@@ -182,6 +182,21 @@ def powered(verdicts: dict[str, FloorVerdict], slip_error: float | None, measure
 SHRINK_RATIO = 1e4
 
 
+# Read as run: what a finer re-run calls rounding must have been rounding in the run dtype too. Rounding stays near
+# its floor as run (healthy bfloat16 paths: at most 0.3x the floor in `batch` on tiny Llama and Qwen2, 0.06x in `cache`
+# on the real SmolLM2; healthy kernels at most 1.26x their tolerance, ~2.5x eager's error, on SmolLM2 and Gemma 3),
+# while a defect of the run dtype alone (the padding mask dropped on the half-precision path: 47x the bfloat16 floor,
+# 1.8e-7 in float64) vanishes finer, where alone it would read as rounding. Twice the agreement band: `kernels`' rule
+# (FAIL_RATIO x its tolerance of FACTOR = 2 x eager's error) in the same units.
+AS_RUN_RATIO = 2 * FAIL_RATIO
+
+
+def beyond_rounding_as_run(error: float, floor: float) -> bool:
+    """An error the finer re-run calls rounding that stands AS_RUN_RATIO floors or more above the run dtype's floor: a
+    bug of the run dtype only."""
+    return error >= AS_RUN_RATIO * floor
+
+
 def shrinks_with_precision(error: float, finer_error: float) -> bool:
     """The same comparison re-run in a finer dtype fell by SHRINK_RATIO or more: it was rounding."""
     return error >= SHRINK_RATIO * finer_error
@@ -221,6 +236,10 @@ def judge_arbitrated(error: float, measured_floor: float, dtype: str, error64: f
     within = error64 <= (agreement_tolerance(0.0, "float32") if dtype in LOW_PRECISION
                          else agreement_tolerance(measured_floor, dtype))
     if judge_agreement(error64, floor64, finer).status is Status.PASS or shrink >= SHRINK_RATIO or within:
+        if dtype in LOW_PRECISION and beyond_rounding_as_run(error, floor):
+            return FloorVerdict(Status.FAIL, error, floor, ratio,
+                                f"{both}: a bug in {dtype} only ({ratio:.3g}x the noise floor as run, beyond what "
+                                f"rounding reaches; gone in {finer})")
         return FloorVerdict(Status.PASS, error, floor, ratio, f"{both}: rounding (it shrinks with precision)")
     return FloorVerdict(Status.FAIL, error, floor, ratio, f"{both}: a bug (it does not shrink with precision)")
 

@@ -81,12 +81,16 @@ def _causal_additive(like: torch.Tensor | None, batch: int, q: int, k: int, dtyp
     return out.masked_fill(~allowed, torch.finfo(dtype).min)
 
 
-def drop_padding_mask(model: torch.nn.Module, family: str, causal: bool = True) -> list:
-    """The layers get a plain causal mask (encoders: no mask): padding keys become visible."""
+def drop_padding_mask(model: torch.nn.Module, family: str, causal: bool = True,
+                      only_dtype: torch.dtype | None = None) -> list:
+    """The layers get a plain causal mask (encoders: no mask): padding keys become visible. `only_dtype`: only where
+    the hidden states are of that dtype (a half-precision path of its own: the bug is gone in a finer re-run)."""
     suffix, key = _ATTENTION_SITES[family]
 
     def hook(module, args, kwargs):
         hidden = kwargs.get("hidden_states", args[0] if args else None)
+        if only_dtype is not None and hidden.dtype != only_dtype:
+            return args, kwargs
         if not causal:
             kwargs[key] = None
             return args, kwargs
