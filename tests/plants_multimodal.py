@@ -261,3 +261,25 @@ def forward_second_image_as_first(model_type: str) -> nn.Module:
 
     inner.compute_3d_position_ids = compute_3d_position_ids
     return model
+
+
+def padding_attended_with_images(model_type: str) -> nn.Module:
+    """A padded batch holding images loses its padding mask on the way to the language model (positions are computed
+    from the mask first, so they stay right): the image row attends its left padding. Text batches keep their mask."""
+    model = healthy(model_type)
+    inner = model.model
+    inner.images_padded = False
+
+    def outer(module, args, kwargs):
+        mask = kwargs.get("attention_mask")
+        module.images_padded = kwargs.get("pixel_values") is not None and mask is not None and bool((mask == 0).any())
+        return args, kwargs
+
+    def language(module, args, kwargs):
+        if inner.images_padded:
+            kwargs["attention_mask"] = None
+        return args, kwargs
+
+    inner.register_forward_pre_hook(outer, with_kwargs=True)
+    inner.language_model.register_forward_pre_hook(language, with_kwargs=True)
+    return model

@@ -10,6 +10,7 @@ import warnings
 
 import plants_multimodal as plants
 import pytest
+import torch
 from sweep_support import pinned
 
 from posdiag.api import run_checks
@@ -59,6 +60,22 @@ def test_padding_counted_in_the_numbering_fails_the_padded_row(model_type):
     assert c.summary.startswith("image prompt in a left-padded batch: token 0 of text (tokens 0-") and \
         ") ran at (t, h, w) = (4, 4, 4) behind 4 padding tokens; alone at (0, 0, 0); text: every row equals itself " \
         "run alone" in c.summary, c.summary
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "glm4v"])
+def test_padded_image_row_logits_are_arbitrated_and_can_fail(model_type, dtype):
+    """The padded image row's logits judged against the jitter floor of the prompt alone and decided in float64: a
+    healthy row PASSes (never a WARN on rounding), a row that attends its padding (positions right) FAILs."""
+    good = _checks(plants.healthy(model_type).to(dtype), ["batch"])["batch"]
+    assert good.status is Status.PASS, good.summary
+    assert "image prompt in a left-padded batch: the image row is numbered and computed as alone" in good.summary
+    assert good.details["padded_image"]["floor_source"].startswith("token embeddings of one row jittered")
+    bad = _checks(plants.padding_attended_with_images(model_type).to(dtype), ["batch"])["batch"]
+    assert bad.status is Status.FAIL, bad.summary
+    assert bad.summary.startswith("image prompt in a left-padded batch: numbered as alone, but the row's logits "
+                                  "differ from the prompt's alone by "), bad.summary
+    assert "in float64: a bug (it does not shrink with precision)" in bad.summary, bad.summary
 
 
 def test_glm4v_runs_its_video_as_its_processor_writes_it():
