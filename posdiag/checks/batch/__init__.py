@@ -138,7 +138,8 @@ def _report(stack: str, kind: str, m: Measured, verdicts: dict, arbitration: Any
                **arbitration.metrics}
     tested = f"{len(errors)} rows: {', '.join(errors)}"
     if status is Status.PASS:
-        summary = (f"every row equals itself run alone (max error {verdict.residual:.2g} <= {tol:.2g}"
+        bound = f"<= {tol:.2g}" if verdict.residual <= tol else f"over {tol:.2g} as run"
+        summary = (f"every row equals itself run alone (max error {verdict.residual:.2g} {bound}"
                    f"{arbitration.clause(worst)}; {tested})")
         if details.get("slip", {}).get("clause"):
             summary += f"; {details['slip']['clause']}"
