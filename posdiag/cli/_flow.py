@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, NoReturn
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 
 from posdiag.cli._io import console_for, interrupted, write_output
 from posdiag.cli.options import Settings, load_options
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 def quiet_transformers() -> None:
@@ -93,25 +97,59 @@ def tokenize(model: str, text: str, revision: str | None, trust_remote_code: boo
     return tuple(int(i) for i in ids)
 
 
-def emit(report, settings: Settings, *, baseline: tuple[str, Any] | None = None) -> NoReturn:
-    """Show the console view, write the --format chosen beside it and every file asked for (an interrupted
-    run's too, marked incomplete); the exit code is the report's, 130 when interrupted. baseline: (path,
-    report) of a first run's baseline to write."""
+def emit(report, settings: Settings, *, baseline: tuple[str, Any] | None = None,
+         show: Callable[[Console], None] | None = None) -> NoReturn:
+    """Show the console view (the checks' table, or SHOW's view: `compare`'s), write the --format chosen beside it
+    and every file asked for (an interrupted run's too, marked incomplete); the exit code is the report's, 130 when
+    interrupted. baseline: (path, report) of a first run's baseline to write."""
+    from posdiag.report.formats import CONSOLE
+
+    out = console_for(settings.json, settings.junit, settings.save_baseline)
+    if show is None:
+        CONSOLE.show(report, out, quiet=settings.quiet)
+    else:
+        show(out)
+    write_reports(report, settings, baseline=baseline)
+    if report.incomplete:
+        interrupted()
+    raise typer.Exit(report.exit_code)
+
+
+def write_reports(report, settings: Settings, *, baseline: tuple[str, Any] | None = None,
+                  own: tuple[str, ...] = ()) -> None:
+    """The --format chosen (beside the console view) and every report file the settings ask for, each from the
+    registry of report/formats.py; OWN names formats the command writes its own way (`rope`'s JSON)."""
     from posdiag.report.formats import CONSOLE, FORMATS, default_stream
 
     chosen = settings.format or default_stream()
     files = (settings.json, settings.junit, settings.save_baseline)  # one of them at most is `-` (validate.outputs)
-    CONSOLE.show(report, console_for(*files), quiet=settings.quiet)
     writes: dict[str, str] = {}
     for fmt in FORMATS.values():
+        if fmt.name in own:
+            continue
         if fmt.stream and fmt.name == chosen and fmt is not CONSOLE:
             (sys.stderr if "-" in files else sys.stdout).write(fmt.format(report))
-        for path in filter(None, (getattr(settings, key) for key in fmt.paths)):
+        for path in filter(None, (getattr(settings, key, None) for key in fmt.paths)):
             writes[path] = fmt.format(report)
     if baseline:
         writes[baseline[0]] = FORMATS["json"].format(baseline[1])
     for path, text in writes.items():
         write_output(path, text, settings.debug)
-    if report.incomplete:
-        interrupted()
-    raise typer.Exit(report.exit_code)
+
+
+def show_config(settings: Settings) -> None:
+    """The effective settings of this command, where each came from, and the per-check tables."""
+    from rich.table import Table
+
+    table = Table(title=f"effective configuration (file: {settings.config_file or 'none'})", title_justify="left")
+    table.add_column("setting")
+    table.add_column("value")
+    table.add_column("from")
+    hidden = {"debug", "quiet", "show_config", "config"}
+    for key, source in settings.sources.items():
+        if key not in hidden:
+            table.add_row(key.replace("_", "-"), repr(getattr(settings, key)), source)
+    for name, opts in settings.check_options.items():
+        for key, value in opts.items():
+            table.add_row(f"checks.{name}.{key}", repr(value), "config file")
+    console_for().print(table)

@@ -12,8 +12,8 @@ from typing import Annotated, NoReturn, TypeVar
 import typer
 
 from posdiag.cli import validate
-from posdiag.cli._flow import emit, load_model, run_options
-from posdiag.cli._io import console_for, fail, guarded, loading
+from posdiag.cli._flow import emit, load_model, run_options, show_config
+from posdiag.cli._io import fail, guarded, loading
 from posdiag.cli.groups import Given, takes
 from posdiag.cli.options import CONFIG, GATE, LOAD, OUTPUT, RUN, OptionalModelArg, Settings, resolve
 
@@ -52,7 +52,7 @@ def run_command(ctx: typer.Context, given: Settings, fixed_checks: list[str] | N
     debug = given.debug
     settings = guarded(lambda: resolve(ctx, given), debug)
     if settings.show_config:
-        _show_config(settings)
+        show_config(settings)
         raise typer.Exit(0)
     if not settings.model:
         fail("no MODEL given (pass one, or set `model` in [tool.posdiag] / posdiag.toml)")
@@ -60,6 +60,7 @@ def run_command(ctx: typer.Context, given: Settings, fixed_checks: list[str] | N
     validate.output_format(settings)
     validate.outputs(json=settings.json, junit=settings.junit, html=settings.html,
                      save_baseline=settings.save_baseline)
+    validate.load_options(settings)
     stored = validate.baseline(settings)
 
     from posdiag.api import gate_policy, run_checks, select_checks
@@ -167,22 +168,3 @@ def _first_baseline(report, path: str):
     stored = report
     report = replace(report, checks=report.checks + (first_run(path, written=ok),))
     return report, ((path, stored) if ok else None)
-
-
-def _show_config(settings: Settings) -> None:
-    """The effective settings of this command, where each came from, and the per-check tables."""
-    from rich.table import Table
-
-    table = Table(title=f"effective configuration (file: {settings.config_file or 'none'})", title_justify="left")
-    table.add_column("setting")
-    table.add_column("value")
-    table.add_column("from")
-    hidden = {"debug", "quiet", "show_config", "config"}
-    for key, source in settings.sources.items():
-        if key not in hidden:
-            table.add_row(key.replace("_", "-"), repr(getattr(settings, key)), source)
-    for name, opts in settings.check_options.items():
-        for key, value in opts.items():
-            table.add_row(f"checks.{name}.{key}", repr(value), "config file")
-    console_for().print(table)
-

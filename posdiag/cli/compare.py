@@ -13,10 +13,21 @@ from typing import Annotated, NoReturn
 import typer
 
 from posdiag.cli import validate
-from posdiag.cli._flow import quiet_transformers, tokenize
-from posdiag.cli._io import console_for, fail, guarded, loading, write_output
+from posdiag.cli._flow import emit, quiet_transformers, show_config, text_of, tokenize
+from posdiag.cli._io import fail, guarded, loading
 from posdiag.cli.groups import Given, Opt, takes
-from posdiag.cli.options import GATE, LOAD, OUTPUT, RUN, DType, Settings, load_options
+from posdiag.cli.options import (
+    CONFIG,
+    DTYPE_METAVAR,
+    GATE,
+    LOAD,
+    OUTPUT,
+    RUN,
+    Settings,
+    load_options,
+    parse_dtype,
+    resolve,
+)
 
 CandidateArg = Annotated[str | None, typer.Argument(
     metavar="CANDIDATE",
@@ -38,9 +49,14 @@ LayerMapOpt = Annotated[str | None, typer.Option(
     "--layer-map", help="Align hidden states as REF:CAND index pairs, e.g. '0:0,1:2,2:4' (0 = embeddings).")]
 ComparePlotOpt = Annotated[str | None,
                            typer.Option("--plot", help="Write a PNG of error vs position (needs matplotlib).")]
-CandidateDtypeOpt = Annotated[DType | None, typer.Option(
-    "--candidate-dtype", help="Load the candidate in this dtype and run it there, not upcast "
-                              "(e.g. 'is my bf16 deployment the same model?').")]
+CandidateDtypeOpt = Annotated[str | None, typer.Option(
+    "--candidate-dtype", parser=parse_dtype, metavar=DTYPE_METAVAR,
+    help="Load the candidate in this dtype and run it there, not upcast (e.g. 'is my bf16 deployment the same "
+         "model?').")]
+CompareTextOpt = Annotated[str | None, typer.Option(
+    "--text", metavar="TEXT",
+    help="Compare on this text (or the text of this file) through the reference's tokenizer instead of random ids; "
+         "a server candidate is sent the text as it is.")]
 CandidateAttnOpt = Annotated[str | None, typer.Option(
     "--candidate-attn-implementation", help="Attention implementation for the candidate (default: as the reference).")]
 ServedModelOpt = Annotated[str | None, typer.Option(
@@ -70,13 +86,14 @@ LongPromptOpt = Annotated[int | None, typer.Option(
                                        "vLLM --max-num-batched-tokens), or that path is one batch like the others.")]
 
 
-@takes(load=LOAD, run=RUN.only("seq_len", "seed", "text").but(seq_len=Opt(CompareSeqLenOpt)),
-       gate=GATE.only("fail_on", "require"), output=OUTPUT.only("json", "quiet", "debug"))
-def compare(reference: ReferenceArg, candidate: CandidateArg = None, long: LongOpt = False,
+@takes(load=LOAD, run=RUN.only("seq_len", "seed", "text").but(seq_len=Opt(CompareSeqLenOpt), text=Opt(CompareTextOpt)),
+       gate=GATE.only("fail_on", "require"), output=OUTPUT, config=CONFIG)
+def compare(ctx: typer.Context, reference: ReferenceArg, candidate: CandidateArg = None, long: LongOpt = False,
             layer_map: LayerMapOpt = None, plot: ComparePlotOpt = None, candidate_dtype: CandidateDtypeOpt = None,
             candidate_attn: CandidateAttnOpt = None, served_model: ServedModelOpt = None, api_key: ApiKeyOpt = None,
             served_dtype: ServedDtypeOpt = None, route: RouteOpt = Route.both, top_k: TopKOpt = 5,
-            long_prompt: LongPromptOpt = None, *, load: Given, run: Given, gate: Given, output: Given) -> None:
+            long_prompt: LongPromptOpt = None, *, load: Given, run: Given, gate: Given, output: Given,
+            config: Given) -> None:
     """Compare a port with its reference, layer by layer and position by position.
 
     Same token ids, same dtype (unless --candidate-dtype). A position bug shows as error that is
@@ -96,7 +113,7 @@ def compare(reference: ReferenceArg, candidate: CandidateArg = None, long: LongO
 
     A module.path:factory candidate is an engine when the factory returns such an object, and a
     PyTorch model when it returns a torch.nn.Module. A .gguf candidate runs in llama.cpp
-    (pip install 'posdiag[gguf]'): all-position logits, float32 KV cache, the reference's token ids,
+    (pip install llama-cpp-python gguf): all-position logits, float32 KV cache, the reference's token ids,
     the context the file declares, and a continuation from the middle. A quantised .gguf (Q8_0,
     Q4_0...) is judged per position against 10x the quantisation's own error, measured on posdiag's
     conversion of the reference at the same tensor types through the same engine (WARN when posdiag
@@ -106,7 +123,7 @@ def compare(reference: ReferenceArg, candidate: CandidateArg = None, long: LongO
     http://HOST:PORT/v1 (an OpenAI-compatible server) is compared on its top-k log-probs, by text through
     the reference's tokenizer: the prompt route (echo + logprobs; a shifted route FAILs, never realigned)
     and the generation route (greedy from one token, --seq-len tokens, default 64), to that address only.
-    A .onnx file runs in ONNX Runtime on the graph's own inputs (pip install 'posdiag[onnx]').
+    A .onnx file runs in ONNX Runtime on the graph's own inputs (pip install onnxruntime onnx).
 
     posdiag compare model.gguf (one file): llama.cpp runs the file against PyTorch running the same
     weights, dequantised by transformers. A quantised file is also written as an F32 twin (every tensor
@@ -114,24 +131,37 @@ def compare(reference: ReferenceArg, candidate: CandidateArg = None, long: LongO
     handling at float32 noise; the file against its twin is what quantisation alone adds. The same split
     judges a quantised candidate against any reference (K-quants too: nothing is re-quantised).
     """
-    settings = Settings(model=reference, **load, **run, **output)  # the reference's
+    settings = _settings(ctx, Settings(model=reference, **load, **run, **output, **gate, **config), plot)
     candidate = _candidate_spec(reference, candidate)
     from posdiag.api import gate_policy
 
-    policy = guarded(lambda: gate_policy(gate.fail_on, gate.require, also=("compare",)), output.debug)
-    validate.outputs(json=output.json, plot=plot)
-    _require_matplotlib(plot)
-    mapping = guarded(lambda: _layer_map(layer_map), output.debug) if layer_map else None
+    policy = guarded(lambda: gate_policy(settings.fail_on, settings.require, also=("compare",)), settings.debug)
+    mapping = guarded(lambda: _layer_map(layer_map), settings.debug) if layer_map else None
     candidate_settings = replace(  # the candidate's differ only where the candidate options say
-        settings, model=candidate, dtype=candidate_dtype.value if candidate_dtype else load.dtype,
-        attn_implementation=candidate_attn or load.attn_implementation, upcast=load.upcast and candidate_dtype is None,
+        settings, model=candidate, dtype=candidate_dtype or settings.dtype,
+        attn_implementation=candidate_attn or settings.attn_implementation,
+        upcast=settings.upcast and candidate_dtype is None,
     )
     with _one_parse_per_file():  # a .gguf named as reference, candidate and --served-dtype: read once
         served = _served(reference, candidate, served_model, api_key, served_dtype, route, top_k, long_prompt,
-                         output.debug)
+                         settings.debug)
         ref, cand = _load_both(settings, candidate_settings, served)
         comparison = _compare(ref, cand, settings, long, mapping, served)
     _emit(comparison, ref, policy, settings, plot, f"posdiag compare {Path(reference).name} vs {Path(candidate).name}")
+
+
+def _settings(ctx: typer.Context, given: Settings, plot: str | None) -> Settings:
+    """The reference's settings (command line > config file > defaults), shown for --show-config, else checked:
+    the output formats and files, the device and placement options."""
+    settings = guarded(lambda: replace(resolve(ctx, given), model=given.model), given.debug)
+    if settings.show_config:
+        show_config(settings)
+        raise typer.Exit(0)
+    validate.output_format(settings)
+    validate.outputs(json=settings.json, junit=settings.junit, html=settings.html, plot=plot)
+    validate.load_options(settings)
+    _require_matplotlib(plot)
+    return settings
 
 
 def _one_parse_per_file():
@@ -148,7 +178,9 @@ def _candidate_spec(reference: str, candidate: str | None) -> str:
             fail("compare needs REFERENCE and CANDIDATE; only a .gguf file is compared alone (with itself, "
                  "dequantised)")
         candidate = reference
-    if not candidate.lower().startswith(("http://", "https://")):
+    if candidate.lower().startswith(("http://", "https://")):
+        validate.server_address(candidate)
+    else:
         validate.model_spec(candidate)
     return candidate
 
@@ -180,21 +212,21 @@ def _served(reference: str, candidate: str, model: str | None, api_key: str | No
 
 
 def _emit(comparison, ref, policy, settings: Settings, plot: str | None, title: str) -> NoReturn:
-    """The comparison as a report: the console view, the JSON file, the plot; its exit code is the command's."""
+    """The comparison as a report: the console view and the plot, then every format the settings ask for (--json,
+    --junit, --format) as `check` writes them; its exit code is the command's."""
     from posdiag.api import versions
     from posdiag.report.compare_console import render_compare, write_png
-    from posdiag.report.formats import FORMATS
     from posdiag.results import Report
 
     report = Report(model=ref.info, checks=(comparison.result,), versions=versions(), policy=policy)
-    out = console_for(settings.json)
-    render_compare(report, out, quiet=settings.quiet)
-    if settings.json:
-        write_output(settings.json, FORMATS["json"].format(report), settings.debug)
-    if plot and comparison.profiles:
-        guarded(lambda: write_png(plot, comparison, title), settings.debug)
-        out.print(f"wrote {plot}")
-    raise typer.Exit(report.exit_code)
+
+    def show(out) -> None:
+        render_compare(report, out, quiet=settings.quiet)
+        if plot and comparison.profiles:
+            guarded(lambda: write_png(plot, comparison, title), settings.debug)
+            out.print(f"wrote {plot}")
+
+    emit(report, settings, show=show)
 
 
 def _require_matplotlib(plot: str | None) -> None:
@@ -203,7 +235,7 @@ def _require_matplotlib(plot: str | None) -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        fail("--plot needs matplotlib: pip install 'posdiag[plot]'")
+        fail("--plot needs matplotlib: pip install matplotlib")
 
 
 def _layer_map(text: str):
@@ -213,17 +245,24 @@ def _layer_map(text: str):
 
 
 def _load_both(reference: Settings, candidate: Settings, served: dict):
-    """The reference in PyTorch, and the port CANDIDATE names (posdiag/ports/candidates.open_candidate)."""
+    """The reference in PyTorch, and the port CANDIDATE names (posdiag/ports/candidates.open_candidate). A server is
+    asked first (one request): an address where nothing answers is said at once, not after the reference loads."""
     from posdiag.model.loading import load_subject
     from posdiag.ports.candidates import PortOptions, open_candidate
 
     ref_opts, cand_opts = load_options(reference), load_options(candidate)
     quiet_transformers()
+    port = PortOptions(served_model=served["served_model"], api_key=served["api_key"])
+
+    def open_cand():
+        return guarded(lambda: open_candidate(candidate.model, cand_opts, port), reference.debug)
+
+    cand = open_cand() if candidate.model.lower().startswith(("http://", "https://")) else None  # one GET /models
     with loading(reference.model):
         ref = guarded(lambda: load_subject(reference.model, ref_opts), reference.debug)
-    port = PortOptions(served_model=served["served_model"], api_key=served["api_key"])
-    with loading(candidate.model):
-        cand = guarded(lambda: open_candidate(candidate.model, cand_opts, port), reference.debug)
+    if cand is None:
+        with loading(candidate.model):
+            cand = open_cand()
     return ref, cand
 
 
@@ -235,10 +274,40 @@ def _compare(ref, cand, settings: Settings, long: bool, mapping, served: dict):
     from posdiag.ports.comparison import compare
     from posdiag.ports.protocol import CompareRequest
 
+    text = guarded(lambda: text_of(settings.text), settings.debug) if settings.text else None
     request = CompareRequest(
-        seq_len=settings.seq_len, seed=settings.seed, text=settings.text, long=long, layer_map=mapping,
+        seq_len=settings.seq_len, seed=settings.seed, text=text, long=long, layer_map=mapping,
         tokenize=lambda text: tokenize(settings.model, text, settings.revision, settings.trust_remote_code),
         route=served["route"], top_k=served["top_k"], served_dtype=served["served_dtype"],
         long_prompt=served["long_prompt"])
-    with Console(stderr=True).status("comparing…"):
-        return guarded(lambda: compare(ref, cand, request), settings.debug)
+    err = Console(stderr=True)
+    with err.status("compare…") as status:
+        stages = Stages(status.update, log=not (settings.quiet or err.is_terminal))
+        return guarded(lambda: compare(ref, cand, replace(request, stage=stages)), settings.debug)
+
+
+class Stages:
+    """The status line while the comparison runs: the stage it is in and the time since it started ("compare:
+    candidate on 256 tokens · 12.3 s"), re-rendered by the spinner so the clock moves. Where stderr is no terminal
+    (a CI log) the spinner shows nothing: one plain line per stage instead."""
+
+    def __init__(self, update, log: bool) -> None:
+        import time
+
+        self.update, self.log, self.name, self.start = update, log, "", time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        import sys
+
+        self.name = name
+        self.update(self)
+        if self.log:
+            print(f"posdiag: compare: {name} ({self.elapsed():.1f} s)", file=sys.stderr, flush=True)
+
+    def elapsed(self) -> float:
+        import time
+
+        return time.perf_counter() - self.start
+
+    def __rich__(self) -> str:
+        return f"compare: {self.name} · {self.elapsed():.1f} s"

@@ -18,10 +18,10 @@ from typing import Annotated, NoReturn
 import typer
 
 from posdiag.cli import validate
-from posdiag.cli._flow import emit, load_model, run_options
+from posdiag.cli._flow import emit, load_model, run_options, show_config
 from posdiag.cli._io import console_for, fail, guarded, loading, without_profiler_noise, write_output
 from posdiag.cli.groups import Given, Group, Opt, takes
-from posdiag.cli.options import LOAD, OUTPUT, RUN, DType, Settings
+from posdiag.cli.options import CONFIG, LOAD, OUTPUT, RUN, Settings, parse_dtype, resolve
 
 SyntheticOpt = Annotated[bool, typer.Option("--synthetic", help="No model: random q/k/v of the shape below.")]
 ImplOpt = Annotated[str | None,
@@ -61,7 +61,7 @@ MemoryOpt = Annotated[bool,
                       typer.Option("--memory/--no-memory",
                                    help="Synthetic: measure peak memory (CPU: via the torch profiler).")]
 SDtypeOpt = Annotated[str,
-                      typer.Option("--dtype",
+                      typer.Option("--dtype", parser=parse_dtype,
                                    help="Model: load dtype (auto = the checkpoint's). Synthetic: float32, bfloat16, "
                                         "float16 or float64.")]
 KernelsModelArg = Annotated[str | None, typer.Argument(
@@ -80,22 +80,30 @@ KERNELS_LOAD = LOAD.without("attn_implementation", "max_batch").but(dtype=Opt(SD
                                                                      upcast=Opt(KUpcastOpt, False))
 
 
-@takes(shape=SHAPE, load=KERNELS_LOAD, run=RUN.only("seq_len", "seed"), output=OUTPUT.only("json", "quiet", "debug"))
-def kernels(model: KernelsModelArg = None, synthetic: SyntheticOpt = False, impl: ImplOpt = None, *, shape: Given,
-            load: Given, run: Given, output: Given) -> None:
+@takes(shape=SHAPE, load=KERNELS_LOAD, run=RUN.only("seq_len", "seed"), output=OUTPUT, config=CONFIG)
+def kernels(ctx: typer.Context, model: KernelsModelArg = None, synthetic: SyntheticOpt = False, impl: ImplOpt = None,
+            *, shape: Given, load: Given, run: Given, output: Given, config: Given) -> None:
     """Eager vs SDPA vs FlashAttention on MODEL, per layer; or --synthetic: kernels on random q/k/v."""
+    given = Settings(model=model, **load, **run, **output, **config)
+    settings = guarded(lambda: resolve(ctx, given), given.debug)
+    if settings.show_config:
+        show_config(settings)
+        raise typer.Exit(0)
     if synthetic:
         if model:
             fail("--synthetic takes no MODEL")
-        _synthetic(SyntheticRun.of(shape, load, run, output))
-    if not model:
+        reports = [f"--{name}" for name in ("junit", "format", "html") if getattr(settings, name)]
+        if reports:
+            fail(f"{', '.join(reports)}: for a run on a model (a report of checks); --synthetic writes --json")
+        _synthetic(SyntheticRun.of(shape, settings))
+    if not settings.model:
         fail("no MODEL given (or pass --synthetic for random q/k/v)")
-    validate.model_spec(model)
-    validate.outputs(json=output.json)
-    if load.dtype not in [d.value for d in DType]:
-        fail(f"--dtype {load.dtype}: use one of {', '.join(d.value for d in DType)}")
+    validate.model_spec(settings.model)
+    validate.output_format(settings)
+    validate.outputs(json=settings.json, junit=settings.junit, html=settings.html)
+    validate.load_options(settings)
     # the kernels check alone, eager as the baseline, one pass per input
-    settings = Settings(model=model, **load, **run, **output, attn_implementation="eager", permutations=1)
+    settings = replace(settings, attn_implementation="eager", permutations=1)
     if impl:
         settings = replace(settings, check_options={"kernels": {"implementations": _implementations(impl)}})
     _model(settings)
@@ -155,12 +163,12 @@ class SyntheticRun:
     debug: bool
 
     @classmethod
-    def of(cls, shape: Given, load: Given, run: Given, output: Given) -> SyntheticRun:
-        """From the command's groups: --sweep-to implies --sweep (default 8 x --q-len)."""
+    def of(cls, shape: Given, settings: Settings) -> SyntheticRun:
+        """From the command's shape group and settings: --sweep-to implies --sweep (default 8 x --q-len)."""
         sweep = (shape.sweep_to or 8 * shape.q_len) if (shape.sweep or shape.sweep_to) else None
         given = {k: v for k, v in shape.items() if k not in ("sweep", "sweep_to")}
-        return cls(**given, sweep=sweep, dtype=load.dtype, device=load.device, seed=run.seed, json=output.json,
-                   quiet=output.quiet, debug=output.debug)
+        return cls(**given, sweep=sweep, dtype=settings.dtype, device=settings.device, seed=settings.seed,
+                   json=settings.json, quiet=settings.quiet, debug=settings.debug)
 
 
 def _synthetic(run: SyntheticRun) -> NoReturn:

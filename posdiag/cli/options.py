@@ -26,6 +26,30 @@ class DType(str, enum.Enum):
     float16 = "float16"
 
 
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "f16": "float16", "half": "float16", "fp32": "float32",
+                 "f32": "float32", "float": "float32", "fp64": "float64", "f64": "float64", "double": "float64"}
+"""The short names users type for a dtype (torch's own `half`, `float`, `double` among them)."""
+
+
+def dtype_name(text: str) -> str | None:
+    """A DType value for TEXT (the name itself or one of its aliases, any case); None when it names no dtype."""
+    value = str(text).strip().lower()
+    value = DTYPE_ALIASES.get(value, value)
+    return value if value in {d.value for d in DType} else None
+
+
+def dtype_choices() -> str:
+    return f"{', '.join(d.value for d in DType)} (or {', '.join(DTYPE_ALIASES)})"
+
+
+def parse_dtype(text: str) -> str:
+    """--dtype's parser: the DType value, an alias accepted, anything else one line naming the choices."""
+    value = dtype_name(text)
+    if value is None:
+        raise typer.BadParameter(f"'{text}' is no dtype: use {dtype_choices()}")
+    return value
+
+
 class Device(str, enum.Enum):
     auto = "auto"
     cpu = "cpu"
@@ -42,7 +66,10 @@ OptionalModelArg = Annotated[str | None, typer.Argument(
 RevisionOpt = Annotated[str | None,
                         typer.Option("--revision", metavar="REV", help="Hub revision (branch, tag or commit).")]
 TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow the checkpoint's own Python code to run.")]
-DtypeOpt = Annotated[DType, typer.Option("--dtype", help="Load dtype (auto = the checkpoint's).")]
+DTYPE_METAVAR = "|".join(d.value for d in DType)
+DtypeOpt = Annotated[str, typer.Option("--dtype", parser=parse_dtype, metavar=DTYPE_METAVAR,
+                                       help="Load dtype (auto = the checkpoint's; bf16, fp16, fp32, fp64 also "
+                                            "accepted).")]
 DeviceOpt = Annotated[Device, typer.Option("--device", help="Where to run.")]
 DeviceMapOpt = Annotated[str | None,
                          typer.Option("--device-map", metavar="MAP",
@@ -113,7 +140,7 @@ DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks for err
 
 # The option groups every command takes (a part of, through cli.groups.takes); defaults are Settings' own.
 LOAD = Group("load", {
-    "revision": Opt(RevisionOpt), "trust_remote_code": Opt(TrustOpt, False), "dtype": Opt(DtypeOpt, DType.auto),
+    "revision": Opt(RevisionOpt), "trust_remote_code": Opt(TrustOpt, False), "dtype": Opt(DtypeOpt, "auto"),
     "device": Opt(DeviceOpt, Device.auto), "device_map": Opt(DeviceMapOpt), "max_memory": Opt(MaxMemoryOpt),
     "offload_folder": Opt(OffloadOpt), "attn_implementation": Opt(AttnOpt, "eager"), "upcast": Opt(UpcastOpt, False),
     "allow_pickle": Opt(PickleOpt, False), "max_batch": Opt(MaxBatchOpt),
@@ -211,10 +238,12 @@ def resolve(ctx: typer.Context, given: Settings) -> Settings:
     for key in ("only", "skip"):  # one shape whichever way it came: a list of names
         if isinstance(effective.get(key), str):
             effective[key] = [v.strip() for v in effective[key].split(",") if v.strip()]
-    for key, choices in (("dtype", DType), ("device", Device)):
-        allowed = [m.value for m in choices]
-        if effective[key] not in allowed:
-            raise PosdiagError(f"{key} '{effective[key]}' from the config file is not one of {', '.join(allowed)}")
+    if "dtype" in effective:
+        if dtype_name(effective["dtype"]) is None:
+            raise PosdiagError(f"dtype '{effective['dtype']}' from the config file is no dtype: use {dtype_choices()}")
+        effective["dtype"] = dtype_name(effective["dtype"])
+    if "device" in effective and effective["device"] not in (allowed := [m.value for m in Device]):
+        raise PosdiagError(f"device '{effective['device']}' from the config file is not one of {', '.join(allowed)}")
     return replace(given, **effective, check_options=check_options, config_file=str(path) if path else None,
                    sources=source)
 

@@ -5,16 +5,17 @@ module probe on the loaded model, and optionally the copy probe. Heavy imports h
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from posdiag.cli import validate
-from posdiag.cli._flow import load_model, quiet_transformers
+from posdiag.cli._flow import load_model, quiet_transformers, show_config, write_reports
 from posdiag.cli._io import console_for, fail, guarded, loading, write_output
 from posdiag.cli.groups import Given, takes
-from posdiag.cli.options import LOAD, OUTPUT, RUN, ModelArg, Settings
+from posdiag.cli.options import CONFIG, LOAD, OUTPUT, RUN, ModelArg, Settings, resolve
 
 TargetOpt = Annotated[int | None,
                       typer.Option("--target-length", min=1,
@@ -23,23 +24,35 @@ ConfigOnlyOpt = Annotated[bool, typer.Option("--config-only", help="Analyse the 
 PlotOpt = Annotated[str | None,
                     typer.Option("--plot",
                                  help="Write a PNG (wavelength vs dim, probe error vs position) to PATH; needs "
-                                      "matplotlib (posdiag[plot]).")]
+                                      "matplotlib.")]
 ProbeOpt = Annotated[str | None,
                      typer.Option("--probe", help="Extra behavioural probe to run: copy (copy accuracy by position).")]
 
 PROBES = ("copy",)
 
 
-@takes(load=LOAD.without("max_batch"), run=RUN.only("seed"), output=OUTPUT.only("json", "quiet", "debug"))
-def rope(model: ModelArg, target_length: TargetOpt = None, config_only: ConfigOnlyOpt = False, plot: PlotOpt = None,
-         probe: ProbeOpt = None, *, load: Given, run: Given, output: Given) -> None:
+@takes(load=LOAD.without("max_batch"), run=RUN.only("seed"), output=OUTPUT, config=CONFIG)
+def rope(ctx: typer.Context, model: ModelArg, target_length: TargetOpt = None, config_only: ConfigOnlyOpt = False,
+         plot: PlotOpt = None, probe: ProbeOpt = None, *, load: Given, run: Given, output: Given,
+         config: Given) -> None:
     """RoPE analysis: frequencies vs training/target length from the config, then the module probe."""
-    settings = Settings(model=model, **load, **run, **output)
-    json, quiet, debug = output.json, output.quiet, output.debug
+    given = Settings(model=model, **load, **run, **output, **config)
+    settings = guarded(lambda: replace(resolve(ctx, given), model=model), given.debug)
+    if settings.show_config:
+        show_config(settings)
+        raise typer.Exit(0)
+    json, quiet, debug = settings.json, settings.quiet, settings.debug
     validate.model_spec(model)
-    validate.outputs(json=json, plot=plot)
+    validate.output_format(settings)
+    validate.outputs(json=json, junit=settings.junit, html=settings.html, plot=plot)
     gguf = model.lower().endswith(".gguf") and Path(model).is_file()  # a MODEL, dequantised by transformers
     static_only = config_only or (Path(model).is_file() and not gguf)
+    reports = [f"--{name}" for name in ("junit", "format", "html") if getattr(settings, name)]
+    if static_only and reports:
+        fail(f"{', '.join(reports)}: the report of the module probe; the config alone gives no verdict "
+             "(drop --config-only, or pass a checkpoint)")
+    if not static_only:
+        validate.load_options(settings)
     copy_probe = _check_extras(probe, plot, static_only)
 
     from posdiag.model.loading import looks_like_factory
@@ -49,7 +62,7 @@ def rope(model: ModelArg, target_length: TargetOpt = None, config_only: ConfigOn
     from posdiag.tools import rope_math
 
     quiet_transformers()
-    out = console_for(json)
+    out = console_for(json, settings.junit)
     factory = looks_like_factory(model)
     if factory and config_only:
         fail("--config-only needs a config.json, a checkpoint directory or a hub id, not a module:factory")
@@ -72,6 +85,8 @@ def rope(model: ModelArg, target_length: TargetOpt = None, config_only: ConfigOn
         out.print(f"wrote {plot}")
     if json:
         write_output(json, format_rope_json(model, static, report), debug)
+    if report is not None:
+        write_reports(report, settings, own=("json",))
     if report is None and quiet:
         for r in static:
             out.print(quiet_line(r))
@@ -120,7 +135,7 @@ def _require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        fail("--plot needs matplotlib, which is not installed: pip install 'posdiag[plot]' (the terminal plots need "
+        fail("--plot needs matplotlib, which is not installed: pip install matplotlib (the terminal plots need "
              "nothing)")
 
 
@@ -149,8 +164,6 @@ def copy_lengths(training_length: int, target_length: int | None = None) -> list
 
 # --------------------------------------------------------------------------- the probe
 def _run_probe(settings: Settings, subject: Any, target_length: int | None, copy_probe, out):
-    from dataclasses import replace
-
     from rich.console import Console
 
     from posdiag.api import run_checks

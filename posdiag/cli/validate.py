@@ -1,6 +1,7 @@
-"""Usage errors found before any work: MODEL that looks like a local path but is not there, the output
-format, the files a run will write, the baseline it will read. Each is one line on stderr and exit 2,
-answered at once (no torch import, no model load, no hub request). Nothing heavy is imported here."""
+"""Usage errors found before any work: MODEL (or a candidate) that looks like a local path or file but is not
+there, a server address that does not parse, a device this machine does not have, the output format, the files a
+run will write, the baseline it will read. Each is one line on stderr and exit 2, answered at once (no model load,
+no hub request; torch is imported only to ask for a device other than the CPU). Nothing heavy is imported here."""
 
 from __future__ import annotations
 
@@ -8,21 +9,45 @@ import difflib
 import os
 from pathlib import Path
 
-from posdiag.cli._io import fail
+from posdiag.cli._io import fail, guarded
 from posdiag.cli.options import Settings
 from posdiag.report.formats import stream_names
 
+FILE_SUFFIXES = (".gguf", ".onnx", ".json")
+"""What names a file, never a hub id: a GGUF file, an ONNX graph, a config.json (`rope`)."""
+
 
 def model_spec(spec: str) -> None:
-    """A MODEL that looks local (starts with `.`, `/` or `~`, or names a path whose first component is
-    here) and does not exist is a typo, not a hub id: say so instead of asking the hub."""
+    """A MODEL that looks local (starts with `.`, `/` or `~`, names a path whose first component is here,
+    or ends in a file suffix such as .gguf) and does not exist is a typo, not a hub id: say so instead of
+    asking the hub (or loading a reference first)."""
     if os.path.exists(os.path.expanduser(spec)) or _looks_like_factory(spec):
         return
     parts = [p for p in spec.replace(os.sep, "/").split("/") if p]
     local = spec.startswith((".", "/", "~")) or (len(parts) > 1 and os.path.exists(parts[0])) or spec.count("/") > 1
-    if not local:
+    if not local and not spec.lower().endswith(FILE_SUFFIXES):
         return
     fail(f"'{spec}' does not exist (no such file or directory){_did_you_mean(spec)}")
+
+
+def server_address(url: str) -> None:
+    """A server candidate's base address parses (http(s)://HOST:PORT/v1, nothing else in it)."""
+    from posdiag.ports.engines.http_server import address_problem
+
+    problem = address_problem(url)
+    if problem:
+        fail(problem)
+
+
+def load_options(settings: Settings) -> None:
+    """The device is on this machine, a --max-memory budget parses, --offload-folder and --max-memory come with
+    --device-map (posdiag.model.loading.check_load_options, which every load runs again)."""
+    if settings.device in ("auto", "cpu") and not (settings.max_memory or settings.offload_folder):
+        return  # nothing to ask torch
+    from posdiag.cli.options import load_options as options_of
+    from posdiag.model.loading import check_load_options
+
+    guarded(lambda: check_load_options(options_of(settings)), settings.debug)
 
 
 def _looks_like_factory(spec: str) -> bool:

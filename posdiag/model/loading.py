@@ -127,15 +127,25 @@ def _check_attn_implementation(model: torch.nn.Module, options: LoadOptions) -> 
             raise PosdiagError(f"cannot switch the model to eager attention: {exc}") from None
 
 
-def load_subject(spec: str, options: LoadOptions | None = None) -> Subject:
-    """MODEL -> Subject. Every failure becomes a PosdiagError with one line of advice."""
-    options = options or LoadOptions()
+def check_load_options(options: LoadOptions) -> None:
+    """What the load options ask for, checked before anything is read (the command line calls it before it loads
+    any model, a reference and a candidate alike): the device is on this machine, a memory budget parses, the
+    placement options come with --device-map, an offload folder is not a file."""
     if not options.device_map:
         for given, flag in ((options.max_memory, "--max-memory"), (options.offload_folder, "--offload-folder")):
             if given:
                 raise PosdiagError(f"{flag} only applies with --device-map (e.g. --device-map auto)")
     elif options.max_memory:
         parse_max_memory(options.max_memory)  # a malformed budget fails before anything is read
+    if options.offload_folder and Path(options.offload_folder).expanduser().is_file():
+        raise PosdiagError(f"--offload-folder {options.offload_folder} is a file, not a folder")
+    resolve_device(options.device)
+
+
+def load_subject(spec: str, options: LoadOptions | None = None) -> Subject:
+    """MODEL -> Subject. Every failure becomes a PosdiagError with one line of advice."""
+    options = options or LoadOptions()
+    check_load_options(options)
     if looks_like_factory(spec):
         return _load_factory(spec, options)
     return _load_pretrained(spec, options)

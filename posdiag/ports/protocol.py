@@ -51,6 +51,15 @@ class Port(Protocol):
     def vocab_size(self) -> int | None: ...
 
 
+Stage = Callable[[str], None]
+"""Told what a comparison starts next ("reference in float32 and float64", "candidate, 256 tokens"): the command
+line's status line says where a run of minutes is."""
+
+
+def no_stage(_: str) -> None:
+    """Where nobody watches (the Python API, the tests)."""
+
+
 @dataclass(frozen=True)
 class CompareRequest:
     """What one comparison is asked to do. Each judge reads the fields it knows and refuses in one line those it
@@ -69,6 +78,7 @@ class CompareRequest:
     top_k: int = 5
     served_dtype: str | None = None
     long_prompt: int | None = None  # --route serving: the long-prompt path's tokens (None: the judge's default)
+    stage: Stage = no_stage  # told each stage as it starts
 
     def run_options(self, reference: Any, candidate: Port) -> RunOptions:
         """The probe for a judge of token ids: --text tokenized (ids both vocabularies hold), else random ids."""

@@ -11,8 +11,10 @@ judges both):
 Requests go to the base URL the user named and nowhere else: redirects are refused and proxy settings from the
 environment are not used (a proxy is another host). The API key comes from `--api-key` or POSDIAG_API_KEY (not
 OPENAI_API_KEY: a key meant for one service is never sent to a server the user only named). Every failure is one
-line: a refused connection, a timeout or a dropped connection is the server failing (EngineCrash, exit 3); an HTTP
-error status or a reply without what was asked is a PosdiagError naming it (exit 2).
+line: an address that cannot be reached on the first request is the user's input (PosdiagError, exit 2, as a missing
+file); a timeout, or a server that answered before and then cannot be reached or drops the connection, is the server
+failing (EngineCrash, exit 3); an HTTP error status or a reply without what was asked is a PosdiagError naming it
+(exit 2).
 """
 
 from __future__ import annotations
@@ -153,6 +155,9 @@ class ServedEngine:
             raise EngineCrash(f"{where} did not answer within {self.timeout:g} s while {doing} "
                               "(POSDIAG_SERVER_TIMEOUT sets the limit)") from None
         except urllib.error.URLError as exc:
+            if self.requests == 1:  # never answered: the address given is wrong or nothing runs there
+                raise PosdiagError(f"{where} could not be reached ({_reason(exc.reason)}): is it running, and is "
+                                   "this its address?") from None
             raise EngineCrash(f"{where} could not be reached while {doing}: {_reason(exc.reason)}") from None
         except (ConnectionError, OSError) as exc:  # reset or closed mid-answer: the server died
             raise EngineCrash(f"{where} dropped the connection while {doing}: {_reason(exc)}") from None
@@ -170,15 +175,27 @@ def open_port(spec: str, options: Any) -> ServedEngine:
     return open_served(spec, model=options.served_model, api_key=options.api_key)
 
 
+def address_problem(url: str) -> str | None:
+    """Why URL is no base address to send requests to (http(s), a host, a port that parses, no credentials, query
+    or fragment); None when it is one. Read before anything loads (posdiag/cli/validate.py)."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        parts.port  # noqa: B018  (raises on a port that is not a number in range)
+    except ValueError:
+        return f"'{url}' is not a server address (its port): use http://HOST:PORT/v1"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"'{url}' is not a server address: use http://HOST:PORT/v1"
+    if parts.username or parts.password or parts.query or parts.fragment:
+        return f"'{url}': give the base URL only (http://HOST:PORT/v1); the key goes in --api-key or {API_KEY_ENV}"
+    return None
+
+
 def open_served(url: str, *, model: str | None = None, api_key: str | None = None,
                 timeout: float = DEFAULT_TIMEOUT) -> ServedEngine:
     """A ServedEngine for URL, checked: http(s), a host, no credentials or query in it; the server answers."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise PosdiagError(f"'{url}' is not a server address: use http://HOST:PORT/v1")
-    if parts.username or parts.password or parts.query or parts.fragment:
-        raise PosdiagError(f"'{url}': give the base URL only (http://HOST:PORT/v1); the key goes in --api-key or "
-                           f"{API_KEY_ENV}")
+    problem = address_problem(url)
+    if problem:
+        raise PosdiagError(problem)
     engine = ServedEngine(url.rstrip("/"), model=model, api_key=api_key or os.environ.get(API_KEY_ENV) or None,
                           timeout=timeout)
     engine.discover()

@@ -54,7 +54,7 @@ from posdiag.ports.profile import (
     per_position_error,
     rel_error,
 )
-from posdiag.ports.protocol import CompareRequest
+from posdiag.ports.protocol import CompareRequest, Stage, no_stage
 from posdiag.ports.reference import finer_run, name_of, run_stack
 from posdiag.results import Status
 
@@ -104,11 +104,13 @@ def choose_length(reference: Subject, candidate: Subject, options: RunOptions,
 def judge(reference: Subject, candidate: Any, request: CompareRequest) -> Comparison:
     """The judge of a port with hidden states (posdiag/ports/comparison.JUDGES): its model, layer by layer."""
     options = request.run_options(reference, candidate)
-    return compare_subjects(reference, candidate.subject, options, long=request.long, layer_map=request.layer_map)
+    return compare_subjects(reference, candidate.subject, options, long=request.long, layer_map=request.layer_map,
+                            stage=request.stage)
 
 
 def compare_subjects(reference: Subject, candidate: Subject, options: RunOptions | None = None, *,
-                     long: bool | None = None, layer_map: dict[int, int] | None = None) -> Comparison:
+                     long: bool | None = None, layer_map: dict[int, int] | None = None,
+                     stage: Stage = no_stage) -> Comparison:
     """Compare CANDIDATE with REFERENCE on the same ids. Never prints; raises PosdiagError on
     inputs that cannot be compared (different kinds, vocabularies, a too-long --seq-len)."""
     options = options or RunOptions()
@@ -125,6 +127,8 @@ def compare_subjects(reference: Subject, candidate: Subject, options: RunOptions
     absolute = any(str(s.position_kind) in ABSOLUTE for s in (reference, candidate))
     walk = _Walk(reference, candidate, ids, name_of(cmp_dtype), floor_subject, layer_map, absolute)
     for stack in reference.stacks:
+        stage(f"both models layer by layer on {length} tokens, and the finer floor" + (
+            f" ({stack})" if len(reference.stacks) > 1 else ""))
         broken = _compare_stack(walk, stack)
         if broken is not None:
             return early_result(*broken, length, info, reference, candidate, passes_before)

@@ -41,7 +41,7 @@ from posdiag.ports.logits import quant_floor, quant_twin
 from posdiag.ports.logits.shapes import judge_profile
 from posdiag.ports.logits.verdict import engine_info, verdict
 from posdiag.ports.profile import Comparison, LayerProfile, bucketed, per_position_error, rel_error
-from posdiag.ports.protocol import CompareRequest
+from posdiag.ports.protocol import CompareRequest, Stage, no_stage
 from posdiag.ports.reference import finer_run, name_of, run_stack
 from posdiag.verdict import FAIL_RATIO, noise_floor
 
@@ -72,25 +72,30 @@ def judge(reference: Subject, engine: Engine, request: CompareRequest) -> Compar
     options = request.run_options(reference, engine)
     if request.layer_map:
         raise PosdiagError("--layer-map aligns hidden states; an engine candidate gives only logits")
-    return compare_engine(reference, engine, options, long=request.long)
+    return compare_engine(reference, engine, options, long=request.long, stage=request.stage)
 
 
 def compare_engine(reference: Subject, engine: Engine, options: RunOptions | None = None, *,
-                   long: bool = False) -> Comparison:
+                   long: bool = False, stage: Stage = no_stage) -> Comparison:
     """Compare a logits-only ENGINE with REFERENCE on the same ids. Never prints; raises
-    PosdiagError on inputs that cannot be compared."""
+    PosdiagError on inputs that cannot be compared. STAGE is told each phase as it starts."""
     options = options or RunOptions()
     if reference.kind != "causal":
         raise PosdiagError(f"an engine is compared with a causal (decoder-only) reference, not a {reference.kind} one")
     before = reference.forward_count
+    stage("reference and its float64 floor")
     run = _reference_run(reference, engine, options, long)
     run_ids = run.ids[:run.covered].tolist()
     notes: list[str] = []
+    stage(f"candidate on {len(run_ids)} tokens")
     cand = _vocab(engine.run(run_ids), run.ref, notes)
     if engine.quantization:
+        stage(f"what {engine.quantization} adds (F32 twin)")
         _quantisation_floors(run, reference, engine, run_ids, cand)
     tolerances = FAIL_RATIO * run.floors
     tolerance = float(tolerances[:run.covered].median())
+    if engine.can_continue and run.covered >= 4:
+        stage(f"candidate continued from position {run.covered // 2}")
     _logit_profiles(run, engine, run_ids, cand, tolerances)
     details = _details(run, reference, engine, cand, notes)
     result = verdict(run.profiles, engine, run.length, details, reference.forward_count - before, run.inconclusive,

@@ -19,7 +19,7 @@ from posdiag.model.subject import Subject
 from posdiag.ports.engines.http_server import ServedEngine
 from posdiag.ports.logits.shapes import classify
 from posdiag.ports.profile import Comparison, LayerProfile
-from posdiag.ports.protocol import CompareRequest
+from posdiag.ports.protocol import CompareRequest, Stage, no_stage
 from posdiag.ports.served import precision as served_precision
 from posdiag.ports.served import serving_paths
 from posdiag.ports.served.precision import ServedFloor
@@ -52,12 +52,14 @@ def judge(reference: Subject, engine: ServedEngine, request: CompareRequest) -> 
     """The judge of a port answering top-k log-probs (posdiag/ports/comparison.JUDGES): the text as it is, the
     routes asked for."""
     return compare_served(reference, engine, route=request.route, top_k=request.top_k, new_tokens=request.seq_len,
-                          prompt=request.text, served_dtype=request.served_dtype, long_prompt=request.long_prompt)
+                          prompt=request.text, served_dtype=request.served_dtype, long_prompt=request.long_prompt,
+                          stage=request.stage)
 
 
 def compare_served(reference: Subject, engine: ServedEngine, *, route: str = "both", top_k: int = 5,
                    new_tokens: int | None = None, prompt: str | None = None,
-                   served_dtype: str | None = None, long_prompt: int | None = None) -> Comparison:
+                   served_dtype: str | None = None, long_prompt: int | None = None,
+                   stage: Stage = no_stage) -> Comparison:
     """Judge the server ENGINE against REFERENCE on the ROUTE(s). SERVED_DTYPE: the precision it serves in
     (posdiag/ports/served/precision.parse), measured into the floor. LONG_PROMPT: the serving route's long prompt,
     in tokens (default serving_paths.LONG_TOKENS). Never prints; PosdiagError (one line) on inputs
@@ -69,12 +71,14 @@ def compare_served(reference: Subject, engine: ServedEngine, *, route: str = "bo
     precision = served_precision.parse(served_dtype)
     before = reference.forward_count
     vocab = Vocabulary.of(reference)
+    if precision:
+        stage(f"the reference at {precision.name} (the served precision's floor)")
     floor = served_precision.open_floor(reference, precision, reference.stacks[-1]) if precision else None
     profiles: list[LayerProfile] = []
     sources: set[str] = set()
     try:
         routes = _routes(reference, engine, vocab, route, top_k, new_tokens, prompt, floor, profiles, sources,
-                         long_prompt or serving_paths.LONG_TOKENS)
+                         long_prompt or serving_paths.LONG_TOKENS, stage)
     finally:
         if floor is not None:
             floor.close()
@@ -92,16 +96,19 @@ def compare_served(reference: Subject, engine: ServedEngine, *, route: str = "bo
 
 def _routes(reference: Subject, engine: ServedEngine, vocab: Vocabulary, route: str, k: int, new_tokens: int | None,
             prompt: str | None, floor: ServedFloor | None, profiles: list[LayerProfile], sources: set[str],
-            long_prompt: int) -> dict[str, dict[str, Any]]:
+            long_prompt: int, stage: Stage) -> dict[str, dict[str, Any]]:
     text = prompt or " ".join(_prose().split()[:PROMPT_WORDS])
     routes: dict[str, dict[str, Any]] = {}
     if route in ("both", "prompt"):
+        stage("prompt route")
         routes["prompt"] = _prompt_route(reference, engine, vocab, text, k, floor, profiles, sources)
     if route in ("both", "generation"):
         n = new_tokens or DEFAULT_NEW_TOKENS
         start_from = prompt if prompt else text.split()[0]  # --text: from the end of a long prompt
+        stage(f"generation route, {n} tokens")
         routes["generation"] = _generation_route(reference, engine, vocab, start_from, n, k, floor, profiles, sources)
     if route == "serving":
+        stage("serving paths")
         routes.update(_serving_routes(reference, engine, vocab, new_tokens, k, floor, profiles, sources, long_prompt))
     return routes
 
