@@ -78,6 +78,7 @@ class CompareRequest:
     top_k: int = 5
     served_dtype: str | None = None
     long_prompt: int | None = None  # --route serving: the long-prompt path's tokens (None: the judge's default)
+    prefix_tokens: int | None = None  # --route serving: the shared prefix's tokens (None: the judge's default)
     stage: Stage = no_stage  # told each stage as it starts
 
     def run_options(self, reference: Any, candidate: Port) -> RunOptions:

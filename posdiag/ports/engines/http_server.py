@@ -78,6 +78,9 @@ class ServedEngine:
     timeout: float = DEFAULT_TIMEOUT
     requests: int = 0
     settings: dict[str, Any] = field(default_factory=dict)
+    cache_salt: str | None = None
+    """Sent with every completion while set (vLLM's `cache_salt`: its prefix cache keyed on it, so a request is
+    cold to an earlier run's; other servers ignore the field): the serving paths set one per comparison."""
 
     @property
     def name(self) -> str:
@@ -108,6 +111,8 @@ class ServedEngine:
     def complete(self, payload: dict[str, Any], doing: str) -> dict[str, Any]:
         if self.model:
             payload = {"model": self.model, **payload}
+        if self.cache_salt:
+            payload = {**payload, "cache_salt": self.cache_salt}
         return self.post("/completions", payload, doing)
 
     def discover(self) -> None:
@@ -123,16 +128,31 @@ class ServedEngine:
     def metrics(self) -> dict[str, float] | None:
         """The server's Prometheus counters (GET /metrics beside /v1: vLLM, SGLang, llama.cpp with --metrics), each
         name summed over its labels; None where it serves none (any error: the counters are evidence, not needed)."""
+        text = self._beside("/metrics")
+        return (prometheus_sums(text) or None) if text is not None else None
+
+    def server_config(self) -> dict[str, Any] | None:
+        """The configuration the server reports of itself (vLLM's GET /server_info, served when it runs with
+        VLLM_SERVER_DEV_MODE=1), or None."""
+        text = self._beside("/server_info?config_format=json")
+        try:
+            config = json.loads(text).get("vllm_config") if text else None
+        except (ValueError, AttributeError):
+            return None
+        return config if isinstance(config, dict) else None
+
+    def _beside(self, path: str) -> str | None:
+        """GET PATH from the server's root (beside /v1); None on any error (what it reports is evidence, not
+        needed)."""
         root = self.base[:-len("/v1")] if self.base.endswith("/v1") else self.base
-        request = urllib.request.Request(root + "/metrics", headers={"Accept": "text/plain"}, method="GET")
+        request = urllib.request.Request(root + path, method="GET")
         if self.api_key:
             request.add_header("Authorization", f"Bearer {self.api_key}")
         try:
             with _OPENER.open(request, timeout=self.timeout) as response:
-                text = response.read().decode(errors="replace")
+                return response.read().decode(errors="replace")
         except (urllib.error.URLError, OSError, ValueError):
             return None
-        return prometheus_sums(text) or None
 
     def post(self, path: str, payload: dict[str, Any], doing: str) -> dict[str, Any]:
         return self.call("POST", path, payload, doing)

@@ -21,7 +21,7 @@ from posdiag.ports.logits.shapes import classify
 from posdiag.ports.profile import Comparison, LayerProfile
 from posdiag.ports.protocol import CompareRequest, Stage, no_stage
 from posdiag.ports.served import precision as served_precision
-from posdiag.ports.served import serving_paths
+from posdiag.ports.served import premises, serving_paths
 from posdiag.ports.served.precision import ServedFloor
 from posdiag.ports.served.scores import (
     Scores,
@@ -53,16 +53,18 @@ def judge(reference: Subject, engine: ServedEngine, request: CompareRequest) -> 
     routes asked for."""
     return compare_served(reference, engine, route=request.route, top_k=request.top_k, new_tokens=request.seq_len,
                           prompt=request.text, served_dtype=request.served_dtype, long_prompt=request.long_prompt,
+                          prefix_tokens=request.prefix_tokens,
                           stage=request.stage)
 
 
 def compare_served(reference: Subject, engine: ServedEngine, *, route: str = "both", top_k: int = 5,
                    new_tokens: int | None = None, prompt: str | None = None,
-                   served_dtype: str | None = None, long_prompt: int | None = None,
+                   served_dtype: str | None = None, long_prompt: int | None = None, prefix_tokens: int | None = None,
                    stage: Stage = no_stage) -> Comparison:
     """Judge the server ENGINE against REFERENCE on the ROUTE(s). SERVED_DTYPE: the precision it serves in
-    (posdiag/ports/served/precision.parse), measured into the floor. LONG_PROMPT: the serving route's long prompt,
-    in tokens (default serving_paths.LONG_TOKENS). Never prints; PosdiagError (one line) on inputs
+    (posdiag/ports/served/precision.parse), measured into the floor. LONG_PROMPT, PREFIX_TOKENS: the serving
+    route's long prompt and shared prefix, in tokens (default serving_paths.LONG_TOKENS, PREFIX_TOKENS).
+    Never prints; PosdiagError (one line) on inputs
     that cannot be compared, EngineCrash when the server fails."""
     if reference.kind != "causal":
         raise PosdiagError(f"a server is compared with a causal (decoder-only) reference, not a {reference.kind} one")
@@ -78,7 +80,8 @@ def compare_served(reference: Subject, engine: ServedEngine, *, route: str = "bo
     sources: set[str] = set()
     try:
         routes = _routes(reference, engine, vocab, route, top_k, new_tokens, prompt, floor, profiles, sources,
-                         long_prompt or serving_paths.LONG_TOKENS, stage)
+                         (long_prompt or serving_paths.LONG_TOKENS, prefix_tokens or serving_paths.PREFIX_TOKENS),
+                         stage)
     finally:
         if floor is not None:
             floor.close()
@@ -96,7 +99,7 @@ def compare_served(reference: Subject, engine: ServedEngine, *, route: str = "bo
 
 def _routes(reference: Subject, engine: ServedEngine, vocab: Vocabulary, route: str, k: int, new_tokens: int | None,
             prompt: str | None, floor: ServedFloor | None, profiles: list[LayerProfile], sources: set[str],
-            long_prompt: int, stage: Stage) -> dict[str, dict[str, Any]]:
+            lengths: tuple[int, int], stage: Stage) -> dict[str, dict[str, Any]]:
     text = prompt or " ".join(_prose().split()[:PROMPT_WORDS])
     routes: dict[str, dict[str, Any]] = {}
     if route in ("both", "prompt"):
@@ -109,7 +112,7 @@ def _routes(reference: Subject, engine: ServedEngine, vocab: Vocabulary, route: 
         routes["generation"] = _generation_route(reference, engine, vocab, start_from, n, k, floor, profiles, sources)
     if route == "serving":
         stage("serving paths")
-        routes.update(_serving_routes(reference, engine, vocab, new_tokens, k, floor, profiles, sources, long_prompt))
+        routes.update(_serving_routes(reference, engine, vocab, new_tokens, k, floor, profiles, sources, *lengths))
     return routes
 
 
@@ -183,29 +186,40 @@ def _reply_judged(reference: Subject, vocab: Vocabulary, text: str, reply: Any, 
 
 def _serving_routes(reference: Subject, engine: ServedEngine, vocab: Vocabulary, n: int | None, k: int,
                     floor: ServedFloor | None, profiles: list[LayerProfile], sources: set[str],
-                    long_tokens: int) -> dict[str, dict[str, Any]]:
+                    long_tokens: int, prefix_tokens: int) -> dict[str, dict[str, Any]]:
     """The serving paths (posdiag/ports/served/serving_paths.py), each request's reply judged as the generation
-    route's; a path's worst request stands for it (a failing one first). The long prompt of LONG_TOKENS tokens must
-    fit the reference's context with the tokens generated after it."""
+    route's; a path's worst request stands for it (a failing one first), and a path whose premise the server's
+    report does not confirm (posdiag/ports/served/premises.py) is a WARN, not a PASS. The long prompt of
+    LONG_TOKENS tokens and the shared prefix of PREFIX_TOKENS (with its suffix) must fit the reference's context
+    with the tokens generated after them."""
     n = n or serving_paths.NEW_TOKENS
     context = reference.max_positions
-    if context is not None and long_tokens + n > context:
-        raise PosdiagError(f"--long-prompt-tokens {long_tokens} and {n} generated tokens exceed the reference's "
-                           f"declared context of {context} tokens")
-    texts = serving_paths.prompts(_prose().split(), long_tokens, lambda text: len(vocab.encode(text)))
+    for option, tokens, more in (("--long-prompt-tokens", long_tokens, 0), ("--prefix-tokens", prefix_tokens, 32)):
+        if context is not None and tokens + more + n > context:
+            raise PosdiagError(f"{option} {tokens} and {n} generated tokens exceed the reference's declared "
+                               f"context of {context} tokens")
+    texts = serving_paths.prompts(_prose().split(), long_tokens, vocab.encode, prefix_tokens)
     runs = serving_paths.run_paths(engine, texts, n, k, spread=lambda a, b: generation_spread(a, b)[0])
     spread = runs[0].spread if runs and runs[0].name == "cold" else []
     routes: dict[str, dict[str, Any]] = {}
     scored: dict[tuple, Scores] = {}
     for run in runs:
         name = f"serving/{run.name}"
+        if run.failed:  # the candidate's error on this path, as a crash is in process
+            routes[name] = {"status": "fail", "pattern": "server error",
+                            "why": f"the server failed on it ({run.failed})"}
+            continue
         if run.not_offered or not run.sent:
             routes[name] = {"status": "skip", "why": f"the server does not offer it ({run.not_offered or 'no reply'})"}
             continue
         judged = [_reply_judged(reference, vocab, sent.prompt, sent.reply, k, floor, profiles, sources, name, spread,
                                 scored) for sent in run.sent]
         worst = max(judged, key=lambda r: (r["status"] == "fail", r["worst_ratio"]))
-        routes[name] = {**worst, "story": run.story, "requests": len(judged)}
+        premise = premises.read(run, texts)
+        routes[name] = {**worst, "story": run.story, "requests": len(judged),
+                        "premise": {"confirmed": premise.confirmed, "evidence": premise.evidence}}
+        if worst["status"] == "pass" and premise.confirmed is not True:  # judged right, but not on the path named
+            routes[name].update(status="warn", why=premise.evidence)
         if worst["status"] == "fail":  # the path's story, not the generation route's advice about its prompt
             first = worst["first_position"]
             routes[name]["why"] = (f"{run.story}: |Δ log-prob| {worst['dlogprob'][0]:.2g} at its first generated "
@@ -290,8 +304,8 @@ def _verdict(routes: dict[str, dict[str, Any]], details: dict[str, Any], k: int,
         elif r.get("pattern") == "misaligned":
             how = "shifted by" if r["clear"] else "misaligned, best fit at"
             parts.append(f"prompt route: log-probs {how} {r['offset']:+d} position (never realigned): {r['why']}")
-        elif r.get("pattern") == "no alignment":
-            parts.append(f"prompt route: {r['why']}")
+        elif r.get("pattern") in ("no alignment", "server error"):
+            parts.append(f"{name} route: {r['why']}")
         elif r["status"] == "fail":
             lead = {"grows with position": f"error grows with position from {r['onset_position']}",
                     "step at a length": f"error starts at position {r['onset_position']}",
@@ -300,14 +314,19 @@ def _verdict(routes: dict[str, dict[str, Any]], details: dict[str, Any], k: int,
             parts.append(f"{name} route: {lead}: {r['why']}; worst |Δ log-prob| {r['worst_ratio']:.3g}x its floor at "
                          f"position {r['worst_position']}")
         else:
-            parts.append(f"{name} route: same function within its floor at every position "
-                         f"{r['first_position']}-{r['first_position'] + r['positions'] - 1} (worst "
-                         f"{r['worst_ratio']:.3g}x, tolerance {FAIL_RATIO:g}x; |Δ log-prob| max "
-                         f"{r['max_dlogprob']:.2g}, "
-                         f"top-1 {100 * r['top1_agreement']:.0f}%, top-{k} overlap {100 * r['topk_overlap']:.0f}%)")
-    status = Status.SKIP if not judged else Status.FAIL if failed else Status.PASS
-    if failed:
-        parts.sort(key=lambda p: not any(p.startswith(n) for n in failed))
+            same = (f"same function within its floor at every position "
+                    f"{r['first_position']}-{r['first_position'] + r['positions'] - 1} (worst "
+                    f"{r['worst_ratio']:.3g}x, tolerance {FAIL_RATIO:g}x; |Δ log-prob| max {r['max_dlogprob']:.2g}, "
+                    f"top-1 {100 * r['top1_agreement']:.0f}%, top-{k} overlap {100 * r['topk_overlap']:.0f}%)")
+            premise = (r.get("premise") or {}).get("evidence")
+            parts.append(f"{name} route: {r['why']}; its replies: {same}" if r["status"] == "warn" else
+                         f"{name} route: {same}" + (f"; {premise}" if premise else ""))
+    warned = any(r["status"] == "warn" for r in routes.values())
+    status = Status.SKIP if not judged else Status.FAIL if failed else Status.WARN if warned else Status.PASS
+    if failed or warned:  # the worst first
+        rank = {"fail": 0, "warn": 1}
+        parts.sort(key=lambda p: min((rank.get(r["status"], 2) for n, r in routes.items() if p.startswith(n)),
+                                     default=2))
     main = next((r for r in routes.values() if "worst_ratio" in r), {})
     metrics = {"ratio": main.get("worst_ratio"), "error": main.get("max_dlogprob"),
                "noise_floor": main.get("noise_floor_median"), "onset_position": main.get("onset_position"),
@@ -329,7 +348,8 @@ def _table(routes: dict[str, dict[str, Any]], k: int) -> Table:
         first = r["first_position"]
         rows.append((name, f"{first}-{first + r['positions'] - 1}", f"{r['max_dlogprob']:.2e}",
                      f"{r['noise_floor_median']:.2e}", f"{r['worst_ratio']:.3g}", f"{100 * r['top1_agreement']:.0f}%",
-                     f"{100 * r['topk_overlap']:.0f}%", "" if r["pattern"] == "none" else r["pattern"]))
+                     f"{100 * r['topk_overlap']:.0f}%", "premise not confirmed" if r["status"] == "warn" else
+                     "" if r["pattern"] == "none" else r["pattern"]))
     return Table("served log-probs against the reference's, by route (|Δ log-prob| of the actual next token)",
                  ("route", "positions", "max |Δ log-prob|", "floor (median)", "worst ratio", "top-1",
                   f"top-{k} overlap", "pattern"), tuple(rows))
