@@ -14,6 +14,8 @@ an always-called forward hook restores), so other models in the same process are
                         (gpt-neox #1003: `t` in half precision; exact up to 256, then rounded).
 - identity_rotation:    the rotary module returns cos = 1, sin = 0: RoPE declared, positions move nothing.
 - rotary_ignores_position_ids: the rotary module sees 0..T-1 whatever position_ids the caller passed.
+- temperature_by_position_ids: Llama 4's temperature tuning read from the position ids (vLLM's way): no bug, a
+                        healthy model with a term absolute by design.
 """
 
 from __future__ import annotations
@@ -67,6 +69,13 @@ def _is_gptj(model: torch.nn.Module) -> bool:
 
 
 def keys_never_rotated(model: torch.nn.Module) -> torch.nn.Module:
+    if hasattr(_modeling(model), "apply_rotary_emb"):  # Llama 4: apply_rotary_emb(xq, xk, freqs_cis), complex
+        def make(orig):
+            def apply(xq, xk, freqs_cis):
+                return orig(xq, xk, freqs_cis)[0], xk
+            return apply
+        _swap_during_forward(model, "apply_rotary_emb", make)
+        return model
     if _is_gptj(model):  # apply_rotary_pos_emb(tensor, sin, cos), called for k then q in each layer
         def make(orig):
             calls = [0]
@@ -206,6 +215,34 @@ def rotary_ignores_position_ids(model: torch.nn.Module) -> torch.nn.Module:
                 args[1] = arange
             return tuple(args), kwargs
         rotary.register_forward_pre_hook(pre, with_kwargs=True)
+    return model
+
+
+def temperature_by_position_ids(model: torch.nn.Module) -> torch.nn.Module:
+    """Llama 4's attention temperature tuning numbered by the position ids, as vLLM numbers it (transformers numbers
+    it by the token's index in the sequence): log1p(floor((p + 1) / floor_scale)) * attn_scale + 1 on the queries of
+    each NoPE layer, read from the attention's own floor_scale and attn_scale. Not a bug: absolute by design. On a NoPE
+    layer nothing acts on the queries between q_proj and that scale, so it scales q_proj's output."""
+    state: dict = {}
+
+    def capture(_m, args, kwargs):
+        state["pos"] = kwargs.get("position_ids")
+
+    layers = model.model.layers
+    for layer in layers:
+        attn = layer.self_attn
+        if attn.use_rope or not attn.attn_temperature_tuning:
+            continue
+        attn.attn_temperature_tuning = False  # transformers' own (by sequence index) gives way to this one
+
+        def scale(q_proj, args, out, attn=attn):
+            pos = state["pos"]
+            if pos is None:
+                pos = torch.arange(out.shape[1], device=out.device)[None]
+            factor = torch.log1p(torch.floor((pos.float() + 1.0) / attn.floor_scale)) * attn.attn_scale + 1.0
+            return (out * factor[..., None]).to(out.dtype)
+        attn.q_proj.register_forward_hook(scale)
+    layers[0].register_forward_pre_hook(capture, with_kwargs=True)
     return model
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from posdiag.model.absolute_terms import temperature_tuning
 from posdiag.model.injectors import bloom_mask, causal_buffers, falcon_alibi_mask, layer_mask_hook
 from posdiag.model.kinds import Kind, PositionKind, declared_causal, guess_kind, masked_only
 from posdiag.model.storage_mixing import storage_order_mixing, storage_positions
@@ -51,6 +52,8 @@ class Family:
                       reads instead of assuming 0 (BioGPT, unknown to posdiag, reads row 2).
     absolute_by_design: how the family reads absolute positions on top of relative ones ("" when it
                       does not): relative invariance (`shift`) then cannot hold, by design.
+    hold_absolute:    hold_absolute(model) -> (what was held, undo): that term held at its value at the first
+                      positions (posdiag.model.absolute_terms), so `shift` judges the rest; None where it cannot be.
     offset_rows_in_context: max_position_embeddings counts the offset rows (RoBERTa: 514 rows for 512 tokens);
                       False where they come on top of it (Kosmos: max_position_embeddings + 2 rows).
     refine:           refine(config) -> the fields a config-dependent quirk changes ({} when none): Falcon's
@@ -73,6 +76,8 @@ class Family:
     not_causal: str = ""
     offset_rows_in_context: bool = True
     refine: Refine | None = field(default=None, compare=False, repr=False)
+    hold_absolute: Callable[[Any], tuple[str, Callable[[], None]]] | None = field(default=None, compare=False,
+                                                                                  repr=False)
 
     def __post_init__(self) -> None:
         # replace(row, kind="causal") and rows built from strings keep the members (one spelling of each value)
@@ -130,6 +135,19 @@ def _nystromformer_mixing(config: Any) -> dict[str, Any]:
     return dict(token_mixing=" and ".join(mixing))
 
 
+def _llama4_temperature(config: Any) -> dict[str, Any]:
+    """Llama 4's attention temperature tuning (attn_temperature_tuning, on its NoPE layers: no_rope_layers 0) scales
+    queries by a function of the absolute position, so a shift of every position is not invisible by design (vLLM
+    numbers it by the position ids: a healthy model breaks shift once positions pass floor_scale - 1; transformers by
+    the token's index in the sequence). `shift` holds it at 1 (absolute_terms) and judges the rest."""
+    nope = [i for i, rope in enumerate(getattr(config, "no_rope_layers", None) or ()) if not rope]
+    if not getattr(config, "attn_temperature_tuning", False) or not nope:
+        return {}
+    term = (f"llama4 attention temperature tuning scales the queries of its NoPE layers ({', '.join(map(str, nope))}) "
+            f"by log1p(floor((p + 1) / {config.floor_scale})) * {config.attn_scale} + 1 of the absolute position p")
+    return dict(absolute_by_design=term, hold_absolute=temperature_tuning)
+
+
 def _deberta_relative(config: Any) -> dict[str, Any]:
     """DeBERTa with relative_attention (every DeBERTa-v3): the disentangled c2p/p2c terms read relative positions
     built from the storage index (build_relative_position over q/k lengths), never from position_ids, so a
@@ -171,6 +189,11 @@ _ROWS: dict[str, Family] = {
     "gemma2": Family("gemma2", position_kind="rope", mask_form="layer_dict", eager_only=True),
     "gemma3_text": Family("gemma3_text", position_kind="rope", mask_form="layer_dict"),
     "falcon": Family("falcon", position_kind="rope", refine=_falcon_alibi),
+    # Llama 4: its RoPE layers attend within chunks of attention_chunk_size (layer_types "chunked_attention"), its
+    # NoPE layers the whole past: one 4D causal mask dropped the chunks (explicit != default at 0.51 on the tiny model,
+    # chunk 8, 64 tokens: shuffle, positions and shift skipped), so a dict by layer type. Temperature tuning: see
+    # _llama4_temperature.
+    "llama4_text": Family("llama4_text", position_kind="rope", mask_form="layer_dict", refine=_llama4_temperature),
     # Beam: RoPE on sliding layers; its full-attention layers (rope_parameters entry None) scale queries by the
     # absolute position, (1 + (p + 1) / 2048) ** 0.1 (scalable softmax). Measured on the tiny model: a shift of 1
     # moves the outputs 1.39e-05 in float64 (93.7x its floor), 1.8e-07 with that scale held at 1.

@@ -208,11 +208,14 @@ class Fidelity:
 
 
 def fidelity_rows(ids: torch.Tensor) -> tuple[list[Row], tuple[int, int, int]]:
-    """Rows: explicit causal; keys [T/4, T/2) blocked for every later query; the first T/4
+    """Rows: explicit causal; keys [T/4, T/2] blocked for every later query; the first T/4
     queries allowed to see every key (future ones included). Edits are wide on purpose: a
-    single key can carry almost no attention weight in a random model."""
+    single key can carry almost no attention weight in a random model. The block ends one past
+    T/2 so that it reaches into the chunk of the first query after it: with chunks dividing T/2,
+    a block ending at T/2 hid only keys of earlier chunks, which chunked layers never see
+    (measured on a Llama 4 whose layers all attend by chunks of 8: "the mask is ignored")."""
     t = ids.shape[-1]
-    block_from, block_to, open_upto = t // 4, t // 2, max(1, t // 4)
+    block_from, block_to, open_upto = t // 4, min(t - 1, t // 2 + 1), max(1, t // 4)
 
     def block(a: torch.Tensor) -> torch.Tensor:
         a = a.clone()

@@ -37,6 +37,17 @@ from posdiag.model.tensors import additive_mask, dtype_name
 from posdiag.options import LoadOptions
 from posdiag.results import ModelInfo
 
+# layer type (config.layer_types) -> the pattern its layers attend by; any other type attends the full pattern
+_LOCAL_PATTERN = {"sliding_attention": "sliding", "chunked_attention": "chunked"}
+
+
+def _chunk_index(order: torch.Tensor, valid: torch.Tensor | None, size: int) -> torch.Tensor:
+    """Each token's attention chunk [B, T]: its order counted from the row's first valid token, over `size`.
+    transformers counts chunks from the end of the left padding (masking_utils.chunked_overlay); counted by order,
+    a permuted row keeps every token in its chunk (the consistent permutation permutes the chunk pattern too)."""
+    counted = order if valid is None else order.masked_fill(~valid.to(order.device).bool(), order.max() + 1)
+    return torch.div(order - counted.min(dim=-1, keepdim=True).values, size, rounding_mode="floor")
+
 
 @dataclass(frozen=True)
 class LoadInfo:
@@ -72,6 +83,7 @@ class Subject:
     tested: str = ""  # multimodal models: the tower the checks run on (towers.tested_tower)
     mask_refusals: dict[str, str] = field(default_factory=dict)  # stack -> why it refuses explicit masks ("": takes)
     cleanup: list[Any] = field(default_factory=list, repr=False)  # weakref.finalize: temporary offload folders
+    held_absolute: str = ""  # the family's absolute-by-design term, as held now (absolute_term_held; "" when not)
     # (tokenizer, why none): a .gguf file's, read with its weights; a checkpoint's, once a check has loaded it
     tokenizer: tuple[Any, str] | None = field(default=None, repr=False)
 
@@ -207,12 +219,20 @@ class Subject:
             return "all" if all(windowed) else ("some" if any(windowed) else "none")
         return "all"  # Mistral-style: one window for every layer
 
+    @property
+    def attention_chunk(self) -> int | None:
+        """Llama 4's chunked local attention: the chunk size, where some layer attends within chunks."""
+        size = getattr(self.config, "attention_chunk_size", None)
+        return int(size) if size and "chunked_attention" in self.layer_types() else None
+
     def patterns(self, order: torch.Tensor, valid: torch.Tensor | None = None, stack: str = "decoder",
                  edit: Any = None) -> dict[str, torch.Tensor]:
-        """Bool attention patterns [B, T, T] by logical token order: {"full": ..., "sliding": ...}.
+        """Bool attention patterns [B, T, T] by logical token order: {"full": ..., "sliding": ..., "chunked": ...}.
 
         Causal stacks: key j visible to query i when order[j] <= order[i] ("sliding" adds
-        order[i] - order[j] < window, transformers' convention). Bidirectional stacks: every
+        order[i] - order[j] < window, transformers' convention; "chunked" adds the same chunk of
+        attention_chunk_size, counted from the row's first valid token as transformers counts it
+        from the end of the left padding). Bidirectional stacks: every
         key ("sliding": |order[i] - order[j]| <= window, ModernBERT's local attention).
         Padding keys are never visible; a padded query keeps its own key so its softmax stays
         finite (its output is excluded from every comparison). `edit` (bool[B,T,T] -> same)
@@ -226,6 +246,9 @@ class Subject:
         if self.windowed_layers() != "none":
             w = self.sliding_window
             out["sliding"] = full & ((oi - oj) < w) if causal else (oi - oj).abs() <= w
+        if causal and self.attention_chunk:
+            chunk = _chunk_index(order, valid, self.attention_chunk)
+            out["chunked"] = full & (chunk[:, :, None] == chunk[:, None, :])
         edit = edit or (lambda a: a)
         return {k: edit(self._with_padding(v, valid)) for k, v in out.items()}
 
@@ -241,13 +264,16 @@ class Subject:
         form = self.family.mask_form
         if form == "layer_hook":
             return None
-        if form == "layer_dict" and "sliding" in patterns:
-            return {t: additive_mask(patterns["sliding" if t == "sliding_attention" else "full"][:, None], self.dtype)
-                    for t in sorted(set(self.layer_types()) | {"full_attention", "sliding_attention"})}
-        # One mask for every layer: the window goes in only when every layer slides (Mistral);
+        local = {t for t, key in _LOCAL_PATTERN.items() if key in patterns}  # the layer types with their own pattern
+        if form == "layer_dict" and local:
+            return {t: additive_mask(patterns[_LOCAL_PATTERN.get(t, "full")][:, None], self.dtype)
+                    for t in sorted(set(self.layer_types()) | {"full_attention"} | local)}
+        # One mask for every layer: the window (or chunk) goes in only when every layer slides (Mistral);
         # per-layer windows are the injector's business (GPT-Neo's buffers).
-        uniform_window = "sliding" in patterns and self.windowed_layers() == "all"
-        return additive_mask(patterns["sliding" if uniform_window else "full"][:, None], self.dtype)
+        types = set(self.layer_types())
+        uniform = "sliding" if "sliding" in patterns and self.windowed_layers() == "all" else \
+            ("chunked" if "chunked" in patterns and types == {"chunked_attention"} else "full")
+        return additive_mask(patterns[uniform][:, None], self.dtype)
 
     @contextlib.contextmanager
     def injected(self, patterns: dict[str, torch.Tensor] | None) -> Iterator[None]:
@@ -262,6 +288,20 @@ class Subject:
             yield
         finally:
             undo()
+
+    @contextlib.contextmanager
+    def absolute_term_held(self) -> Iterator[str]:
+        """The family's absolute-by-design term held at its value at the first positions (Family.hold_absolute),
+        undone on exit: what is relative can then be judged alone. Yields (and keeps in held_absolute) what was held,
+        "" when nothing could be."""
+        hold = self.family.hold_absolute
+        held, undo = hold(self.model) if hold is not None else ("", lambda: None)
+        self.held_absolute = held
+        try:
+            yield held
+        finally:
+            undo()
+            self.held_absolute = ""
 
     def stored_weight(self, name: str):
         """Parameter or buffer `name` with its values, also when accelerate offloaded it (a context manager)."""

@@ -179,6 +179,18 @@ def tiny_model_of_type(model_type: str, *, head: str = "causal", seed: int = 0,
     return auto.from_config(config, **kwargs).eval()
 
 
+LLAMA4_CHUNK = 8
+"""Attention chunk of the tiny Llama 4: shorter than the probes, so every probe crosses chunk boundaries."""
+
+
+def tiny_llama4(*, seed: int = 0, **overrides: Any) -> nn.Module:
+    """A tiny Llama 4 text model (Llama4ForCausalLM, eager attention): layer 0 RoPE attending within chunks of
+    LLAMA4_CHUNK tokens, layer 1 NoPE attending the whole past, with attention temperature tuning (inert below
+    floor_scale - 1 = 8191: pass a small floor_scale to make it act). Not in FAMILIES: no zoo-wide sweep runs it."""
+    settings = {"attention_chunk_size": LLAMA4_CHUNK, "no_rope_layers": [1, 0], **overrides}
+    return tiny_model_of_type("llama4_text", seed=seed, attn_implementation="eager", **settings)
+
+
 def tiny_model(
     family: str, *, seed: int = 0, init: str = "default", dtype: Any = None, **overrides: Any
 ) -> nn.Module:

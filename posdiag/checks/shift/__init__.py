@@ -62,9 +62,10 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
         why = (f"; order enters through {subject.family.name}'s recurrent sequence mixers ({', '.join(recurrent)}), "
                f"which read no position ids") if recurrent else ""
         return SPEC.result(Status.NA, f"no position mechanism found ({kind}): nothing to shift{why}")
-    if subject.dtype_name in LOW_PRECISION:
-        return _decided_in_float64(subject, options)
-    return _stacks(subject, options)
+    with subject.absolute_term_held() as held:  # an absolute-by-design term held constant: the rest is judged
+        result = _decided_in_float64(subject, options) if subject.dtype_name in LOW_PRECISION else \
+            _stacks(subject, options)
+    return judge.with_term_held(subject, result, held) if held else result
 
 
 def _stacks(subject: Subject, options: RunOptions, angles: Angles | None = None,
@@ -180,7 +181,7 @@ def _report(subject: Subject, stack: str, probe: ladder.Probe, measured: ladder.
     if subject.position_kind in ABSOLUTE_KINDS:
         status, summary = judge.absolute(subject, probe, measured, judged)
         return SPEC.result(status, summary, metrics, details, table)
-    if judged.breaks is not None and subject.family.absolute_by_design:
+    if judged.breaks is not None and subject.family.absolute_by_design and not subject.held_absolute:
         details["absolute_by_design"] = subject.family.absolute_by_design
         return SPEC.result(Status.NA, judge.by_design(subject, probe, measured, judged), metrics, details, table)
     if judged.breaks is not None:

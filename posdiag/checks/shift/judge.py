@@ -3,7 +3,7 @@ mask's fidelity before that, where a break sits, and the sentence each outcome r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from posdiag.checks.shift.ladder import Measured, Probe, default_output, refine, worst_token
@@ -12,7 +12,7 @@ from posdiag.model.inert import inert_reason
 from posdiag.model.probe import fidelity_rows, judge_fidelity
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import dtype_name, layer_name, relative_l2
-from posdiag.results import Status, Table
+from posdiag.results import CheckResult, Status, Table
 from posdiag.verdict import (
     LOW_PRECISION,
     MACHINE_EPSILON,
@@ -139,6 +139,17 @@ def by_design(subject: Subject, probe: Probe, measured: Measured, judged: Judged
     return (f"relative invariance does not apply: {subject.family.absolute_by_design}; a shift of {probe.ladder[i]} "
             f"moves the outputs {measured.errors[-1][i]:.3g} ({judged.ratio[i]:.3g}x floor + rounding term); the "
             f"rotation itself is judged by `rope`")
+
+
+def with_term_held(subject: Subject, result: CheckResult, held: str) -> CheckResult:
+    """A verdict reached with the family's absolute-by-design term held constant, saying so by name: a break is then
+    relative (a FAIL stands), and a PASS covers what is relative only."""
+    if result.status not in (Status.PASS, Status.WARN, Status.FAIL):
+        return result
+    clause = f"{subject.family.absolute_by_design}: absolute by design, so judged with it {held}"
+    return replace(result, summary=f"{result.summary}; {clause}",
+                   details={**result.details, "absolute_by_design": subject.family.absolute_by_design,
+                            "absolute_held": held})
 
 
 def broken(probe: Probe, measured: Measured, judged: Judged, details: dict[str, Any]) -> str:
