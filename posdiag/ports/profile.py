@@ -92,4 +92,4 @@ def bucketed(profiles: list[LayerProfile], length: int) -> dict[str, Any]:
         values = torch.tensor(p.per_position, dtype=torch.float64)
         layers[p.name] = [values[s:e].mean().item() for s, e in pairwise(edges)]
     return {"bucket_starts": edges[:-1], "length": length, "mean_error": layers,
-            "tolerance": {p.name: p.tolerance for p in profiles}}
+            "tolerance": {p.name: p.tolerance for p in profiles}, "floor": {p.name: p.floor for p in profiles}}

@@ -16,8 +16,13 @@ from rich.text import Text
 from posdiag.report.console import status_text
 from posdiag.report.fit import print_line, print_table
 from posdiag.results import CheckResult, Report, Status
+from posdiag.verdict import FAIL_RATIO
 
 BLOCKS = "▁▂▃▄▅▆▇█"
+AT_FLOOR, RAISED = "·", "∘"
+"""A bucket within its row's tolerance: at the noise floor (within FAIL_RATIO x the row's floor, the floor column of
+its table), or above it where the row's tolerance was raised past that (a quantised file judged within what its
+quantisation adds): never drawn as noise."""
 
 
 def render_compare(report: Report, console: Console, *, quiet: bool = False) -> None:
@@ -90,16 +95,23 @@ def scale(values: list[float], tolerance: float):
     return (lambda v: max(0.0, min(1.0, math.log10(max(v, base) / base) / span))), "log"
 
 
-def sparkline(values: list[float], tolerance: float) -> Text:
-    """One character per position bucket, scaled per row; at or below the tolerance a dim dot
-    (the noise floor), above it a red bar."""
+def within(v: float, tolerance: float, floor: float | None) -> Text:
+    """The mark of a bucket within its tolerance: AT_FLOOR, or RAISED above FAIL_RATIO x the row's floor."""
+    if floor is not None and v > FAIL_RATIO * floor:
+        return Text(RAISED, style="yellow")
+    return Text(AT_FLOOR, style="dim green")
+
+
+def sparkline(values: list[float], tolerance: float, floor: float | None = None) -> Text:
+    """One character per position bucket, scaled per row; within the tolerance a dim dot (the noise floor) or,
+    above FAIL_RATIO x the row's floor, RAISED; above the tolerance a red bar."""
     out = Text()
     frac, _ = scale(values, tolerance)
     for v in values:
         if v != v:  # NaN
             out.append("!", style="bold magenta")
         elif v <= tolerance:
-            out.append("·", style="dim green")
+            out.append(within(v, tolerance, floor))
         else:
             out.append(BLOCKS[min(len(BLOCKS) - 1, max(0, math.ceil(frac(v) * len(BLOCKS)) - 1))], style="red")
     return out
@@ -112,22 +124,29 @@ def _layer_table(check: CheckResult, profile: dict[str, Any]) -> RichTable:
     for col in table.columns:
         out.add_column(col, justify="left" if col in ("layer", "pattern") else "right")
     out.add_column(f"error vs position 0 → {profile['length'] - 1}", no_wrap=True)
+    floors = profile.get("floor", {})
+    marks = Text()
     for row in table.rows:
         name = row[0]
         values = profile["mean_error"].get(name, [])
-        out.add_row(*[str(v) for v in row], sparkline(values, profile["tolerance"].get(name, 0.0)))
+        line = sparkline(values, profile["tolerance"].get(name, 0.0), floors.get(name))
+        marks.append(line)
+        out.add_row(*[str(v) for v in row], line)
+    raised = f"; {RAISED} = above {FAIL_RATIO:g}x the row's floor, within its raised tolerance" \
+        if RAISED in marks.plain else ""
     out.caption = (f"one character per position bucket starting at {', '.join(str(s) for s in starts)}; "
-                   "· = at the noise floor; bars scaled per row")
+                   f"{AT_FLOOR} = at the noise floor (within {FAIL_RATIO:g}x the row's floor){raised}; bars scaled "
+                   "per row")
     return out
 
 
 def _bar_plot(name: str, profile: dict[str, Any], width: int = 40) -> RichTable:
     starts, length = profile["bucket_starts"], profile["length"]
     values = profile["mean_error"][name]
-    tol = profile["tolerance"].get(name, 0.0)
+    tol, floor = profile["tolerance"].get(name, 0.0), profile.get("floor", {}).get(name)
     frac, kind = scale(values, tol)
     out = RichTable(title=f"compare: error vs position at {name} ({'linear' if kind == 'lin' else 'log'} bars; "
-                          f"· = within tolerance {tol:.1e})",
+                          f"{AT_FLOOR} = at the noise floor, {RAISED} = above it, within tolerance {tol:.1e})",
                     title_justify="left", box=None, header_style="bold", show_header=True)
     out.add_column("positions", justify="right")
     out.add_column("mean error", justify="right")
@@ -135,10 +154,8 @@ def _bar_plot(name: str, profile: dict[str, Any], width: int = 40) -> RichTable:
     ends = list(starts[1:]) + [length]
     for s, e, v in zip(starts, ends, values, strict=True):
         label = f"{s}" if e - s == 1 else f"{s}–{e - 1}"
-        if v == v and v > tol:
-            bar = Text("█" * max(1, round(frac(v) * width)), style="red")
-        else:
-            bar = Text("·", style="dim green")
+        above = v == v and v > tol
+        bar = Text("█" * max(1, round(frac(v) * width)), style="red") if above else within(v, tol, floor)
         out.add_row(label, f"{v:.2e}", bar)
     return out
 
