@@ -13,8 +13,8 @@ from posdiag.options import RunOptions
 from posdiag.results import Status
 from posdiag.testing import zoo
 
-gguf = pytest.importorskip("gguf", reason="the GGUF converter needs the gguf package: pip install 'posdiag[gguf]'")
-llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'posdiag[gguf]' "
+gguf = pytest.importorskip("gguf", reason="the GGUF converter needs the gguf package: pip install -e '.[gguf]'")
+llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install -e '.[gguf]' "
                                                     "builds it from source, several minutes)")
 
 from posdiag.ports.engines.llama_cpp import load_gguf  # noqa: E402

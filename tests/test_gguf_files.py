@@ -16,7 +16,7 @@ from posdiag.cli import app
 from posdiag.errors import EngineCrash, PosdiagError
 from posdiag.ports.engines.child_process import EngineProcess
 
-gguf = pytest.importorskip("gguf", reason="GGUF files need the gguf package: pip install 'posdiag[gguf]'")
+gguf = pytest.importorskip("gguf", reason="GGUF files need the gguf package: pip install -e '.[gguf]'")
 
 from gguf_convert import write_gguf  # noqa: E402
 

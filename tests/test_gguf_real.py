@@ -19,8 +19,8 @@ from sweep_support import holds
 from posdiag.options import RunOptions
 from posdiag.results import Status
 
-pytest.importorskip("gguf", reason="GGUF files need the gguf package: pip install 'posdiag[gguf]'")
-pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'posdiag[gguf]')")
+pytest.importorskip("gguf", reason="GGUF files need the gguf package: pip install -e '.[gguf]'")
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install -e '.[gguf]')")
 
 from posdiag.model.gguf_file import open_reader, rewrite
 from posdiag.model.loading import load_subject

@@ -16,8 +16,8 @@ from posdiag.options import RunOptions
 from posdiag.results import Status
 from posdiag.testing import zoo
 
-pytest.importorskip("onnxruntime", reason="ONNX Runtime is not installed (pip install 'posdiag[onnx]')")
-pytest.importorskip("onnx", reason="torch.onnx needs the onnx package (pip install 'posdiag[onnx]')")
+pytest.importorskip("onnxruntime", reason="ONNX Runtime is not installed (pip install -e '.[onnx]')")
+pytest.importorskip("onnx", reason="torch.onnx needs the onnx package (pip install -e '.[onnx]')")
 
 from posdiag.ports.engines.onnx_runtime import load_onnx
 from posdiag.ports.logits import compare_engine

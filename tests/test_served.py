@@ -25,9 +25,9 @@ from sweep_support import pinned
 from posdiag.errors import EngineCrash, PosdiagError
 from posdiag.results import Status
 
-pytest.importorskip("gguf", reason="GGUF files need the gguf package: pip install 'posdiag[gguf]'")
-pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'posdiag[gguf]')")
-pytest.importorskip("fastapi", reason="llama-cpp-python's server extra is not installed (pip install 'posdiag[dev]')")
+pytest.importorskip("gguf", reason="GGUF files need the gguf package: pip install -e '.[gguf]'")
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install -e '.[gguf]')")
+pytest.importorskip("fastapi", reason="llama-cpp-python's server extra is not installed (pip install -e '.[dev]')")
 
 from posdiag.model.gguf_file import dequantised, open_reader, rewrite
 from posdiag.model.loading import load_subject

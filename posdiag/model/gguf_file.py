@@ -84,7 +84,7 @@ def open_reader(path: str):
     try:
         from gguf import GGUFReader
     except ImportError:
-        raise PosdiagError("reading a .gguf file needs the gguf package: pip install 'posdiag[gguf]'") from None
+        raise PosdiagError("reading a .gguf file needs the gguf package: pip install gguf") from None
     try:
         return _plain_views(GGUFReader)(path)
     except Exception as exc:

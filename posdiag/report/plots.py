@@ -1,4 +1,4 @@
-"""PNG plots (matplotlib, an optional dependency: posdiag[plot]). The CLI checks it is installed first."""
+"""PNG plots (matplotlib, an optional dependency: pip install matplotlib). The CLI checks it is installed first."""
 
 from __future__ import annotations
 

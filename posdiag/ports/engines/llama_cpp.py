@@ -1,4 +1,5 @@
-"""llama.cpp as a candidate: a `.gguf` file run through llama-cpp-python (`pip install 'posdiag[gguf]'`).
+"""llama.cpp as a candidate: a `.gguf` file run through llama-cpp-python (`pip install llama-cpp-python gguf`, or
+`pip install -e '.[gguf]'` in the clone).
 
 The file is first read and validated here (posdiag/model/gguf_file.py: a truncated or inconsistent file is
 one line, exit 2), then opened by llama.cpp in a child process (posdiag/ports/engines/child_process.py: a native
@@ -60,7 +61,7 @@ def load_gguf(path: str, *, kv_cache: str = "f32", threads: int | None = None, r
     try:
         import llama_cpp  # noqa: F401  (only whether it is there: the child imports it)
     except ImportError:
-        raise PosdiagError("a .gguf candidate needs llama-cpp-python: pip install 'posdiag[gguf]'") from None
+        raise PosdiagError("a .gguf candidate needs llama-cpp-python: pip install llama-cpp-python") from None
     context = info.key("context_length")
     threads = threads or engine_threads()
     process = EngineProcess(list(CHILD_COMMAND), path, timeout=timeout)

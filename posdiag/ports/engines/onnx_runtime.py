@@ -1,4 +1,5 @@
-"""An exported graph as a candidate: a `.onnx` file run with ONNX Runtime on the CPU (`pip install 'posdiag[onnx]'`).
+"""An exported graph as a candidate: a `.onnx` file run with ONNX Runtime on the CPU (`pip install onnxruntime onnx`, or
+`pip install -e '.[onnx]'` in the clone).
 
 The graph's inputs are read from the graph, not assumed: `input_ids` (or the first integer input), and where the
 graph has them `attention_mask` (ones), `position_ids` (0..T-1, or continuing a cache) and past key/values
@@ -38,7 +39,7 @@ def load_onnx(path: str, *, threads: int | None = None) -> Engine:
     try:
         import onnxruntime as ort
     except ImportError:
-        raise PosdiagError("a .onnx candidate needs onnxruntime: pip install 'posdiag[onnx]'") from None
+        raise PosdiagError("a .onnx candidate needs onnxruntime: pip install onnxruntime onnx") from None
     options = ort.SessionOptions()
     options.intra_op_num_threads = options.inter_op_num_threads = threads or engine_threads()
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")  # idle threads sleep, never spin

@@ -61,7 +61,7 @@ def parse(spec: str | None) -> ServedPrecision | None:
         import gguf
     except ImportError:
         raise PosdiagError(f"--served-dtype {spec}: a ggml type needs the gguf package: pip install "
-                           "'posdiag[gguf]'") from None
+                           "gguf") from None
     kind = spec.upper()
     if kind not in gguf.GGMLQuantizationType.__members__:
         raise PosdiagError(f"--served-dtype {spec}: not a dtype ({', '.join(TORCH_DTYPES)}), a ggml type (Q8_0, "
