@@ -13,7 +13,8 @@ environment are not used (a proxy is another host). The API key comes from `--ap
 OPENAI_API_KEY: a key meant for one service is never sent to a server the user only named). Every failure is one
 line: an address that cannot be reached on the first request is the user's input (PosdiagError, exit 2, as a missing
 file); a timeout, or a server that answered before and then cannot be reached or drops the connection, is the server
-failing (EngineCrash, exit 3); an HTTP error status or a reply without what was asked is a PosdiagError naming it
+failing (EngineCrash, exit 3), and so is an HTTP 5xx status other than 501 (the server failed at what it offers);
+any other HTTP error status (a refusal: 4xx, 429, 501) or a reply without what was asked is a PosdiagError naming it
 (exit 2).
 """
 
@@ -170,7 +171,8 @@ class ServedEngine:
             with _OPENER.open(request, timeout=self.timeout) as response:
                 body = response.read()
         except urllib.error.HTTPError as exc:
-            raise PosdiagError(f"{where} answered HTTP {exc.code} while {doing}: {_error_text(exc)}") from None
+            said = f"{where} answered HTTP {exc.code} while {doing}: {_error_text(exc)}"
+            raise (EngineCrash if server_failed(exc.code) else PosdiagError)(said) from None
         except TimeoutError:
             raise EngineCrash(f"{where} did not answer within {self.timeout:g} s while {doing} "
                               "(POSDIAG_SERVER_TIMEOUT sets the limit)") from None
@@ -229,6 +231,12 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
 
 
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect())
+
+
+def server_failed(code: int) -> bool:
+    """Whether HTTP status CODE is the server failing at what it offers (500, 502, 503, 504...: the candidate's error),
+    not a refusal (4xx: a request it does not take, 429 one too many; 501: not implemented)."""
+    return code >= 500 and code != 501
 
 
 def _error_text(exc: urllib.error.HTTPError) -> str:
