@@ -257,11 +257,15 @@ def test_the_long_prompt_option_is_refused_where_it_is_not_read(served):
     reference, base = served
     out = CliRunner().invoke(app, ["compare", "fixtures/llama-tiny", base, "--long-prompt-tokens", "120"])
     assert out.exit_code == 2 and "--long-prompt-tokens: for --route serving" in out.output, out.output
+    out = CliRunner().invoke(app, ["compare", "fixtures/llama-tiny", base, "--prefix-tokens", "64"])
+    assert out.exit_code == 2 and "--prefix-tokens: for --route serving (its prefix-hit path)" in out.output
     out = CliRunner().invoke(app, ["compare", "fixtures/llama-tiny", "fixtures/llama-tiny", "--long-prompt-tokens",
                                    "120"])
     assert out.exit_code == 2 and "for a server candidate" in out.output, out.output
     with pytest.raises(PosdiagError, match="exceed the reference's declared context of 8192 tokens"):
         compare_served(reference, open_served(base), route="serving", new_tokens=N, long_prompt=8190)
+    with pytest.raises(PosdiagError, match="--prefix-tokens 8180 and 8 generated tokens exceed the reference's"):
+        compare_served(reference, open_served(base), route="serving", new_tokens=N, prefix_tokens=8180)
 
 
 def test_the_default_prefix_spans_two_of_vllms_cpu_blocks(served):

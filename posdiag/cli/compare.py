@@ -84,6 +84,10 @@ LongPromptOpt = Annotated[int | None, typer.Option(
     "--long-prompt-tokens", min=8, help="--route serving: tokens in the long-prompt path's prompt (default 90). Make "
                                        "it exceed the server's batch or prefill chunk size (llama.cpp --batch-size, "
                                        "vLLM --max-num-batched-tokens), or that path is one batch like the others.")]
+PrefixTokensOpt = Annotated[int | None, typer.Option(
+    "--prefix-tokens", min=8, help="--route serving: tokens the prefix-hit path's prompt shares with the request "
+                                  "before it (default 256: two of vLLM's 128-token CPU cache blocks). A prefix "
+                                  "shorter than the server's cache block is never a hit (reported: did not hit).")]
 
 
 @takes(load=LOAD, run=RUN.only("seq_len", "seed", "text").but(seq_len=Opt(CompareSeqLenOpt), text=Opt(CompareTextOpt)),
@@ -92,8 +96,8 @@ def compare(ctx: typer.Context, reference: ReferenceArg, candidate: CandidateArg
             layer_map: LayerMapOpt = None, plot: ComparePlotOpt = None, candidate_dtype: CandidateDtypeOpt = None,
             candidate_attn: CandidateAttnOpt = None, served_model: ServedModelOpt = None, api_key: ApiKeyOpt = None,
             served_dtype: ServedDtypeOpt = None, route: RouteOpt = Route.both, top_k: TopKOpt = 5,
-            long_prompt: LongPromptOpt = None, *, load: Given, run: Given, gate: Given, output: Given,
-            config: Given) -> None:
+            long_prompt: LongPromptOpt = None, prefix_tokens: PrefixTokensOpt = None, *, load: Given, run: Given,
+            gate: Given, output: Given, config: Given) -> None:
     """Compare a port with its reference, layer by layer and position by position.
 
     Same token ids, same dtype (unless --candidate-dtype). A position bug shows as error that is
@@ -144,7 +148,7 @@ def compare(ctx: typer.Context, reference: ReferenceArg, candidate: CandidateArg
     )
     with _one_parse_per_file():  # a .gguf named as reference, candidate and --served-dtype: read once
         served = _served(reference, candidate, served_model, api_key, served_dtype, route, top_k, long_prompt,
-                         settings.debug)
+                         settings.debug, prefix_tokens)
         ref, cand = _load_both(settings, candidate_settings, served)
         comparison = _compare(ref, cand, settings, long, mapping, served)
     _emit(comparison, ref, policy, settings, plot, f"posdiag compare {Path(reference).name} vs {Path(candidate).name}")
@@ -186,21 +190,23 @@ def _candidate_spec(reference: str, candidate: str | None) -> str:
 
 
 def _served(reference: str, candidate: str, model: str | None, api_key: str | None, dtype: str | None,
-            route: Route, top_k: int, long_prompt: int | None, debug: bool) -> dict:
+            route: Route, top_k: int, long_prompt: int | None, debug: bool, prefix: int | None = None) -> dict:
     """The server options, refused in one line for a candidate that is not a server (or a route that does not read
     them). The precision it serves in defaults to REFERENCE's own tensor types when that is a quantised .gguf file
     (the file being served)."""
     given = [name for name, value in (("--served-model", model), ("--api-key", api_key), ("--served-dtype", dtype),
                                       ("--route", route is not Route.both or None),
-                                      ("--long-prompt-tokens", long_prompt)) if value]
+                                      ("--long-prompt-tokens", long_prompt), ("--prefix-tokens", prefix)) if value]
     if given and not candidate.lower().startswith(("http://", "https://")):
         fail(f"{', '.join(given)}: for a server candidate (http://HOST:PORT/v1), not '{candidate}'")
-    if long_prompt is not None and route is not Route.serving:
-        fail(f"--long-prompt-tokens: for --route serving (its long-prompt path), not --route {route.value}")
+    for option, value, path in (("--long-prompt-tokens", long_prompt, "long-prompt"), ("--prefix-tokens", prefix,
+                                                                                         "prefix-hit")):
+        if value is not None and route is not Route.serving:
+            fail(f"{option}: for --route serving (its {path} path), not --route {route.value}")
     served = candidate.lower().startswith(("http://", "https://"))
     if not served:
         return dict(served_model=None, api_key=None, route=route.value, top_k=top_k, served_dtype=None,
-                    long_prompt=None)
+                    long_prompt=None, prefix_tokens=None)
     from posdiag.ports.served import precision
 
     if dtype is None and reference.lower().endswith(".gguf"):
@@ -208,7 +214,7 @@ def _served(reference: str, candidate: str, model: str | None, api_key: str | No
         dtype = reference if set(own.types.values()) - {"F32"} else None  # all F32: float32, nothing to add
     guarded(lambda: precision.parse(dtype), debug)  # checked before anything loads
     return dict(served_model=model, api_key=api_key, route=route.value, top_k=top_k, served_dtype=dtype,
-                long_prompt=long_prompt)
+                long_prompt=long_prompt, prefix_tokens=prefix)
 
 
 def _emit(comparison, ref, policy, settings: Settings, plot: str | None, title: str) -> NoReturn:
@@ -279,7 +285,7 @@ def _compare(ref, cand, settings: Settings, long: bool, mapping, served: dict):
         seq_len=settings.seq_len, seed=settings.seed, text=text, long=long, layer_map=mapping,
         tokenize=lambda text: tokenize(settings.model, text, settings.revision, settings.trust_remote_code),
         route=served["route"], top_k=served["top_k"], served_dtype=served["served_dtype"],
-        long_prompt=served["long_prompt"])
+        long_prompt=served["long_prompt"], prefix_tokens=served["prefix_tokens"])
     err = Console(stderr=True)
     with err.status("compare…") as status:
         stages = Stages(status.update, log=not (settings.quiet or err.is_terminal))

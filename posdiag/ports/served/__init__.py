@@ -45,7 +45,7 @@ NOT_SHOWN = ("logits beyond the top-k: the actual token's log-prob and the top-k
              "distributions", "hidden states: no layer is located, only the output", "token ids: tokens come back "
              "as text, matched to the reference's tokenizer piece by piece",
              "the server's cache reuse: each request is scored as the server ran it (prefix caching may serve a "
-             "prefix from an earlier request)")
+             "prefix from an earlier request; --route serving reads what the server reports of it)")
 
 
 def judge(reference: Subject, engine: ServedEngine, request: CompareRequest) -> Comparison:
