@@ -238,8 +238,8 @@ def canned():
 def test_http_errors_short_replies_and_redirects_are_one_line(reference, canned, monkeypatch):
     base, answers, keys = canned
     answers["/v1/completions"] = (500, {"error": {"message": "model crashed\nwith details"}})
-    with pytest.raises(PosdiagError, match=r"^the server at .* answered HTTP 500 while generating 8 tokens: model "
-                                           r"crashed with details$"):
+    with pytest.raises(EngineCrash, match=r"^the server at .* answered HTTP 500 while generating 8 tokens: model "
+                                          r"crashed with details$"):  # the server failing, not a refusal
         compare_served(reference, open_served(base), route="generation", new_tokens=8)
     token = {"tokens": [" a"], "token_logprobs": [-1.0], "top_logprobs": [{" a": -1.0, " b": -2.0}]}
     answers["/v1/completions"] = (200, {"choices": [{"text": " a", "logprobs": token}]})
