@@ -5,14 +5,18 @@ Each plant is a forward pre-hook on the top module that numbers positions the wa
 - rope_deltas: the model works out a per-row position offset at each prefill from the padding (Qwen2-VL's
   `rope_deltas`, text only: minus the row's pad count) and adds it to the cache length at every decode step taken
   without position_ids. `reset="never"`: the offset of the first padded batch is kept for every later request
-  (transformers #36013 class); `reset="batch size"`: worked out again only when the batch size changes; twin
-  `reset="prompt"`: worked out at every prefill.
+  (transformers #36013 class); `reset="batch size"`: worked out again only when the batch size changes;
+  `reset="padded"`: worked out only at a padded prefill, so an unpadded request after a padded batch keeps its
+  offsets (row r of a call takes the kept offset of row r modulo the kept batch); twin `reset="prompt"`: worked out
+  at every prefill.
 - chunk_restart: a multi-token forward against a non-empty cache numbered from 0 (each chunk of a chunked prefill
   given the positions of a prompt of its own: mlx-vlm #1741). Twin: numbered from the cache length.
 - prefix_slot: a cache the model did not fill itself (a stored prefix, copied and continued) continued one slot off
   (vllm-mlx #311). Twin: continued at its length.
 - drafts_off: after a cache was cropped (rejected drafts rolled back) the next positions are one off (vLLM #54498
   class). Twin: numbered from the cropped length.
+- stale_crop: a cache cropped after rejected drafts keeps one of them (the verification after a rollback attends a
+  token that was rejected, and is numbered past it). Twin: cropped as asked.
 - rows_offset: in a batch decoding from a cache, rows after the first lose the cache offset (MLX #3949: fast RoPE's
   offset right for row 0 only). Twin: every row keeps it. (Row 0's position_ids handed to every row would not do: a
   left-padded row's positions are then shifted by a constant, which RoPE cannot see.)
@@ -49,8 +53,8 @@ def _numbered(ids: torch.Tensor, start: Any) -> torch.Tensor:
 def rope_deltas(model: torch.nn.Module, *, reset: str) -> torch.nn.Module:
     """Positions without position_ids: a prefill counts each row's real tokens (the mask's cumsum) and stores the
     row's offset (minus its pad count); a decode step is the cache length plus the stored offset. `reset`: "prompt"
-    (healthy), "batch size" or "never" (see the module doc)."""
-    assert reset in ("prompt", "batch size", "never")
+    (healthy), "batch size", "padded" or "never" (see the module doc)."""
+    assert reset in ("prompt", "batch size", "padded", "never")
     model.rope_deltas = None
 
     def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -62,11 +66,14 @@ def rope_deltas(model: torch.nn.Module, *, reset: str) -> torch.nn.Module:
             mask = torch.ones_like(ids) if not isinstance(mask, torch.Tensor) or mask.dim() != 2 else mask
             counted = mask.long().cumsum(-1) - 1
             kept = module.rope_deltas
-            if kept is None or reset == "prompt" or (reset == "batch size" and kept.shape[0] != ids.shape[0]):
+            if kept is None or reset == "prompt" or (reset == "batch size" and kept.shape[0] != ids.shape[0]) or (
+                    reset == "padded" and not bool(mask.all())):
                 module.rope_deltas = counted.max(-1).values + 1 - ids.shape[1]
             kwargs["position_ids"] = counted.clamp_min(0)
         else:
-            kwargs["position_ids"] = _numbered(ids, past + module.rope_deltas)
+            deltas = module.rope_deltas
+            rows = torch.arange(ids.shape[0], device=deltas.device) % deltas.shape[0]
+            kwargs["position_ids"] = _numbered(ids, past + deltas[rows])
         return args, kwargs
 
     model.register_forward_pre_hook(hook, with_kwargs=True)
@@ -120,6 +127,24 @@ def drafts_off(model: torch.nn.Module, *, off: int) -> torch.nn.Module:
         if cache in module.rolled:
             kwargs["position_ids"] = _numbered(ids, past + off)
         return args, kwargs
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    return model
+
+
+def stale_crop(model: torch.nn.Module, *, stale: int) -> torch.nn.Module:
+    """Every cache the model is handed crops `stale` fewer tokens than asked (0: the healthy twin): only a rollback of
+    rejected drafts crops, so only assisted and prompt-lookup decoding that reject drafts reach it."""
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        cache = _cache_of(kwargs)
+        if cache is None or getattr(cache, "planted_crop", False):
+            return
+        original = cache.crop
+
+        def crop(tokens_to_remove: int) -> None:  # transformers crops by a negative count
+            original(min(0, tokens_to_remove + stale))
+
+        cache.crop, cache.planted_crop = crop, True
 
     model.register_forward_pre_hook(hook, with_kwargs=True)
     return model

@@ -77,14 +77,97 @@ def test_a_prefix_cache_hit_one_slot_off_fails_shared_prefix(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_drafts_numbered_one_off_after_a_rollback_fail_speculative_decoding(family):
-    """Rejected drafts crop the cache; numbering the next verification from one slot off changes the step after.
-    (The model as its own assistant accepts every draft: nothing is rolled back, and that path stays right.)"""
+    """Rejected drafts crop the cache; numbering the next verification from one slot off changes the step after. The
+    assistant's draft disagrees at every odd position, so assisted decoding rolls back too (with the model as its own
+    assistant every draft was accepted and this plant passed there)."""
     bad = _serving(plants.drafts_off(zoo.tiny_model(family), off=1), "prompt lookup", "assisted decoding")
     assert bad.status is Status.FAIL, bad.summary
-    assert _failing(bad) == {"prompt lookup"}
+    assert _failing(bad) == {"prompt lookup", "assisted decoding"}
     assert "first departs at generated step" in bad.summary
     good = _serving(plants.drafts_off(zoo.tiny_model(family), off=0), "prompt lookup", "assisted decoding")
     assert good.status is Status.PASS, good.summary
+
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_crop_that_keeps_a_rejected_draft_fails_assisted_decoding(family, dtype):
+    """Only a rollback crops the cache: a crop that keeps one rejected draft FAILs assisted decoding, whose run counts
+    the drafts it rejected (the premise of the path); the healthy twin PASSes having rolled back."""
+    bad = _serving(plants.stale_crop(zoo.tiny_model(family, dtype=dtype), stale=1), "assisted decoding")
+    assert bad.status is Status.FAIL and _failing(bad) == {"assisted decoding"}, bad.summary
+    assert "does not shrink with precision" in bad.summary
+    good = _serving(plants.stale_crop(zoo.tiny_model(family, dtype=dtype), stale=0), "assisted decoding")
+    assert good.status is Status.PASS, good.summary
+    premise = good.details["paths"]["assisted decoding"]["premise"]
+    assert premise["held"] and premise["what"].split()[0] != "0", premise
+
+
+def test_assisted_decoding_that_never_rolls_back_is_not_confirmed(monkeypatch):
+    """A draft that always agrees (the model as its own assistant, as before) verifies without a rollback: the path
+    agrees with the full forward, but its premise did not run, so it is not a PASS."""
+    from posdiag.model import drafts
+
+    monkeypatch.setattr(drafts, "runner_up", lambda module, args, kwargs, output: output)
+    result = _serving(zoo.tiny_model("llama"), "assisted decoding")
+    assert result.status is Status.WARN, result.summary
+    assert result.summary.startswith("assisted decoding: not confirmed: rollback not exercised: verification "
+                                     "accepted every draft (0 drafted tokens rejected"), result.summary
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_an_offset_kept_from_a_padded_batch_fails_the_unpadded_request_after_it(family, dtype):
+    """What users do: `model(**tokenizer(batch, padding=True))`, then one prompt (or an unpadded batch of the same
+    size). A model that works out its per-row offset only at a padded prefill keeps the padded batch's offsets for
+    the unpadded request's decode steps: FAIL there, while a padded batch after a padded batch (worked out again) read
+    OK; with position_ids passed the model's offset is never used."""
+    kinds = ("decode loop after a padded batch", "decode loop of one request after a padded batch",
+             "decode loop of an unpadded batch after a padded batch")
+    bad = _serving(plants.rope_deltas(zoo.tiny_model(family, dtype=dtype), reset="padded"), *kinds)
+    assert bad.status is Status.FAIL, bad.summary
+    assert _failing(bad) == {"decode loop of one request after a padded batch",
+                             "decode loop of an unpadded batch after a padded batch"}, bad.summary
+    assert bad.summary.startswith("decode loop of one request after a padded batch: a hand-written decode loop (4 "
+                                  "steps, no position_ids) on the 64-token prompt alone after a decode loop with no "
+                                  "position_ids on a left-padded batch of lengths [59, 64, 32]: first departs at "
+                                  "decode step 1 (position 64)"), bad.summary
+    assert "does not shrink with precision" in bad.summary
+    good = _serving(plants.rope_deltas(zoo.tiny_model(family, dtype=dtype), reset="prompt"), *kinds)
+    assert good.status is Status.PASS, good.summary
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_every_path_could_have_failed_in_float32(family):
+    """Each path's one-position slip (its continued forwards numbered one early by posdiag), measured in the same run
+    against the same reference and floor, stands above the tolerance: the PASS could have failed. The one path with
+    no slip is the padded batch decoded without position_ids (the model numbers it itself: posdiag does not guess)."""
+    from posdiag.verdict import FAIL_RATIO
+
+    result = _serving(zoo.tiny_model(family))
+    assert result.status is Status.PASS, result.summary
+    slips = {name: path["slip"] for name, path in result.details["paths"].items()}
+    unslipped = {name for name, slip in slips.items() if slip["ratio"] is None}
+    assert unslipped == {"decode loop after a padded batch"}, slips
+    assert all(slip["ratio"] > FAIL_RATIO for name, slip in slips.items() if name not in unslipped), slips
+    assert result.metrics["slip_ratio_min"] > FAIL_RATIO
+    assert "weakest power: a one-position slip on " in result.summary
+
+
+def test_a_pass_whose_slip_the_band_would_pass_is_inconclusive_in_bfloat16(monkeypatch):
+    """In bfloat16 a tiny Llama's floor swamps a one-position slip; where no float64 re-run can decide, a PASS there
+    could not have failed: WARN naming the dtype and the slip's ratio, never PASS."""
+    from posdiag.model import arbitration
+    from posdiag.model.precision import FinerRun
+
+    monkeypatch.setattr(arbitration, "run_finer", lambda *args, **kwargs: FinerRun(
+        None, torch.float64, reason="no float64 here"))
+    result = _serving(zoo.tiny_model("llama", dtype=torch.bfloat16), "chunks", "shared prefix")
+    assert result.status is Status.WARN, result.summary
+    assert result.summary.startswith("chunks of 3: inconclusive in bfloat16: a one-position slip on chunks of 3 "
+                                     "measures "), result.summary
 
 
 @pytest.mark.parametrize("family", FAMILIES)

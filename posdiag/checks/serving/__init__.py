@@ -14,11 +14,19 @@ forward of the tokens it fed, positions passed as the path passed them:
                                    from the mask), prefill and decode steps, against the request alone
   decode loop after another prompt / after a padded batch   the loop users write (forward with the cache, with and
                                    without position_ids) after the same loop on another request
-  assisted decoding, prompt lookup generate() verifying drafts (the model as its own assistant; n-grams of the prompt)
+  decode loop of one request / of an unpadded batch after a padded batch   what users send after
+                                   `model(**tokenizer(batch, padding=True))`: an offset the model worked out from the
+                                   padding and kept shows only on a request that has none
+  assisted decoding, prompt lookup generate() verifying drafts (a draft that disagrees, so drafts are rejected and
+                                   the cache rolled back: counted, a path with no rollback is not confirmed; n-grams
+                                   of the prompt)
 error_t = ||path_t − full_t|| / ||full_t|| over the logits; the noise floor is measured in the same run (the full
 forward with its token embeddings jittered by ~1 ulp, max per position); a path over its tolerance is re-run in
-float64 and decided there. A FAIL names the path and the first position (or step) that departs. A path the model
-cannot take (no cache, transformers refuses the option, a cache that cannot be copied) is named as not run.
+float64 and decided there (in half precision every path is). A FAIL names the path and the first position (or step)
+that departs. Each path's power is measured in the same run: the path again with every forward that continues a
+cache numbered one position early (posdiag.model.slip), against the same reference and floor; a PASS whose slip the
+band would pass in the dtype that decided is inconclusive (verdict.powered). A path the model cannot take (no cache,
+transformers refuses the option, a cache that cannot be copied) is named as not run.
 `cache` judges one prompt decoded through dynamic and static caches; `generate` greedy generate() of a prompt and a
 padded batch; `state` a call after a history against the same call on a fresh state: `serving` owns the other paths.
 """
@@ -30,28 +38,31 @@ from dataclasses import dataclass, field
 from posdiag.checks import CheckSpec, Option
 from posdiag.checks._cache_plan import original_context
 from posdiag.checks.serving.calls import Calls, ShortOutput
-from posdiag.checks.serving.paths import LOOKUP, NotCopyable, Path, Settings, plan
+from posdiag.checks.serving.paths import LOOKUP, LOOPS, NotCopyable, Path, Settings, plan
 from posdiag.errors import PosdiagError, describe_error, raised_in_posdiag
 from posdiag.model.arbitration import arbitrate
 from posdiag.model.caches import cache_support, keeps_kv_cache
 from posdiag.model.greedy import Refused
 from posdiag.model.jitter import FLOOR_SOURCE, jittered
 from posdiag.model.module_state import ModelState, restored, snapshot
+from posdiag.model.slip import one_early
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import per_token_change
 from posdiag.options import RunOptions, probe_ids, probe_length
 from posdiag.results import CheckResult, Status, Table
 from posdiag.verdict import (
+    LOW_PRECISION,
     Arbitration,
     FloorVerdict,
     agreement_tolerance,
     judge_agreement,
     noise_floor,
+    powered,
     worst_error,
 )
 
-KINDS = ("chunks", "generate prefill_chunk_size", "shared prefix", "padded batch", "decode loop after another prompt",
-         "decode loop after a padded batch", "assisted decoding", "prompt lookup")
+KINDS = ("chunks", "generate prefill_chunk_size", "shared prefix", "padded batch", *LOOPS, "assisted decoding",
+         "prompt lookup")
 
 SPEC = CheckSpec(
     name="serving",
@@ -81,6 +92,12 @@ class Outcome:
     crashed: str = ""
     not_run: str = ""
     short: str = ""  # a forward returned fewer positions than fed: nothing to compare there
+    held: bool = True  # the path's premise, as its run showed it (assisted decoding: drafts rolled back)
+    premise: str = ""
+    slip: float | None = None  # the same path with every continued forward one position early: its error
+    slip_note: str = ""  # what the slip reached, or why none was planted
+    power: str = ""  # the slip's clause (verdict.powered)
+    departing: tuple[str, float, str] | None = None  # where a path not passed first departs: (where, error, dtype)
 
     @property
     def broken(self) -> str:
@@ -114,17 +131,47 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
         return SPEC.result(Status.SKIP, why)
     fresh, dtype = snapshot(subject.model), subject.dtype_name
     try:
-        first = measure(subject, settings, set(chosen), jitter=options.seed)
+        first = measure(subject, settings, set(chosen), jitter=options.seed, slips=True)
         judged = [o for o in first.outcomes if not o.not_run]
         verdicts = {o.path.name: judge_agreement(o.error, first.floor, dtype) for o in judged if not o.broken}
+        finer: list[Measurement] = []  # the float64 re-run, where one ran: where a path departs when only it shows
         arbitration = arbitrate(
             subject, lambda names: measure(subject, settings, set(chosen), names, jitter=options.seed),
-            first.floor, verdicts, dtype, lambda m: (m.floor, {o.path.name: o.error for o in m.outcomes
-                                                               if not (o.not_run or o.broken)}), subset=True)
+            first.floor, verdicts, dtype, lambda m: finer.append(m) or (
+                m.floor, {o.path.name: o.error for o in m.outcomes if not (o.not_run or o.broken)}), subset=True)
     finally:
         restored(fresh)  # the model is left as it was before the check
     verdicts.update(arbitration.verdicts)
+    decided64 = arbitration.details.get("arbitration", {}).get("decided", {})
+    for o in judged:
+        if o.path.name in verdicts:
+            verdicts[o.path.name] = _confirmed(o, verdicts[o.path.name], first.floor, dtype, o.path.name in decided64)
+            if verdicts[o.path.name].status is not Status.PASS:
+                o.departing = _departing(o, finer[0] if finer else None, first.floor, dtype)
     return _report(subject, first, verdicts, arbitration, settings)
+
+
+def _departing(o: Outcome, finer: Measurement | None, floor: float, dtype: str) -> tuple[str, float, str] | None:
+    """Where the path first departs: in the run dtype past its tolerance, else (a disagreement only the float64
+    re-run resolved: half precision) in that re-run, past the most float32 rounding allows."""
+    found = _first_departing(o, agreement_tolerance(floor, dtype))
+    if found is not None or finer is None:
+        return found and (*found, dtype)
+    again = next((x for x in finer.outcomes if x.path.name == o.path.name and not x.not_run), None)
+    bound = agreement_tolerance(0.0, "float32") if dtype in LOW_PRECISION else agreement_tolerance(floor, dtype)
+    found = None if again is None else _first_departing(again, bound)
+    return found and (*found, "float64")
+
+
+def _confirmed(o: Outcome, v: FloorVerdict, floor: float, dtype: str, decided64: bool) -> FloorVerdict:
+    """A PASS that could have failed and whose premise ran: the slip's power applied in the dtype that decided
+    (verdict.powered), then the premise (a path that ran without what it claims to exercise is not confirmed)."""
+    one, o.power = powered({o.path.name: v}, o.slip, floor, dtype, decided64, o.path.name)
+    v = one[o.path.name]
+    if o.held or v.status is not Status.PASS:
+        return v
+    return FloorVerdict(Status.WARN, v.residual, v.noise_floor, v.ratio, f"not confirmed: {o.premise} (the path "
+                        f"agrees, {v.ratio:.3g}x the floor, without the part it is there to exercise)")
 
 
 def _settings(subject: Subject, options: RunOptions) -> tuple[Settings | None, str]:
@@ -148,19 +195,20 @@ def _settings(subject: Subject, options: RunOptions) -> tuple[Settings | None, s
 
 
 def measure(subject: Subject, settings: Settings, kinds: set[str], names: set[str] | None = None,
-            jitter: int = 0) -> Measurement:
+            jitter: int = 0, slips: bool = False) -> Measurement:
     """The floor, then every chosen path (only `names` in the float64 re-run), each from the model as this run found
     it: as loaded, in the dtype the run computes in (a float64 re-run's conversion is part of that state: its
-    converted buffers and the forwards it installs stay while it runs). The model is left as found."""
+    converted buffers and the forwards it installs stay while it runs); with `slips`, each path that ran again with
+    posdiag's one-position slip (its power). The model is left as found."""
     start = snapshot(subject.model)
     try:
-        return _measured(subject, start, settings, kinds, names, jitter)
+        return _measured(subject, start, settings, kinds, names, jitter, slips)
     finally:
         restored(start)
 
 
 def _measured(subject: Subject, start: ModelState, settings: Settings, kinds: set[str], names: set[str] | None,
-              jitter: int) -> Measurement:
+              jitter: int, slips: bool) -> Measurement:
     calls = Calls(subject)
     paths, not_run = plan(calls, settings)
     paths = [p for p in paths if any(p.name.startswith(k) for k in kinds) and (names is None or p.name in names)]
@@ -176,12 +224,17 @@ def _measured(subject: Subject, start: ModelState, settings: Settings, kinds: se
     for path in paths:
         restored(start)
         outcomes.append(_ran(path))
+        if slips and not (outcomes[-1].not_run or outcomes[-1].broken):
+            restored(start)
+            outcomes[-1].slip, outcomes[-1].slip_note = _slipped(subject, path, settings.explicit)
     return Measurement(floor, outcomes, not_run)
 
 
 def _ran(path: Path) -> Outcome:
     try:
-        return Outcome(path, path.compare())
+        found = path.compare()
+        held, premise = path.premise() if path.premise else (True, "")
+        return Outcome(path, found, held=held, premise=premise)
     except Refused as exc:
         return Outcome(path, not_run=f"transformers refuses it for this model: {exc}")
     except NotCopyable as exc:
@@ -192,6 +245,28 @@ def _ran(path: Path) -> Outcome:
         if raised_in_posdiag(exc):
             raise
         return Outcome(path, crashed=describe_error(exc))
+
+
+def _slipped(subject: Subject, path: Path, explicit: bool) -> tuple[float | None, str]:
+    """The path again (cut down to its first boundaries: Path.slip) with every forward that continues a cache one
+    position early (posdiag.model.slip), against the same reference: its worst error and what the slip reached, or
+    None and why no slip was planted."""
+    if not explicit:
+        return None, "the family's forward takes no position_ids: no slip posdiag can plant"
+    with one_early(subject) as reached:
+        try:
+            found = (path.slip or path.compare)()
+        except (Refused, NotCopyable, ShortOutput) as exc:
+            return None, f"the slipped path did not run: {exc}"
+        except Exception as exc:  # the slip made the path crash: a crash FAILs, so the slip is seen
+            if raised_in_posdiag(exc):
+                raise
+            return float("inf"), f"the path crashed with the slip ({describe_error(exc)})"
+    if not reached.forwards:
+        return None, ("no forward of the path continues a cache posdiag can number one early" + (
+            f" ({reached.left} continue a left-padded batch without position_ids, which the model numbers itself: "
+            "posdiag does not guess how)" if reached.left else ""))
+    return worst_error(e for _, e in found), f"{reached.forwards} continued forwards numbered one early"
 
 
 def _first_departing(o: Outcome, tolerance: float) -> tuple[str, float] | None:
@@ -214,45 +289,65 @@ def _report(subject: Subject, m: Measurement, verdicts: dict[str, FloorVerdict],
     for o in ran:
         v = verdicts.get(o.path.name)
         status = Status.FAIL if o.broken else v.status
-        departing = None if o.broken or status is Status.PASS else _first_departing(o, tolerance)
+        departing = None if o.broken or status is Status.PASS else o.departing
         rows.append((o.path.name, status.value, str(len(o.found)),
                      "crashed" if o.crashed else "too few positions" if o.short else f"{o.error:.3e}",
                      f"{floor:.2e}", "-" if o.broken else f"{v.ratio:.3g}",
-                     o.broken or (departing[0] if departing else "-")))
-        details["paths"][o.path.name] = {"story": o.path.story, "status": status, "crashed": o.crashed,
-                                         "short": o.short,
-                                         "errors": dict(o.found), "first_departing": departing and departing[0],
-                                         "decided": arbitration.clause(o.path.name)}
+                     "-" if o.slip is None else f"{o.slip / floor:.3g}",
+                     o.broken or (_where(departing) if departing else "-")))
+        details["paths"][o.path.name] = {
+            "story": o.path.story, "status": status, "crashed": o.crashed, "short": o.short,
+            "errors": dict(o.found), "first_departing": departing and _where(departing),
+            "decided": arbitration.clause(o.path.name),
+            "slip": {"error": o.slip, "ratio": None if o.slip is None else o.slip / floor, "dtype": dtype,
+                     "how": o.slip_note, "power": o.power},
+            **({"premise": {"held": o.held, "what": o.premise}} if o.path.premise else {})}
     table = Table("each serving path vs one full forward", ("path", "status", "positions", "max error",
-                                                             "noise floor", "ratio", "first departing"), tuple(rows))
+                                                             "noise floor", "ratio", "slip ratio",
+                                                             "first departing"), tuple(rows))
     failing = [o for o, row in zip(ran, rows, strict=True) if row[1] != Status.PASS.value]
     worst = failing[0] if failing else max(ran, key=lambda o: o.error)
     v = verdicts.get(worst.path.name) or FloorVerdict(Status.FAIL, float("inf"), floor, float("inf"), "")
+    slipped = [o for o in ran if o.slip is not None]
+    weakest = min(slipped, key=lambda o: o.slip) if slipped else None
     metrics = {"error": v.residual, "noise_floor": v.noise_floor, "ratio": v.ratio, "tolerance": tolerance,
-               "paths_judged": len(ran), **arbitration.metrics}
+               "paths_judged": len(ran), **arbitration.metrics,
+               **({"slip_ratio_min": weakest.slip / floor} if weakest else {})}
     if not failing:
         paths = f"{len(ran)} path{'s' if len(ran) != 1 else ''}"
+        power = (f"; weakest power: {weakest.power}{_unslipped(len(ran) - len(slipped))}" if weakest else
+                 "; no one-position slip could be planted (no position_ids)")
         summary = (f"every serving path reproduces one full forward ({paths}, {s.ids.shape[0]}-token "
                    f"prompt; max error {v.residual:.3g} = {v.ratio:.3g}x floor {v.noise_floor:.2g}"
-                   f"{arbitration.clause(worst.path.name)}){tail}")
+                   f"{arbitration.clause(worst.path.name)}{power}){tail}")
         return SPEC.result(Status.PASS, summary, metrics, details, (table,))
-    summary = "; ".join(_failure(o, verdicts, arbitration, tolerance) for o in failing[:3])
+    summary = "; ".join(_failure(o, verdicts, arbitration) for o in failing[:3])
     more = f" (failing: {', '.join(o.path.name for o in failing)})" if len(failing) > 3 else ""
     status = Status.worst([Status.FAIL if o.broken else verdicts[o.path.name].status for o in failing])
     return SPEC.result(status, summary + more + tail, metrics, details, (table,))
 
 
-def _failure(o: Outcome, verdicts: dict[str, FloorVerdict], arbitration: Arbitration, tolerance: float) -> str:
+def _unslipped(count: int) -> str:
+    return f", {count} path{'s' if count != 1 else ''} with no slip planted" if count else ""
+
+
+def _where(departing: tuple[str, float, str]) -> str:
+    label, _, dtype = departing
+    return label if dtype != "float64" else f"{label} (in float64)"
+
+
+def _failure(o: Outcome, verdicts: dict[str, FloorVerdict], arbitration: Arbitration) -> str:
     name, story = o.path.name, o.path.story
     if o.crashed:
         return f"{name}: {story}: crashed ({o.crashed}), a path transformers accepts"
     if o.short:
         return f"{name}: {story}: {o.short}, nothing to compare at the others (a path transformers accepts)"
     v = verdicts[name]
-    departing = _first_departing(o, tolerance)
-    if departing is None:
+    if o.departing is None:
         return f"{name}: {v.reason}"
-    label, error = departing
+    label, error, dtype = o.departing
+    if dtype == "float64":
+        return f"{name}: {story}: first departs at {label} in float64 by {error:.3g}{arbitration.clause(name)}"
     return (f"{name}: {story}: first departs at {label} by {error:.3g} = {error / v.noise_floor:.3g}x the noise "
             f"floor {v.noise_floor:.2g}{arbitration.clause(name)}")
 

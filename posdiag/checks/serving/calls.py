@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from posdiag.model.caches import cache_keyword, new_cache
-from posdiag.model.greedy import greedy, own_drafts
+from posdiag.model.drafts import Rollbacks, disagreeing_draft
+from posdiag.model.greedy import greedy
 from posdiag.model.outputs import final_state, output_of
 from posdiag.model.subject import Subject
 
@@ -140,11 +141,14 @@ class Calls:
         out = greedy(self.subject, ids, new_tokens, self.pad, exact=True, **extra)
         return out.sequences, torch.stack(out.logits, 1).to(torch.float64)
 
-    def assisted(self, ids: torch.Tensor, new_tokens: int, candidates: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """generate() with the model as its own assistant, `candidates` drafts a step (its generation config set for
-        the call and put back after: transformers' default grows the drafts until one step drafts every token)."""
-        with own_drafts(self.subject.model, candidates):
-            return self.generate(ids, new_tokens, assistant_model=self.subject.model)
+    def assisted(self, ids: torch.Tensor, new_tokens: int,
+                 candidates: int) -> tuple[torch.Tensor, torch.Tensor, Rollbacks]:
+        """generate() assisted by a draft that disagrees (the model proposing its runner-up at every odd position,
+        `candidates` drafts a step: posdiag.model.drafts), so verification rejects drafts and rolls the cache back ->
+        (every id, the logits of each step, the rollbacks counted on the model's calls)."""
+        with disagreeing_draft(self.subject.model, candidates) as (draft, rollbacks):
+            seq, logits = self.generate(ids, new_tokens, assistant_model=draft)
+        return seq, logits, rollbacks
 
     def continued(self, ids: torch.Tensor, cache: Any, steps: int) -> Decoded:
         """`ids` fed into a cache that already holds a prefix, then `steps` greedy tokens, the model's default
