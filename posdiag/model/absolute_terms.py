@@ -30,3 +30,43 @@ def temperature_tuning(model: Any) -> tuple[str, Callable[[], None]]:
         return "", undo
     return (f"held at 1, its value below position {held[0][0].floor_scale - 1} (attn_scale 0 in {len(held)} NoPE "
             f"attention module{'s' if len(held) > 1 else ''})"), undo
+
+
+def llama_4_scaling_beta(model: Any) -> tuple[str, Callable[[], None]]:
+    """Ministral 3 and Mistral 4 multiply their queries by 1 + beta * log(1 + floor(p / original_max_position_
+    embeddings)) of the position ids, beta read from config.rope_parameters at every forward (get_llama_4_attn_scale).
+    beta 0 makes it exactly 1, its value below original_max_position_embeddings."""
+    found = {id(p): p for m in (model.modules() if hasattr(model, "modules") else ())
+             if isinstance(p := getattr(getattr(m, "config", None), "rope_parameters", None), dict)
+             and p.get("llama_4_scaling_beta")}
+    saved = [(p, p["llama_4_scaling_beta"]) for p in found.values()]
+    for parameters, _ in saved:
+        parameters["llama_4_scaling_beta"] = 0.0
+
+    def undo() -> None:
+        for parameters, beta in saved:
+            parameters["llama_4_scaling_beta"] = beta
+    if not saved:
+        return "", undo
+    below = saved[0][0].get("original_max_position_embeddings")
+    return f"held at 1, its value below position {below} (llama_4_scaling_beta 0)", undo
+
+
+def softmax_scaling(model: Any) -> tuple[str, Callable[[], None]]:
+    """Mistral Large 4 multiplies its queries by scale * log(p + 1) + bias per head, learned (MistralLarge4TextSoftmax
+    Scaling, p the position ids). scale 0 holds it at bias, its value at position 0."""
+    import torch
+
+    held = [(m, m.scale.detach().clone()) for m in (model.modules() if hasattr(model, "modules") else ())
+            if type(m).__name__.endswith("SoftmaxScaling") and isinstance(getattr(m, "scale", None), torch.Tensor)]
+    with torch.no_grad():
+        for module, _ in held:
+            module.scale.zero_()
+
+    def undo() -> None:
+        with torch.no_grad():
+            for module, scale in held:
+                module.scale.copy_(scale)
+    if not held:
+        return "", undo
+    return f"held at its value at position 0 (the coefficient of log(p + 1) zeroed in {len(held)} modules)", undo

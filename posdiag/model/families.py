@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from posdiag.model.absolute_terms import temperature_tuning
+from posdiag.model.absolute_terms import llama_4_scaling_beta, softmax_scaling, temperature_tuning
 from posdiag.model.injectors import bloom_mask, causal_buffers, falcon_alibi_mask, layer_mask_hook
 from posdiag.model.kinds import Kind, PositionKind, declared_causal, guess_kind, masked_only
 from posdiag.model.storage_mixing import storage_order_mixing, storage_positions
@@ -199,6 +199,11 @@ _ROWS: dict[str, Family] = {
     # moves the outputs 1.39e-05 in float64 (93.7x its floor), 1.8e-07 with that scale held at 1.
     "beam": Family("beam", position_kind="rope", absolute_by_design="queries of its NoPE layers are scaled by "
                    "(1 + (p + 1) / 2048) ** 0.1 of the absolute position p (scalable softmax)"),
+    # Mistral Large 4 multiplies its queries by a learned scale * log(p + 1) + bias per head (position ids p): a
+    # shift of every position moves them by design. Its init (scale 0) hides it; a trained checkpoint's does not.
+    "mistral_large4_text": Family("mistral_large4_text", offsets_known=False, hold_absolute=softmax_scaling,
+                                  absolute_by_design="queries are scaled by a learned scale * log(p + 1) + bias per "
+                                                     "head of the absolute position p (softmax scaling)"),
     # RecurrentGemma's RG-LRU resets its state where position_ids == 0 (document starts): a shift moves that reset.
     "recurrent_gemma": Family("recurrent_gemma", position_kind="rope", offsets_known=False,
                               absolute_by_design="its recurrence resets its state where position_ids is 0"),
@@ -330,12 +335,25 @@ def family_for(config: Any) -> Family:
     model_type = getattr(config, "model_type", None) or "generic"
     row = _ROWS.get(model_type)
     if row is None:
-        return _sniffed(config, model_type)
+        return _scaled_queries(_sniffed(config, model_type), config)
     if row.kind == Kind.ENCODER and declared_causal(config):
         # The checkpoint says what it is: an encoder family configured as a decoder (is_decoder=True, or a
         # *ForCausalLM head) attends causally and decodes with a cache, so cache, generate and causal apply.
         row = replace(row, kind=Kind.CAUSAL)
-    return replace(row, **row.refine(config)) if row.refine is not None else row
+    return _scaled_queries(replace(row, **row.refine(config)) if row.refine is not None else row, config)
+
+
+def _scaled_queries(row: Family, config: Any) -> Family:
+    """Llama 4's position scaling of the queries as Mistral's families declare it, whatever the row (Ministral 3,
+    Mistral 4: rope_parameters["llama_4_scaling_beta"]): absolute by design, held at 1 by `shift`. Without this a
+    healthy checkpoint broke shift once positions passed original_max_position_embeddings (16384 for Ministral 3)."""
+    rope = getattr(config, "rope_parameters", None)
+    beta = rope.get("llama_4_scaling_beta") if isinstance(rope, dict) else None
+    if row.absolute_by_design or not beta:
+        return row
+    term = (f"queries are scaled by 1 + {beta} * log(1 + floor(p / {rope.get('original_max_position_embeddings')})) "
+            "of the absolute position p (rope_parameters llama_4_scaling_beta)")
+    return replace(row, absolute_by_design=term, hold_absolute=llama_4_scaling_beta)
 
 
 def _multimodal(config: Any) -> Family:
