@@ -4,6 +4,7 @@ broken copies, default-init zoo models (SKIP, one forward) and the exact restore
 The real pretrained model (SmolLM2) is in test_fit_pretrained.py."""
 
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -140,13 +141,29 @@ def test_the_screen_pairs_each_twin_target_with_the_same_token():
     assert screen.gain == 0 and screen.spread == 0 and screen.untrained
 
 
-def test_an_untrained_checkpoint_stays_a_skip(fixtures_dir):
-    """The same measurement on weights loaded from a checkpoint (llama-tiny: random weights saved as safetensors)
-    is a SKIP: a checkpoint is meant to carry training, and weights that do not use their context may be a trained
-    model broken past use, which `--fail-on skip` must still catch."""
-    result = fit(load_subject(str(fixtures_dir / "llama-tiny")))
+@pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny"])
+def test_an_untrained_checkpoint_is_na_only_where_its_weights_are_at_init(name, fixtures_dir, tmp_path):
+    """Checkpoints saved at transformers' default init (two families; GPT-2's output projections at a scaled-down
+    spread): the screen finds no context gain and every weight is as initialised (norm weights and biases constant,
+    matrices at the init's spread): N/A, nothing trained to fit. The same weights with their norm weights moved
+    (as any training moves them) still predict like an untrained model but are a SKIP: weights that do not use their
+    context may be a trained model broken past use, which `--fail-on skip` must still catch."""
+    from safetensors.torch import load_file, save_file
+
+    result = fit(load_subject(str(fixtures_dir / name)))
+    assert result.status is Status.NA and "predicts like an untrained one" in result.summary, result.summary
+    assert "as transformers initialises them" in result.summary and "built in memory" not in result.summary
+    moved = tmp_path / name
+    shutil.copytree(fixtures_dir / name, moved)
+    weights = load_file(moved / "model.safetensors")
+    generator = torch.Generator().manual_seed(0)
+    for key, value in weights.items():
+        if value.ndim == 1 and ("norm" in key or "ln" in key) and key.endswith("weight"):
+            weights[key] = value * (1 + 0.05 * torch.randn(value.shape, generator=generator))
+    save_file(weights, moved / "model.safetensors", metadata={"format": "pt"})
+    result = fit(load_subject(str(moved)))
     assert result.status is Status.SKIP and "predicts like an untrained one" in result.summary, result.summary
-    assert "built in memory" not in result.summary
+    assert "initialises" not in result.summary
 
 
 @pytest.mark.parametrize("family, kind", [("bert", "encoder"), ("t5", "seq2seq")])

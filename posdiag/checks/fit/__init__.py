@@ -30,7 +30,8 @@ Also SKIP when no candidate beats the targets' unigram entropy, and when the mat
 every candidate above the unigram entropy but not beyond noise, or an alternative gaining without reaching the
 bound; the SKIP says how many targets would decide) — one sentence of --text is never a verdict. N/A by design:
 encoders and encoder-decoders (no plain next-token stream to score), factory models without a transformers config
-(nothing to vary), and an untrained model built in memory (nothing trained to fit). Alternatives are made in
+(nothing to vary), and an untrained model built in memory or saved with its weights as transformers initialises them
+(fresh.py: nothing trained to fit). Alternatives are made in
 memory and undone exactly (edits.py); the checkpoint on disk is never touched. Logits are reduced chunk by chunk
 (posdiag.model.logits): a forward never holds full-vocabulary logits for more rows than one chunk.
 """
@@ -42,6 +43,7 @@ from typing import Any
 from posdiag.checks import CheckSpec, Option
 from posdiag.checks.fit import copying
 from posdiag.checks.fit.alternatives import Alternative, NotApplicable, plan_alternatives
+from posdiag.checks.fit.fresh import at_initialisation
 from posdiag.checks.fit.judging import (
     Comparison,
     Scored,
@@ -98,7 +100,9 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
                            f"{str(exc)[:160]})")
     if why:
         built = screen.untrained and not subject.load_info.files
-        return SPEC.result(Status.NA if built else Status.SKIP, why + (_BUILT if built else ""),
+        fresh = at_initialisation(subject) if screen.untrained and not built else None
+        return SPEC.result(Status.NA if built or fresh else Status.SKIP,
+                           why + (_BUILT if built else f"; {fresh}: no training to fit" if fresh else ""),
                            {"loss": configured.loss, "targets": configured.losses.size,
                             "context_gain": screen.gain, "context_gain_error": screen.spread})
     alternatives, notes = plan_alternatives(subject, int(material.ids.shape[1]))
@@ -119,8 +123,9 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
 
 # A model built in memory (a factory, an nn.Module: no weights loaded) that the screen's equivalence test finds
 # untrained is the fresh initialisation a unit test builds: no training to fit, by construction (N/A). The same
-# measurement on a checkpoint stays a SKIP: a checkpoint is meant to carry training, and weights that do not use their
-# context may be a trained model broken past use, which `--fail-on skip` must still catch.
+# measurement on a checkpoint is N/A only where its weights witness it too (fresh.at_initialisation: every norm weight
+# and bias constant, every matrix at the init's spread), else a SKIP: a checkpoint is meant to carry training, and
+# weights that do not use their context may be a trained model broken past use, which `--fail-on skip` must catch.
 _BUILT = "; built in memory with no weights loaded, it carries no training for a configuration to fit"
 
 
