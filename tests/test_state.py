@@ -53,6 +53,43 @@ def test_kept_rope_deltas_fail_on_another_prompt(family):
     assert good.status is Status.PASS, good.summary
 
 
+AFTER_PADDING = ("batch after batch", "one request after a padded batch", "one request after a padded batch with "
+                 "position_ids", "unpadded batch after a padded batch", "unpadded batch after a padded batch with "
+                 "position_ids")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_an_offset_kept_from_a_padded_batch_fails_the_unpadded_request_after_it(family, dtype):
+    """`model(**tokenizer(batch, padding=True))`, then one prompt or an unpadded batch of the same size: a model that
+    works out its per-row offset only at a padded prefill (tests/plants_serving.py) decodes them at the padded
+    batch's offsets. A padded batch after a padded batch works it out again and reads OK; position_ids passed are
+    never offset."""
+    import plants_serving
+
+    bad = _state(plants_serving.rope_deltas(zoo.tiny_model(family, dtype=dtype), reset="padded"), *AFTER_PADDING)
+    assert bad.status is Status.FAIL, bad.summary
+    assert _failing(bad) == {"one request after a padded batch", "unpadded batch after a padded batch"}, bad.summary
+    assert bad.summary.startswith("one request after a padded batch: after a plain forward of a left-padded batch of "
+                                  "lengths [59, 64, 32], one 64-token prompt decoded 4 tokens in a hand-written loop "
+                                  "(cache passed, no position_ids)"), bad.summary
+    assert "does not shrink with precision" in bad.summary and "rope_deltas None -> tensor(3,)" in bad.summary
+    good = _state(plants_serving.rope_deltas(zoo.tiny_model(family, dtype=dtype), reset="prompt"), *AFTER_PADDING)
+    assert good.status is Status.PASS, good.summary
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_crop_that_keeps_a_rejected_draft_fails_assisted_decoding(family):
+    """The draft disagrees at every odd position, so assisted decoding rolls its cache back: a crop that keeps one
+    rejected draft changes its output from greedy's (with the model as its own assistant nothing was cropped)."""
+    import plants_serving
+
+    bad = _state(plants_serving.stale_crop(zoo.tiny_model(family), stale=1), "assisted decoding", "another prompt")
+    assert bad.status is Status.FAIL and _failing(bad) == {"assisted decoding"}, bad.summary
+    good = _state(plants_serving.stale_crop(zoo.tiny_model(family), stale=0), "assisted decoding", "another prompt")
+    assert good.status is Status.PASS, good.summary
+
+
 BY_ONE = ("multi-turn", "assisted decoding")
 
 
@@ -105,7 +142,9 @@ def test_seq2seq_runs_the_paths_it_has_and_names_the_others():
     result = _state(zoo.tiny_model("bart"))
     assert result.status is Status.PASS, result.summary
     assert {row[0] for row in result.tables[0].rows} == {"long input", "batch after batch", "another prompt"}
-    assert set(result.details["not_run"]) == {"multi-turn", "assisted decoding", "prompt lookup"}
+    assert set(result.details["not_run"]) == {"multi-turn", "assisted decoding", "prompt lookup", *AFTER_PADDING[1:]}
+    assert result.details["not_run"]["one request after a padded batch"] == ("an encoder-decoder: its decoder's cache "
+                                                                             "is `cache`'s")
 
 
 def test_a_model_without_a_cache_has_no_conversation_to_continue():

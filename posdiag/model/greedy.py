@@ -1,14 +1,12 @@
-"""Greedy generate() as posdiag calls it, and the model as its own assistant: one request, logits of every step.
+"""Greedy generate() as posdiag calls it: one request, the logits of every step.
 
 `state` and `serving` both judge generate()'s paths (assisted and prompt-lookup decoding, chunked prefill) against
-other computations; the request they send, what counts as transformers refusing it, and the assistant's draft count
-set for one call are the same for both, so they live here.
+other computations; the request they send and what counts as transformers refusing it are the same for both, so they
+live here (the draft assisted decoding verifies: posdiag.model.drafts).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -41,16 +39,3 @@ def greedy(subject: Subject, ids: torch.Tensor, new_tokens: int, pad: int | None
         raise
     subject.forward_count += len(out.logits)
     return out
-
-
-@contextlib.contextmanager
-def own_drafts(model: Any, candidates: int) -> Iterator[None]:
-    """The model's generation config set to draft `candidates` tokens a step as its own assistant (transformers'
-    default schedule grows the drafts until one step drafts every token), put back after."""
-    config = model.generation_config
-    saved = (config.num_assistant_tokens, config.num_assistant_tokens_schedule)
-    config.num_assistant_tokens, config.num_assistant_tokens_schedule = candidates, "constant"
-    try:
-        yield
-    finally:
-        config.num_assistant_tokens, config.num_assistant_tokens_schedule = saved

@@ -3,11 +3,13 @@
 Every other check starts from the model as loaded (posdiag.api restores every module's state before each check);
 here history is the subject. Sequences of calls a user makes (state/sequences.py): a short input, a long one past
 every declared boundary, the short one again; generate() on one prompt, then on another; a multi-turn conversation
-continued from the cache generate() returned; assisted and prompt-lookup decoding against greedy; a padded batch
-after another; on models with multimodal RoPE, an image prompt (or a padded batch holding one) then a text prompt
-decoded in a hand-written loop (state/images.py). Each call under test is compared with the same call on a fresh
-state (every module's buffers and attributes snapshotted before the first call; nothing is restored between the
-calls of a sequence):
+continued from the cache generate() returned; assisted decoding (a draft that disagrees, so the cache is rolled
+back) and prompt-lookup decoding against greedy; a padded batch after another; one prompt, or an unpadded batch of
+the same size, decoded in a hand-written loop after a padded batch (what users send after
+`model(**tokenizer(batch, padding=True))`); on models with multimodal RoPE, an image prompt (or a padded batch
+holding one) then a text prompt decoded in a hand-written loop (state/images.py). Each call under test is compared
+with the same call on a fresh state (every module's buffers and attributes snapshotted before the first call; nothing
+is restored between the calls of a sequence):
 error = ||y_after − y_fresh|| / ||y_fresh||, judged as agreement against the floor measured in the same run (the
 fresh call with row 0's token embeddings jittered by ~1 ulp), a disagreement decided in float64. A FAIL names the
 sequence, the call whose output changed and, where a module's buffer or attribute changed between the fresh state
@@ -37,7 +39,7 @@ SPEC = CheckSpec(
     name="state",
     title="State across calls",
     proves="the same input gives the same output whatever ran before it: a long input, another prompt, a kept "
-           "cache, assisted decoding, another padded batch",
+           "cache, assisted decoding, another padded batch, an unpadded request after a padded batch",
     applies_to=("causal", "seq2seq"),
     options={
         "new_tokens": Option(6, "generated tokens per generate() call: assisted decoding (2 candidates a step) "

@@ -15,18 +15,30 @@ from typing import Any
 import torch
 
 from posdiag.checks._cache_plan import declared_boundaries, original_context
-from posdiag.model.caches import cache_keyword, cache_layer_note, cache_support, takes_cache, text_config
-from posdiag.model.greedy import greedy, own_drafts
+from posdiag.model.caches import (
+    cache_keyword,
+    cache_layer_note,
+    cache_support,
+    new_cache,
+    takes_cache,
+    text_config,
+)
+from posdiag.model.drafts import disagreeing_draft
+from posdiag.model.greedy import greedy
 from posdiag.model.outputs import output_of
 from posdiag.model.subject import Subject
 
 PAST_BOUNDARY = 12  # tokens the long input runs past the largest boundary it must cross
 TURN = 8  # tokens of the user turn appended in the multi-turn sequence
 LOOKUP = 3  # prompt_lookup_num_tokens: candidates copied from the prompt per step
-# Candidates the assistant drafts per step, constant: transformers' default (20, growing) drafts every new token in one
+# Candidates the draft proposes per step, constant: transformers' default (20, growing) drafts every new token in one
 # step, so no verification continues another and a position not advanced by the accepted candidates never shows.
 ASSISTED = 2
-SEQUENCES = ("long input", "batch after batch", "another prompt", "multi-turn", "assisted decoding", "prompt lookup")
+STEPS = 4  # tokens the hand-written loop after a padded batch feeds one a call after its prefill
+AFTER_PADDING = ("one request after a padded batch", "one request after a padded batch with position_ids",
+                 "unpadded batch after a padded batch", "unpadded batch after a padded batch with position_ids")
+SEQUENCES = ("long input", "batch after batch", *AFTER_PADDING, "another prompt", "multi-turn", "assisted decoding",
+             "prompt lookup")
 
 
 @dataclass(frozen=True)
@@ -102,6 +114,10 @@ def _planned(subject: Subject, short: torch.Tensor, cap: int, new_tokens: int, s
     seqs.append(Sequence("batch after batch", f"after a padded batch of lengths {lens}, a batch of lengths {later}",
                          lambda: calls.forward(*second), lambda: calls.forward(*first),
                          lambda _: calls.forward(*second), rows=3))
+    if chosen & set(AFTER_PADDING):
+        loops, skipped = _after_padding(calls, short, seed)
+        seqs.extend(loops)
+        not_run.update(skipped)
     names = ("another prompt", "multi-turn", "assisted decoding", "prompt lookup")
     # The prompt and what generate() adds to it (a reply, a user turn, the next reply) stay within the context, and
     # within a LongRoPE block's original context: past it the full forward rotates every position with the long
@@ -132,6 +148,37 @@ def _planned(subject: Subject, short: torch.Tensor, cap: int, new_tokens: int, s
     return seqs, not_run, reached
 
 
+def _after_padding(calls: _Calls, short: torch.Tensor, seed: int) -> tuple[list[Sequence], dict[str, str]]:
+    """What users send after `model(**tokenizer(batch, padding=True))`: one prompt, or an unpadded batch of the same
+    size, decoded in the loop they write (prefill, then one token a call with the cache), with and without
+    position_ids. A model that works out a per-row offset from the padding (Qwen2-VL's rope_deltas, #36013) and keeps
+    it for a request with none decodes that request at shifted positions; a padded batch after a padded batch works
+    it out again and reads OK."""
+    subject, n = calls.subject, short.shape[0]
+    ok, why = cache_support(subject)
+    why = why if not ok else "" if subject.kind == "causal" and takes_cache(subject.model) else (
+        "an encoder-decoder: its decoder's cache is `cache`'s" if subject.kind == "seq2seq" else
+        f"{type(subject.model).__name__} takes no cache: no decode loop to continue")
+    if why:
+        return [], dict.fromkeys(AFTER_PADDING, why)
+    lens = [max(2, n - 5), n, max(2, n // 2)]  # row 0 padded too: a kept offset of row 0 reaches one request
+    batch = calls.padded(subject.sample_ids(3, n, seed + 43).to(short.device), lens)
+    text = subject.sample_ids(3, n + STEPS, seed + 47).to(short.device)
+    seqs, skipped = [], {}
+    for rows, what in ((1, f"one {n}-token prompt"), (3, f"an unpadded batch of 3 {n}-token prompts")):
+        for with_ids in (False, True):
+            name = AFTER_PADDING[(rows > 1) * 2 + with_ids]
+            if with_ids and not subject.family.takes_position_ids:
+                skipped[name] = "the family's forward takes no position_ids"
+                continue
+            seqs.append(Sequence(
+                name, f"after a plain forward of a left-padded batch of lengths {lens}, {what} decoded {STEPS} tokens "
+                f"in a hand-written loop (cache passed, {'position_ids passed' if with_ids else 'no position_ids'})",
+                lambda r=rows, w=with_ids: calls.decoded(text[:r], n, w), lambda: calls.forward(*batch),
+                lambda _, r=rows, w=with_ids: calls.decoded(text[:r], n, w), rows=rows))
+    return seqs, skipped
+
+
 def _causal_only(calls: _Calls, short: torch.Tensor, seed: int) -> tuple[list[Sequence], dict[str, str]]:
     """Multi-turn over the returned cache, assisted decoding by the model itself, prompt-lookup decoding; and the
     sequences that cannot run, with why."""
@@ -150,8 +197,9 @@ def _causal_only(calls: _Calls, short: torch.Tensor, seed: int) -> tuple[list[Se
                  f"generate() continued from the returned cache", lambda: calls.generate(conversation),
                  lambda: _cache_of(calls.generate(short[None], full=True)),
                  lambda kept: calls.generate(conversation, **{cache_keyword(subject.model): kept})),
-        Sequence("assisted decoding", f"generate() on a {n}-token prompt with the model as its own assistant "
-                 f"({ASSISTED} candidates a step)", lambda: calls.generate(short[None]),
+        Sequence("assisted decoding", f"generate() on a {n}-token prompt assisted by a draft that disagrees "
+                 f"(the model proposing its runner-up at every odd position, {ASSISTED} candidates a step)",
+                 lambda: calls.generate(short[None]),
                  lambda: None, lambda _: calls.assisted(short[None]), same_call=False),
         Sequence("prompt lookup", f"prompt-lookup decoding ({LOOKUP} candidates a step) on a {repeated.shape[0]}-"
                  "token prompt whose n-grams recur", lambda: calls.generate(repeated[None]), lambda: None,
@@ -189,6 +237,23 @@ class _Calls:
         out = out.to(torch.float64)
         return out.flatten() if mask is None else out[mask.bool()].flatten()
 
+    def decoded(self, ids: torch.Tensor, prompt: int, positions: bool) -> torch.Tensor:
+        """`ids`' first `prompt` tokens prefilled into a new cache, then the others fed one a call with the cache and
+        the mask (all ones, as a tokenizer gives it) grown by one; `positions`: position_ids passed. Every logit,
+        float64, flat."""
+        model, b = self.subject.model, ids.shape[0]
+        cache = {cache_keyword(model): new_cache(self.subject, "dynamic", ids.shape[1])}
+        outs = []
+        for start, stop in [(0, prompt), *((t, t + 1) for t in range(prompt, ids.shape[1]))]:
+            numbered = torch.arange(start, stop, device=ids.device)[None].expand(b, -1)
+            extra = {"position_ids": self.subject.position_ids_for(numbered)} if positions else {}
+            self.subject.forward_count += 1
+            with torch.inference_mode():
+                out = model(input_ids=ids[:, start:stop], attention_mask=torch.ones_like(ids[:, :stop]),
+                            use_cache=True, return_dict=True, **cache, **extra)
+            outs.append(output_of(out))
+        return torch.cat(outs, 1).to(torch.float64).flatten()
+
     def generate_refusal(self) -> str:
         """Why the generate() sequences cannot run ("" when they can)."""
         ok, why = cache_support(self.subject)
@@ -201,10 +266,10 @@ class _Calls:
         return f"generate() sizes its cache wrongly here ({note}): judged by `generate`" if note else ""
 
     def assisted(self, ids: torch.Tensor) -> Any:
-        """generate() with the model as its own assistant, ASSISTED candidates a step (its generation config set for
-        the call, put back after)."""
-        with own_drafts(self.subject.model, ASSISTED):
-            return self.generate(ids, assistant_model=self.subject.model)
+        """generate() assisted by a draft that disagrees (the model proposing its runner-up at every odd position,
+        ASSISTED candidates a step: posdiag.model.drafts), so verification rejects drafts and rolls the cache back."""
+        with disagreeing_draft(self.subject.model, ASSISTED) as (draft, _):
+            return self.generate(ids, assistant_model=draft)
 
     def generate(self, ids: torch.Tensor, full: bool = False, **extra: Any) -> Any:
         """Greedy generate(): the logits of every generated step (float64, flattened); `full`: the whole output."""
