@@ -283,3 +283,58 @@ def padding_attended_with_images(model_type: str) -> nn.Module:
     inner.register_forward_pre_hook(outer, with_kwargs=True)
     inner.language_model.register_forward_pre_hook(language, with_kwargs=True)
     return model
+
+
+def _rotated_beneath(model_type: str, change) -> nn.Module:
+    """The language model's rotary computes its angles at change(position_ids, inner) while the ids it is handed (what
+    posdiag observes at the rotary module) stay right: a bug in how the positions are applied, which only the logits
+    show."""
+    model = healthy(model_type)
+    inner = model.model
+    inner.cached_tokens = 0
+    rotary = inner.language_model.rotary_emb
+    original = rotary.forward
+
+    def cached(module, args, kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        module.cached_tokens = 0 if cache is None else cache.get_seq_length()
+        return args, kwargs
+
+    def forward(x, position_ids):
+        return original(x, change(position_ids, inner))
+
+    inner.register_forward_pre_hook(cached, with_kwargs=True)
+    rotary.forward = forward  # an instance attribute, called after the observing pre-hooks
+    return model
+
+
+def _after_images(inner: nn.Module) -> bool:
+    deltas = getattr(inner, "rope_deltas", None)
+    return isinstance(deltas, torch.Tensor) and bool((deltas != 0).any())
+
+
+def decode_deltas_dropped_beneath(model_type: str) -> nn.Module:
+    """Each token decoded one at a time after an image prompt is rotated at its text position (the token count: the
+    cache offset taken for the position, rope_deltas dropped: mlx-vlm #1983 / TensorRT-LLM #15661's class) while the
+    rotary module is handed the right ids. Text decoding (rope_deltas 0) is unchanged."""
+    def change(pos, inner):
+        if pos.shape[-1] == 1 and _after_images(inner):
+            return pos - inner.rope_deltas.reshape(1, -1, 1).to(pos.dtype)
+        return pos
+    return _rotated_beneath(model_type, change)
+
+
+def chunks_at_leading_positions_beneath(model_type: str) -> nn.Module:
+    """A chunked prefill of an image prompt rotates every chunk after the first at the prompt's leading positions (the
+    whole prompt's position ids sliced from 0, not from the chunk's start: mlx-vlm #1741's class) while the rotary
+    module is handed the right ids. Text prompts (rope_deltas 0) and one-token decode steps are unchanged."""
+    first: dict[str, torch.Tensor] = {}
+
+    def change(pos, inner):
+        if pos.shape[-1] > 1 and inner.cached_tokens == 0:
+            first["pos"] = pos
+        elif pos.shape[-1] > 1 and _after_images(inner) and "pos" in first and \
+                first["pos"].shape[-1] >= pos.shape[-1]:
+            return first["pos"][..., :pos.shape[-1]]
+        return pos
+    return _rotated_beneath(model_type, change)

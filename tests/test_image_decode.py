@@ -8,7 +8,9 @@ from __future__ import annotations
 import warnings
 
 import plants_mrope as plants
+import plants_multimodal
 import pytest
+import torch
 
 from posdiag.api import run_checks
 from posdiag.model.loading import from_module
@@ -35,6 +37,7 @@ def test_healthy_decode_after_an_image_passes(model_type):
         assert c.status is Status.PASS, c.summary
         assert f"after images: {path}: positions continue from rope_deltas -5" in c.summary
         assert c.details["after_image"]["mismatch"] == ""
+        assert c.details["after_image"]["floor_source"].startswith("token embeddings of one row jittered")
 
 
 @pytest.mark.parametrize("build, at", [(plants.decode_ignoring_rope_deltas, "(23, 23, 23)"),
@@ -52,6 +55,40 @@ def test_generate_off_rope_deltas_fails_generate(build, at):
     c = _checks(build("qwen2_vl"), ["generate"])["generate"]
     assert c.status is Status.FAIL, c.summary
     assert f"after images: generate: token 23 (decode step 0) ran at (t, h, w) = {at}" in c.summary
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "glm4v"])
+def test_image_path_logits_in_bfloat16_are_decided_in_float64_and_pass_as_rounding(model_type):
+    """Decode, generate() and the chunked prefill after images in bfloat16: logits against the jitter floor of the
+    full forward, re-run in float64 (PASS included) and decided there, so a healthy model PASSes. (float32: the
+    healthy tests above and tests/test_image_paths.py.)"""
+    checks = _checks(plants.with_image(model_type).to(torch.bfloat16), ["cache", "generate"])
+    for name, key, path in (("cache", "after_image", "after images: decode"),
+                            ("cache", "chunked_prefill", "images: chunked prefill (5 tokens a forward)"),
+                            ("generate", "after_image", "after images: generate")):
+        c = checks[name]
+        assert c.status is Status.PASS, c.summary
+        assert f"{path}: positions continue from rope_deltas -5 (" in c.summary, c.summary
+        info = c.details[key]
+        assert info["floor_source"].startswith("token embeddings of one row jittered") and info["noise_floor"] > 0
+        assert info["arbitration"]["ran"] and info["arbitration"]["dtype"] == "float64", info
+    assert c.summary.count("in float64: rounding (it shrinks with precision)") >= 2, c.summary  # text and image
+    assert checks["cache"].summary.count("in float64: rounding (it shrinks with precision)") >= 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "glm4v"])
+def test_decode_rotated_without_rope_deltas_fails_on_its_logits(model_type, dtype):
+    """Decoded tokens rotated at their text positions (rope_deltas dropped where the positions are applied, the ids
+    handed to the rotary module right): the positions read as the layout, the logits FAIL, decided in float64."""
+    checks = _checks(plants_multimodal.decode_deltas_dropped_beneath(model_type).to(dtype), ["cache", "generate"])
+    for name, path in (("cache", "decode"), ("generate", "generate")):
+        c = checks[name]
+        assert c.status is Status.FAIL, c.summary
+        assert c.summary.startswith(f"after images: {path}: positions continue from rope_deltas -5, but the logits "
+                                    "differ from the full forward by "), c.summary
+        assert "in float64: a bug (it does not shrink with precision)); text: " in c.summary, c.summary
+        assert c.details["after_image"]["mismatch"] == ""
 
 
 def test_dropped_deltas_are_invisible_without_an_image():

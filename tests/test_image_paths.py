@@ -39,6 +39,7 @@ def test_healthy_families_pass_the_chunked_prefill_and_the_padded_row(model_type
     assert "; images: chunked prefill (5 tokens a forward): positions continue from rope_deltas -5 (8 tokens, " \
         in cache.summary
     assert cache.details["chunked_prefill"]["mismatch"] == ""
+    assert cache.details["chunked_prefill"]["floor_source"].startswith("token embeddings of one row jittered")
     assert batch.status is Status.PASS, batch.summary
     assert "; image prompt in a left-padded batch: the image row is numbered and computed as alone (2 images, " \
         in batch.summary
@@ -76,6 +77,21 @@ def test_padded_image_row_logits_are_arbitrated_and_can_fail(model_type, dtype):
     assert bad.summary.startswith("image prompt in a left-padded batch: numbered as alone, but the row's logits "
                                   "differ from the prompt's alone by "), bad.summary
     assert "in float64: a bug (it does not shrink with precision)" in bad.summary, bad.summary
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "glm4v"])
+def test_chunks_rotated_at_the_prompts_leading_positions_fail_on_their_logits(model_type, dtype):
+    """A chunked prefill whose later chunks are rotated at the prompt's leading positions (mlx-vlm #1741's class)
+    below what the rotary module is handed: positions read as the layout, the logits FAIL, decided in float64; the
+    decode after an unchunked prefill still PASSes. (Healthy twins: tests/test_image_decode.py.)"""
+    c = _checks(plants.chunks_at_leading_positions_beneath(model_type).to(dtype), ["cache"])["cache"]
+    assert c.status is Status.FAIL, c.summary
+    assert c.summary.startswith("images: chunked prefill (5 tokens a forward): positions continue from rope_deltas "
+                                "-5, but the logits differ from the full forward by "), c.summary
+    assert "in float64: a bug (it does not shrink with precision)); text: " in c.summary, c.summary
+    assert "; after images: decode: positions continue from rope_deltas -5 (8 tokens, " in c.summary, c.summary
+    assert c.details["chunked_prefill"]["mismatch"] == ""
 
 
 def test_glm4v_runs_its_video_as_its_processor_writes_it():

@@ -10,12 +10,14 @@ numbered from the first one's start.
 The probe: text, two images of deterministic pixels, text (posdiag.model.multimodal_inputs); the model's rotary
 module is watched for the position ids each forward hands it, and every token's positions, the prompt's in the
 prefill and the decoded (or generated) ones after it, must equal the layout's numbering of the whole sequence
-(posdiag.model.mrope_layout), exactly (integers: no tolerance). The caller also compares the decoded
-logits with the full forward. Applies where the model has get_rope_index, an image token inside its
-vocabulary and a vision config with patch sizes; elsewhere a reason, reported by the caller when the model has
-multimodal RoPE at all. A crash of the probed path (the cache continuation, generate()) after the plain forward
-of the same prompt ran is a FAIL naming the exception; a prompt the plain forward refuses is posdiag's input, not
-the model's answer: "not probed", with the reason.
+(posdiag.model.mrope_layout), exactly (integers: no tolerance). The decoded logits must equal the full forward's,
+judged like text: against the jitter floor of that full forward (its token embeddings ~1 ulp off, same dtype) and
+decided in float64 (posdiag.model.arbitration.arbitrate), so a bug in how the positions are applied, below what the
+rotary module is handed, FAILs and float32 rounding PASSes. Applies where the model has get_rope_index, an image
+token inside its vocabulary and a vision config with patch sizes; elsewhere a reason, reported by the caller when
+the model has multimodal RoPE at all. A crash of the probed path (the cache continuation, generate()) after the
+plain forward of the same prompt ran is a FAIL naming the exception; a prompt the plain forward refuses is posdiag's
+input, not the model's answer: "not probed", with the reason.
 """
 
 from __future__ import annotations
@@ -26,14 +28,17 @@ from typing import Any
 
 import torch
 
+from posdiag.model.arbitration import arbitrate
 from posdiag.model.caches import cache_keyword
+from posdiag.model.jitter import FLOOR_SOURCE, jittered
 from posdiag.model.mrope_layout import layout_positions
 from posdiag.model.multimodal_inputs import MultimodalPrompt, Span, build_prompt
 from posdiag.model.quiet import transformers_quiet
 from posdiag.model.subject import Subject
+from posdiag.model.tensors import relative_l2
 from posdiag.results import CheckResult, Status
 from posdiag.tools import mrope, rope_math
-from posdiag.verdict import FAIL_RATIO, noise_floor
+from posdiag.verdict import judge_agreement, worst_error
 
 
 @dataclass
@@ -109,7 +114,7 @@ class ImageRun:
     name: str  # "after images: decode" | "after images: generate"
     mismatch: str = ""  # the first decode position off the model's own numbering
     errors: list[float] = field(default_factory=list)  # per new token, relative to the full forward
-    floor: float = 0.0  # prompt positions: prefill vs the full forward
+    floor: float = 0.0  # the full forward against itself with its token embeddings jittered by ~1 ulp
     crashed: str = ""  # the exception the probed path raised after the plain forward of the same input ran
     invalid: str = ""  # the plain forward refused posdiag's input: the probe says nothing about the model
 
@@ -140,58 +145,74 @@ def _special_ids(prompt: MultimodalPrompt) -> set[int]:
                                           "vision_end_token_id") if isinstance(getattr(config, k, None), int)}
 
 
-def decode_after_image(subject: Subject, prompt: MultimodalPrompt, cache: Any, steps: int, seed: int) -> ImageRun:
-    """Prefill the image prompt into `cache`, then decode `steps` text tokens one by one (no position ids: the
-    model's own numbering from the stored rope_deltas, as a manual decode loop runs)."""
-    from posdiag.model.tensors import relative_l2
+def as_run(subject: Subject, inputs: dict[str, Any]) -> dict[str, Any]:
+    """`inputs` with the pixels in the model's dtype as it runs now (a float64 re-run converts the model, and users
+    cast a processor's output to the model's dtype)."""
+    dtype = subject.model.get_input_embeddings().weight.dtype
+    return {k: v.to(dtype) if k.startswith("pixel_values") else v for k, v in inputs.items()}
 
+
+def full_forward(subject: Subject, inputs: dict[str, Any], seed: int) -> tuple[torch.Tensor, float]:
+    """The reference: one plain forward of the whole sequence (logits [T, V], float64), and its jitter floor (the
+    same forward with the token embeddings ~1 ulp off: the rounding the comparison is judged against)."""
+    def logits() -> torch.Tensor:
+        subject.forward_count += 1
+        with torch.inference_mode():
+            out = subject.model(**as_run(subject, inputs), use_cache=False, return_dict=True).logits[0]
+        return out.detach().to(torch.float64)
+
+    full = logits()
+    with jittered(subject, subject.stacks[0], 0, 1, seed, settle_masks=False):
+        shaken = logits()
+    return full, max(relative_l2(shaken[t], full[t]) for t in range(full.shape[0]))
+
+
+def decode_after_image(subject: Subject, prompt: MultimodalPrompt, make_cache, steps: int, seed: int) -> ImageRun:
+    """Prefill the image prompt into a new cache (make_cache()), then decode `steps` text tokens one by one (no
+    position ids: the model's own numbering from the stored rope_deltas, as a manual decode loop runs)."""
     run = ImageRun("after images: decode")
     model, n = subject.model, prompt.ids.shape[1]
     full_ids = torch.cat([prompt.ids, _continuation(prompt, steps, seed, model.get_input_embeddings().weight.shape[0])],
                          dim=1)
     try:
-        with torch.inference_mode():
-            full = model(**prompt.inputs(full_ids), use_cache=False, return_dict=True).logits[0]
-        subject.forward_count += 1
+        full, run.floor = full_forward(subject, prompt.inputs(full_ids), seed)
     except Exception as exc:
         run.invalid = f"the plain forward of posdiag's image prompt raised {_named(exc)}"
         return run
     try:
         with torch.inference_mode(), watching(subject) as watch:
-            passed = {cache_keyword(model): cache}
-            first = model(**prompt.inputs(), **passed, use_cache=True, return_dict=True).logits[0]
+            passed = {cache_keyword(model): make_cache()}
+            model(**as_run(subject, prompt.inputs()), **passed, use_cache=True, return_dict=True)
             outs = [model(input_ids=full_ids[:, t:t + 1], **passed, use_cache=True,
-                          return_dict=True).logits[0, -1] for t in range(n, full_ids.shape[1])]
+                          return_dict=True).logits[0, -1].to(torch.float64) for t in range(n, full_ids.shape[1])]
         subject.forward_count += 1 + steps
     except Exception as exc:
         run.crashed = _named(exc)
         return run
-    run.floor = max(relative_l2(first[t], full[t]) for t in range(n))
     run.errors = [relative_l2(o, full[n + i]) for i, o in enumerate(outs)]
     run.mismatch = watch.mismatch(expected_positions(prompt, full_ids.shape[1]), 0, prompt.spans)
     return run
 
 
-def generate_after_image(subject: Subject, prompt: MultimodalPrompt, new_tokens: int, pad: int,
+def generate_after_image(subject: Subject, prompt: MultimodalPrompt, new_tokens: int, pad: int, seed: int,
                          name: str = "after images: generate", **extra: Any) -> ImageRun:
     """Greedy generate() from the image prompt (`extra`: generate()'s options, such as prefill_chunk_size): the
     prompt's and the new tokens' positions and logits against one full forward of the generated sequence
-    (teacher-forced)."""
+    (teacher-forced) and its jitter floor."""
     from posdiag.errors import refused_by_generation
-    from posdiag.model.tensors import relative_l2
 
     run = ImageRun(name)
     model, n = subject.model, prompt.ids.shape[1]
     try:
         with torch.inference_mode():
-            model(**prompt.inputs(), use_cache=False, return_dict=True)
+            model(**as_run(subject, prompt.inputs()), use_cache=False, return_dict=True)
         subject.forward_count += 1
     except Exception as exc:
         run.invalid = f"the plain forward of posdiag's image prompt raised {_named(exc)}"
         return run
     try:
         with torch.inference_mode(), watching(subject) as watch, transformers_quiet():
-            out = model.generate(**prompt.inputs(), attention_mask=torch.ones_like(prompt.ids),
+            out = model.generate(**as_run(subject, prompt.inputs()), attention_mask=torch.ones_like(prompt.ids),
                                  max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                                  output_logits=True, return_dict_in_generate=True, pad_token_id=pad,
                                  suppress_tokens=sorted(_special_ids(prompt)),  # raw logits come back unchanged
@@ -206,14 +227,11 @@ def generate_after_image(subject: Subject, prompt: MultimodalPrompt, new_tokens:
         return run
     seq = out.sequences
     try:
-        with torch.inference_mode():
-            full = model(**prompt.inputs(seq), use_cache=False, return_dict=True).logits[0]
-        subject.forward_count += 1
+        full, run.floor = full_forward(subject, prompt.inputs(seq), seed)
     except Exception as exc:
         run.invalid = f"the teacher-forced forward of the generated sequence raised {_named(exc)}"
         return run
-    run.floor = 0.0  # generate() gives logits of new tokens only; the caller's floor applies
-    run.errors = [relative_l2(step[0], full[n - 1 + i]) for i, step in enumerate(out.logits)]
+    run.errors = [relative_l2(step[0].to(torch.float64), full[n - 1 + i]) for i, step in enumerate(out.logits)]
     # the last new token is never forwarded
     run.mismatch = watch.mismatch(expected_positions(prompt, seq.shape[1])[:, :-1], 0, prompt.spans)
     return run
@@ -227,9 +245,10 @@ def with_image_decode(result: CheckResult, subject: Subject, seed: int, probe,
                       key: str = "after_image") -> CheckResult:
     """`result` with the after-an-image probe folded in (models with multimodal RoPE only; others unchanged).
 
-    probe(prompt) -> ImageRun. Decode positions off the model's own numbering FAIL (exact integers); logits
-    beyond the run dtype's tolerance with the positions right are a WARN (the cache paths above judge logits,
-    with float64 arbitration); a probe that cannot run is named after "not probed"."""
+    probe(prompt) -> ImageRun. Decode positions off the model's own numbering FAIL (exact integers); the logits are
+    judged as agreement against the run's jitter floor and decided in float64 like text (arbitrate: in half precision
+    always, in float32 where they are not a pass), so a FAIL is a bug and rounding PASSes; a probe that cannot run
+    is named after "not probed"."""
     if result.status is Status.SKIP or not has_mrope(subject):
         return result
     prompt, why = image_prompt(subject, seed)
@@ -242,21 +261,37 @@ def with_image_decode(result: CheckResult, subject: Subject, seed: int, probe,
         why = run.invalid if run is not None else why
         return _replaced(result, result.status, f"{result.summary}; not probed: decode after images ({why})",
                          {key: {"not_probed": why}})
-    floor = noise_floor(run.floor, subject.dtype_name)
-    worst = max(run.errors, default=0.0)
     deltas = int(expected_positions(prompt, 0).max()) + 1 - prompt.ids.shape[1]
-    info = {key: {"path": run.name, "rope_deltas": deltas, "mismatch": run.mismatch, "errors": run.errors,
-                  "noise_floor": floor}}
+    info: dict[str, Any] = {"path": run.name, "rope_deltas": deltas, "mismatch": run.mismatch, "errors": run.errors}
     if run.mismatch:
-        status, text = Status.FAIL, f"{run.name}: {run.mismatch}"
-        return _replaced(result, status, text if result.status is not Status.FAIL else f"{result.summary}; {text}",
-                         info)
-    if not worst <= FAIL_RATIO * floor:
+        text = f"{run.name}: {run.mismatch}"
+        return _replaced(result, Status.FAIL, text if result.status is not Status.FAIL else f"{result.summary}; {text}",
+                         {key: info})
+    dtype = subject.dtype_name
+    verdict = judge_agreement(worst_error(run.errors), run.floor, dtype)
+    arbitration = arbitrate(subject, lambda: _again(probe, prompt), run.floor, {"logits": verdict}, dtype,
+                            lambda again: (again.floor, {"logits": worst_error(again.errors)}))
+    verdict = arbitration.verdicts.get("logits", verdict)
+    info.update(noise_floor=verdict.noise_floor, floor_source=FLOOR_SOURCE, ratio=verdict.ratio, **arbitration.details)
+    decided = arbitration.clause("logits")
+    if verdict.status is not Status.PASS:
         text = (f"{run.name}: positions continue from rope_deltas {deltas}, but the logits differ from the full "
-                f"forward by {worst:.3g} = {worst / floor:.3g}x the noise floor (not arbitrated)")
-        return _replaced(result, Status.worst([result.status, Status.WARN]), f"{result.summary}; {text}", info)
+                f"forward by {verdict.residual:.3g} = {verdict.ratio:.3g}x the noise floor{decided}")
+        if verdict.status is Status.FAIL and result.status is not Status.FAIL:
+            return _replaced(result, Status.FAIL, f"{text}; text: {result.summary}", {key: info})
+        return _replaced(result, Status.worst([result.status, verdict.status]), f"{result.summary}; {text}",
+                         {key: info})
     return _replaced(result, result.status, f"{result.summary}; {run.name}: positions continue from rope_deltas "
-                     f"{deltas} ({len(run.errors)} tokens, {worst / floor:.3g}x noise floor)", info)
+                     f"{deltas} ({len(run.errors)} tokens, {verdict.ratio:.3g}x noise floor{decided})", {key: info})
+
+
+def _again(probe, prompt: MultimodalPrompt) -> ImageRun:
+    """The probe re-run (in float64, by arbitrate); a re-run that could not compute the path is no measurement
+    (RuntimeError: run_finer tries its next conversion way, then says why none ran)."""
+    run = probe(prompt)
+    if run.crashed or run.invalid or run.mismatch:
+        raise RuntimeError(f"{run.name} re-run: {run.crashed or run.invalid or run.mismatch}")
+    return run
 
 
 def _replaced(result: CheckResult, status: Status, summary: str, details: dict) -> CheckResult:

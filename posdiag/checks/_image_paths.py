@@ -5,7 +5,8 @@
   images' features encoded once and sliced per chunk, so chunks end inside an image. Every chunk's tokens must run at
   the positions the layout gives them in the whole prompt, and the decoded tokens after it at the layout's too; a
   chunk numbered from its own ids or as text departs (mlx-vlm #1741). Judged as generate()'s image probe is: positions
-  exactly, logits against one full forward of the generated sequence.
+  exactly, logits against one full forward of the generated sequence, judged against its jitter floor and decided in
+  float64 like text (a chunk rotated at other positions than it is handed FAILs on its logits).
 - A left-padded batch: the image prompt as row 0 behind padding, beside a longer text row, in one plain forward (the
   model's own numbering from the 2D attention mask, as users batch prompts of different lengths). The row's tokens
   must run at the positions the prompt takes alone (padding is no position), and its logits must equal the prompt's
@@ -21,6 +22,7 @@ import torch
 
 from posdiag.checks._image_decode import (
     ImageRun,
+    as_run,
     generate_after_image,
     has_mrope,
     image_prompt,
@@ -52,7 +54,7 @@ def with_chunked_prefill(result: CheckResult, subject: Subject, seed: int, new_t
     if result.status is Status.SKIP or not has_mrope(subject) or "not_probed" in result.details.get("after_image", {}):
         return result
     return with_image_decode(result, subject, seed, lambda prompt: generate_after_image(
-        subject, prompt, new_tokens, _pad_id(subject), f"images: chunked prefill ({CHUNK} tokens a forward)",
+        subject, prompt, new_tokens, _pad_id(subject), seed, f"images: chunked prefill ({CHUNK} tokens a forward)",
         prefill_chunk_size=CHUNK), key="chunked_prefill")
 
 
@@ -112,10 +114,9 @@ def padded_image_row(subject: Subject, prompt: MultimodalPrompt, seed: int) -> t
 def _logits(subject: Subject, inputs: dict[str, Any], **extra: Any) -> torch.Tensor:
     """Logits in float64, the pixels cast to the model's dtype as it runs now (a float64 re-run converts the model)."""
     subject.forward_count += 1
-    dtype = subject.model.get_input_embeddings().weight.dtype
-    inputs = {k: v.to(dtype) if k.startswith("pixel_values") else v for k, v in inputs.items()}
     with torch.inference_mode():
-        return subject.model(**inputs, **extra, use_cache=False, return_dict=True).logits.detach().to(torch.float64)
+        out = subject.model(**as_run(subject, inputs), **extra, use_cache=False, return_dict=True)
+    return out.logits.detach().to(torch.float64)
 
 
 def _named(exc: BaseException) -> str:

@@ -166,7 +166,8 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     verdicts, power = powered(verdicts, first.slip_error, first.floor, dtype, bool(finer), "the decode path")
     result = _report(subject, first, verdicts, arbitration, plan, dtype, refused, finer, power)
     result = with_image_decode(result, subject, options.seed, lambda prompt: decode_after_image(  # multimodal RoPE
-        subject, prompt, new_cache(subject, "dynamic", max_len=prompt.ids.shape[1] + steps + 1), steps, options.seed))
+        subject, prompt, lambda: new_cache(subject, "dynamic", max_len=prompt.ids.shape[1] + steps + 1), steps,
+        options.seed))
     return with_chunked_prefill(result, subject, options.seed, steps)  # and its prompt fed in chunks
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from posdiag.checks._image_decode import has_mrope, image_prompt
+from posdiag.checks._image_decode import as_run, has_mrope, image_prompt
 from posdiag.checks.state.sequences import Sequence
 from posdiag.errors import describe_error, raised_in_posdiag
 from posdiag.model.caches import cache_keyword, new_cache, takes_cache
@@ -96,19 +96,13 @@ class _Loops:
         with torch.inference_mode():
             return self.subject.model(**inputs, return_dict=True)
 
-    def _pixels(self, inputs: dict[str, Any]) -> dict[str, Any]:
-        """`inputs` with the pixels in the model's dtype as it runs now (a float64 re-run converts the model, and a
-        processor's output is cast to the model's dtype by the caller, as users do)."""
-        dtype = self.subject.model.get_input_embeddings().weight.dtype
-        return {k: v.to(dtype) if k.startswith("pixel_values") else v for k, v in inputs.items()}
-
     def image(self) -> None:
         """The image prompt, as users call the model on a processor's output."""
-        self._forward(**self._pixels(self.prompt.inputs()))
+        self._forward(**as_run(self.subject, self.prompt.inputs()))
 
     def batch(self) -> None:
         """The image prompt and a left-padded text row in one batch."""
-        self._forward(**self._pixels({**self.prompt.inputs(self.rows), "mm_token_type_ids": self.kinds}),
+        self._forward(**as_run(self.subject, {**self.prompt.inputs(self.rows), "mm_token_type_ids": self.kinds}),
                       attention_mask=self.mask)
 
     def decoded(self, positions: bool = False) -> torch.Tensor:
