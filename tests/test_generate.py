@@ -95,13 +95,14 @@ def test_past_the_window_only_the_prompt_alone_is_stretched():
     assert result.details["prompt_lengths"] == [8, 6, 4] and result.details["alone_prompt_length"] == WINDOW + 4
     generated, forwards = shapes["generate"], shapes["forward"]
     prefills = sorted(s for s in generated if s[1] > 1)
-    assert prefills == [(1, 16), (1, 16), (3, 8), (3, 8)], generated  # dynamic and static: alone, then the batch
-    # each prefill, then 2 one-token steps per row: 2 caches x (16 + 2 alone, 3 x (8 + 2) batched)
-    assert sum(rows * width for rows, width in generated) == 2 * (18 + 30)
+    # dynamic and static: alone, then the batch; and the power's slipped run (dynamic, alone)
+    assert prefills == [(1, 16), (1, 16), (1, 16), (3, 8), (3, 8)], generated
+    # each prefill, then 2 one-token steps per row: 2 caches x (16 + 2 alone, 3 x (8 + 2) batched), the slip 16 + 2
+    assert sum(rows * width for rows, width in generated) == 2 * (18 + 30) + 18
     # the references (prompt + generated tokens but the last: 18, 10, 8, 6; both caches generate alike) in forwards
     # at most a quarter padding, and the floor's 2-token prefixes of the 4 prompts: one forward of the four
-    # right-padded to 18 would feed 72
-    assert sum(rows * width for rows, width in forwards) <= (18 + 10 + 8 + 6) * 4 / 3 + 4 * 2, forwards
+    # right-padded to 18 would feed 72; the slip's reference and floor prefixes once more (18 + 4 x 2)
+    assert sum(rows * width for rows, width in forwards) <= (18 + 10 + 8 + 6) * 4 / 3 + 4 * 2 + 18 + 4 * 2, forwards
 
 
 def test_window_bug_is_caught_by_the_prompt_alone_past_the_window():

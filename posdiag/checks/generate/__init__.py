@@ -27,10 +27,11 @@ from posdiag.checks.generate.inputs import ROWS
 from posdiag.checks.generate.runs import Measurement, Run
 from posdiag.model.arbitration import arbitrate
 from posdiag.model.caches import cache_support
+from posdiag.model.slip import one_early
 from posdiag.model.subject import Subject
 from posdiag.options import RunOptions
 from posdiag.results import CheckResult, Status
-from posdiag.verdict import FloorVerdict, judge_agreement, noise_floor
+from posdiag.verdict import FloorVerdict, judge_agreement, noise_floor, powered
 
 __all__ = ["ROWS", "SPEC", "Measurement", "Run", "run"]
 
@@ -38,6 +39,21 @@ SPEC = CheckSpec("generate", "generate() vs forward pass",
                  "greedy generate() agrees step by step with the teacher-forced forward, alone and in a padded batch",
                  applies_to=("causal", "seq2seq"),
                  options={"new_tokens": Option(6, "tokens per row: a position bug shows in the first few steps")})
+
+
+def _slip(subject: Subject, prompts: list, batch_rows: list[int], new_tokens: int,
+          compiled: bool) -> tuple[float | None, str]:
+    """The run's power: the prompt alone generated again (default cache) with every step that continues the cache
+    numbered one early (posdiag.model.slip), against the same teacher-forced reference (cache-free: never slipped).
+    None where the slip reached no step (an encoder-decoder's decoder, a model numbering its steps from its mask)."""
+    if subject.kind != "causal" or not subject.family.takes_position_ids:
+        return None, "not planted: the model takes no position_ids for its decode steps"
+    with one_early(subject) as reached:
+        slipped = runs.measure(subject, prompts, batch_rows, new_tokens, only={"dynamic/single"}, compiled=compiled)
+    done = slipped.done
+    if not reached.forwards or not done:
+        return None, "not planted: " + ("no decode step took it" if done else "the slipped generate() did not run")
+    return done[0].max_error, f"dynamic/single generated with its {reached.forwards} decode steps one position early"
 
 
 def _support(subject: Subject) -> tuple[Status | None, str]:
@@ -73,8 +89,16 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
         m.floor, {r.name: r.max_error for r in m.done}), subset=True, prefer="whole" if compiled else None,
         reached=lambda m, _: all(r.compiled_calls == compiled[r.name] for r in m.done if r.name in compiled))
     verdicts.update(arbitration.verdicts)
+    slip, slip_note = _slip(subject, prompts, batch_rows, new_tokens, options.compile)
+    decided64 = bool(arbitration.details.get("arbitration", {}).get("ran"))
+    verdicts, power = powered(verdicts, slip, first.floor, dtype, decided64, "generate()'s decode steps")
     lengths = (len(prompts[0]), [len(prompts[r]) for r in batch_rows])
-    result = SPEC.result(*wording.report(subject, first, verdicts, arbitration, lengths, new_tokens))
+    status, summary, metrics, details, tables = wording.report(subject, first, verdicts, arbitration, lengths,
+                                                               new_tokens)
+    details["slip"] = {"error": slip, "dtype": dtype, "how": slip_note} | (
+        {"ratio": slip / noise_floor(first.floor, dtype)} if slip is not None else {})
+    result = SPEC.result(status, summary + (f"; {power}" if power and status is not Status.FAIL else ""), metrics,
+                         details, tables)
     return with_image_decode(result, subject, options.seed,  # multimodal RoPE: generate() after an image
                              lambda prompt: generate_after_image(subject, prompt, new_tokens,
-                                                                 inputs.pad_id(subject)[0], options.seed))
+                                                                 inputs.pad_id(subject)[0]))
