@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from posdiag.model.arbitration import arbitrate
-from posdiag.model.caches import cache_keyword
+from posdiag.model.caches import cache_keyword, new_cache
 from posdiag.model.jitter import FLOOR_SOURCE, jittered
 from posdiag.model.mrope_layout import layout_positions
 from posdiag.model.multimodal_inputs import MultimodalPrompt, Span, build_prompt
@@ -167,9 +167,9 @@ def full_forward(subject: Subject, inputs: dict[str, Any], seed: int) -> tuple[t
     return full, max(relative_l2(shaken[t], full[t]) for t in range(full.shape[0]))
 
 
-def decode_after_image(subject: Subject, prompt: MultimodalPrompt, make_cache, steps: int, seed: int) -> ImageRun:
-    """Prefill the image prompt into a new cache (make_cache()), then decode `steps` text tokens one by one (no
-    position ids: the model's own numbering from the stored rope_deltas, as a manual decode loop runs)."""
+def decode_after_image(subject: Subject, prompt: MultimodalPrompt, steps: int, seed: int) -> ImageRun:
+    """Prefill the image prompt into a new dynamic cache, then decode `steps` text tokens one by one (no position ids:
+    the model's own numbering from the stored rope_deltas, as a manual decode loop runs)."""
     run = ImageRun("after images: decode")
     model, n = subject.model, prompt.ids.shape[1]
     full_ids = torch.cat([prompt.ids, _continuation(prompt, steps, seed, model.get_input_embeddings().weight.shape[0])],
@@ -181,7 +181,7 @@ def decode_after_image(subject: Subject, prompt: MultimodalPrompt, make_cache, s
         return run
     try:
         with torch.inference_mode(), watching(subject) as watch:
-            passed = {cache_keyword(model): make_cache()}
+            passed = {cache_keyword(model): new_cache(subject, "dynamic", max_len=full_ids.shape[1] + 1)}
             model(**as_run(subject, prompt.inputs()), **passed, use_cache=True, return_dict=True)
             outs = [model(input_ids=full_ids[:, t:t + 1], **passed, use_cache=True,
                           return_dict=True).logits[0, -1].to(torch.float64) for t in range(n, full_ids.shape[1])]

@@ -51,7 +51,6 @@ from posdiag.model.caches import (
     copied_cache,
     held_tensors,
     keeps_kv_cache,
-    new_cache,
     static_cache_refusal,
 )
 from posdiag.model.jitter import jittered
@@ -165,9 +164,8 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
     verdicts.update(arbitration.verdicts)
     verdicts, power = powered(verdicts, first.slip_error, first.floor, dtype, bool(finer), "the decode path")
     result = _report(subject, first, verdicts, arbitration, plan, dtype, refused, finer, power)
-    result = with_image_decode(result, subject, options.seed, lambda prompt: decode_after_image(  # multimodal RoPE
-        subject, prompt, lambda: new_cache(subject, "dynamic", max_len=prompt.ids.shape[1] + steps + 1), steps,
-        options.seed))
+    result = with_image_decode(result, subject, options.seed,  # multimodal RoPE: a decode loop after images
+                               lambda prompt: decode_after_image(subject, prompt, steps, options.seed))
     return with_chunked_prefill(result, subject, options.seed, steps)  # and its prompt fed in chunks
 
 
