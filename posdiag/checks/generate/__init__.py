@@ -101,4 +101,4 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
                          details, tables)
     return with_image_decode(result, subject, options.seed,  # multimodal RoPE: generate() after an image
                              lambda prompt: generate_after_image(subject, prompt, new_tokens,
-                                                                 inputs.pad_id(subject)[0]))
+                                                                 inputs.pad_id(subject)[0], options.seed))
