@@ -17,6 +17,7 @@ from posdiag.model.loading import from_module
 from posdiag.options import RunOptions
 from posdiag.results import Status
 from posdiag.testing.multimodal import tiny_multimodal
+from posdiag.verdict import FAIL_RATIO
 
 
 @pytest.fixture(autouse=True)
@@ -38,6 +39,9 @@ def test_healthy_decode_after_an_image_passes(model_type):
         assert f"after images: {path}: positions continue from rope_deltas -5" in c.summary
         assert c.details["after_image"]["mismatch"] == ""
         assert c.details["after_image"]["floor_source"].startswith("token embeddings of one row jittered")
+        # its power: the same path one position early would FAIL (float32), and the summary says by how much
+        assert c.details["after_image"]["slip"]["ratio"] > FAIL_RATIO, c.details["after_image"]["slip"]
+        assert "; a one-position slip on its continued forwards: " in c.summary, c.summary
 
 
 @pytest.mark.parametrize("build, at", [(plants.decode_ignoring_rope_deltas, "(23, 23, 23)"),
@@ -72,6 +76,7 @@ def test_image_path_logits_in_bfloat16_are_decided_in_float64_and_pass_as_roundi
         info = c.details[key]
         assert info["floor_source"].startswith("token embeddings of one row jittered") and info["noise_floor"] > 0
         assert info["arbitration"]["ran"] and info["arbitration"]["dtype"] == "float64", info
+        assert info["slip"]["error"] is not None and info["slip"]["dtype"] == "bfloat16", info["slip"]
     assert c.summary.count("in float64: rounding (it shrinks with precision)") >= 2, c.summary  # text and image
     assert checks["cache"].summary.count("in float64: rounding (it shrinks with precision)") >= 3
 

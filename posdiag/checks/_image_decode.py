@@ -38,7 +38,7 @@ from posdiag.model.subject import Subject
 from posdiag.model.tensors import relative_l2
 from posdiag.results import CheckResult, Status
 from posdiag.tools import mrope, rope_math
-from posdiag.verdict import judge_agreement, worst_error
+from posdiag.verdict import FloorVerdict, judge_agreement, noise_floor, powered, worst_error
 
 
 @dataclass
@@ -97,14 +97,50 @@ def expected_positions(prompt: MultimodalPrompt, length: int) -> torch.Tensor:
 def watching(subject: Subject):
     """Watch the language model's rotary module (the first non-vision one) while the block runs."""
     watch = Watch()
-    rotary = next((m for n, m in subject.model.named_modules() if "Rotary" in type(m).__name__
-                   and "vision" not in (n + type(m).__name__).lower()), None)
+    rotary = _rotary(subject)
     handle = None if rotary is None else rotary.register_forward_pre_hook(watch.hook, with_kwargs=True)
     try:
         yield watch
     finally:
         if handle is not None:
             handle.remove()
+
+
+@contextlib.contextmanager
+def slipped(subject: Subject):
+    """posdiag's one-position slip on the image paths (their power): while it holds, every forward that continues a
+    cache (a decode step, a later prefill chunk) is rotated one position early on all three streams, at the language
+    model's rotary module; prefills and the full forward are left alone. Yields the count of forwards it reached."""
+    rotary = _rotary(subject)
+    state = {"past": 0, "reached": 0}
+
+    def past(_module, args, kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        get = getattr(cache, "get_seq_length", None)
+        state["past"] = int(get()) if callable(get) else 0
+
+    def early(_module, args, kwargs):
+        if state["past"] <= 0:
+            return None
+        state["reached"] += 1
+        if "position_ids" in kwargs:
+            return args, {**kwargs, "position_ids": kwargs["position_ids"] - 1}
+        return (args[0], args[1] - 1, *args[2:]), kwargs
+
+    handles = [subject.model.register_forward_pre_hook(past, with_kwargs=True)]
+    if rotary is not None:
+        handles.append(rotary.register_forward_pre_hook(early, with_kwargs=True))
+    try:
+        yield state
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _rotary(subject: Subject):
+    """The language model's rotary module: the first one that is not the vision tower's (None if none)."""
+    return next((m for n, m in subject.model.named_modules() if "Rotary" in type(m).__name__
+                 and "vision" not in (n + type(m).__name__).lower()), None)
 
 
 @dataclass
@@ -267,13 +303,12 @@ def with_image_decode(result: CheckResult, subject: Subject, seed: int, probe,
         text = f"{run.name}: {run.mismatch}"
         return _replaced(result, Status.FAIL, text if result.status is not Status.FAIL else f"{result.summary}; {text}",
                          {key: info})
-    dtype = subject.dtype_name
-    verdict = judge_agreement(worst_error(run.errors), run.floor, dtype)
-    arbitration = arbitrate(subject, lambda: _again(probe, prompt), run.floor, {"logits": verdict}, dtype,
-                            lambda again: (again.floor, {"logits": worst_error(again.errors)}))
-    verdict = arbitration.verdicts.get("logits", verdict)
-    info.update(noise_floor=verdict.noise_floor, floor_source=FLOOR_SOURCE, ratio=verdict.ratio, **arbitration.details)
-    decided = arbitration.clause("logits")
+    agreed, verdict, decided = _judged(subject, probe, prompt, run, info)
+    if agreed and verdict.status is not Status.PASS:  # within tolerance, but a slip would have been too: no power
+        text = (f"{run.name}: positions continue from rope_deltas {deltas} ({len(run.errors)} tokens, "
+                f"{verdict.ratio:.3g}x noise floor), but {verdict.reason}")
+        return _replaced(result, Status.worst([result.status, verdict.status]), f"{result.summary}; {text}",
+                         {key: info})
     if verdict.status is not Status.PASS:
         text = (f"{run.name}: positions continue from rope_deltas {deltas}, but the logits differ from the full "
                 f"forward by {verdict.residual:.3g} = {verdict.ratio:.3g}x the noise floor{decided}")
@@ -283,6 +318,40 @@ def with_image_decode(result: CheckResult, subject: Subject, seed: int, probe,
                          {key: info})
     return _replaced(result, result.status, f"{result.summary}; {run.name}: positions continue from rope_deltas "
                      f"{deltas} ({len(run.errors)} tokens, {verdict.ratio:.3g}x noise floor{decided})", {key: info})
+
+
+def _judged(subject: Subject, probe, prompt: MultimodalPrompt, run: ImageRun,
+            info: dict[str, Any]) -> tuple[bool, FloorVerdict, str]:
+    """The logits judged like text: agreement against the run's jitter floor, decided in float64 (arbitrate), and a
+    PASS checked for power (the path slipped one position). Returns whether they agreed, the verdict after the power
+    check and the clause the summary carries; `info` takes the figures."""
+    dtype = subject.dtype_name
+    verdict = judge_agreement(worst_error(run.errors), run.floor, dtype)
+    arbitration = arbitrate(subject, lambda: _again(probe, prompt), run.floor, {"logits": verdict}, dtype,
+                            lambda again: (again.floor, {"logits": worst_error(again.errors)}))
+    verdict = arbitration.verdicts.get("logits", verdict)
+    agreed = verdict.status is Status.PASS
+    slip, info["slip"] = _slip(subject, probe, prompt, run.floor, dtype) if agreed else \
+        (None, {"error": None, "dtype": dtype, "how": "not planted: the path did not agree"})
+    decided64 = bool(arbitration.details.get("arbitration", {}).get("ran"))
+    verdicts, power = powered({"logits": verdict}, slip, run.floor, dtype, decided64, "its continued forwards")
+    verdict = verdicts["logits"]
+    info.update(noise_floor=verdict.noise_floor, floor_source=FLOOR_SOURCE, ratio=verdict.ratio, **arbitration.details)
+    return agreed, verdict, arbitration.clause("logits") + (f"; {power}" if power else "")
+
+
+def _slip(subject: Subject, probe, prompt: MultimodalPrompt, floor: float, dtype: str) -> tuple[float | None, dict]:
+    """The path's power: the same probe with every continued forward one position early (slipped), its error against
+    the same full forward, in the same dtype (None where the slip reached no forward or the slipped path did not run:
+    no power claimed)."""
+    with slipped(subject) as state:
+        run = probe(prompt)
+    if not state["reached"] or run.crashed or run.invalid:
+        return None, {"error": None, "dtype": dtype, "how": "not planted: " + (
+            "no forward continued a cache" if not state["reached"] else run.crashed or run.invalid)}
+    error = worst_error(run.errors)
+    return error, {"error": error, "dtype": dtype, "ratio": error / noise_floor(floor, dtype),
+                   "how": f"{state['reached']} continued forwards rotated one position early"}
 
 
 def _again(probe, prompt: MultimodalPrompt) -> ImageRun:
