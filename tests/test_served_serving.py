@@ -5,7 +5,7 @@ path's premise read from what the server reports (posdiag/ports/served/premises.
 tokens and no batch size: its paths agree but only the concurrent one is confirmed (WARN). Proxies in front of it
 report as vLLM does (cached tokens in whole blocks, its batch at /server_info: every path confirmed, PASS) and plant
 one bug a path: a prefix hit one position on only when a whole block is served from the cache (FAIL on the hit; a
-prefix under one block never reaches it and says it did not hit), a prefix hit served one slot off, a prompt longer
+prefix under one block never reaches it: tests/test_served_vllm.py), a prefix hit served one slot off, a prompt longer
 than the batch losing the token at the boundary, a request run one slot on while another is in flight (FAIL on that
 path only); one refuses concurrent requests (named, not failed). The proxies pass the requests they do not plant as
 they are, and those paths do not fail: the proxy itself is shown healthy on every path."""
@@ -175,26 +175,20 @@ def test_a_server_that_reports_its_hits_and_batch_confirms_every_path(served):
     assert f"in chunks of at most {BATCH} (the server's max_num_batched_tokens" in result.summary
 
 
-def test_a_bug_only_a_real_hit_reaches_fails_the_hit_and_a_prefix_under_a_block_is_not_a_pass(served):
+def test_a_bug_only_a_real_hit_reaches_fails_the_hit(served):
     """A vLLM-like proxy that runs a prompt one position on only when it serves at least one whole block from its
-    cache: a prefix past a block reaches it (FAIL on the hit alone); a 20-token prefix, shorter than a block,
-    never does, and the hit path says it did not hit (WARN), never PASS."""
+    cache: a prefix past a block reaches it, FAIL on the hit alone (the 20-word prefix before --prefix-tokens, under
+    one block, never did and PASSed: the real vLLM shows it, tests/test_served_vllm.py; 'did not hit' read from
+    0 cached tokens: tests/test_served_premises.py)."""
     reference, base = served
     with proxy(base, cached="blocks", shift_on_hit=True, batch=BATCH) as planted:
         result = compare_served(reference, open_served(planted), route="serving", new_tokens=N,
                                 prefix_tokens=PREFIX).result
-        short = compare_served(reference, open_served(planted), route="serving", new_tokens=N,
-                               prefix_tokens=20).result
     routes = result.details["routes"]
     assert result.status is Status.FAIL, result.summary
     assert [n for n, r in routes.items() if r["status"] == "fail"] == ["serving/prefix hit"], result.summary
     assert routes["serving/prefix hit"]["premise"]["confirmed"] is True
     assert result.summary.startswith("serving/prefix hit route: error from position"), result.summary
-    hit = short.details["routes"]["serving/prefix hit"]
-    assert short.status is Status.WARN and hit["status"] == "warn", short.summary
-    assert hit["premise"]["confirmed"] is False and hit["worst_ratio"] < 10
-    assert "did not hit: the server reported 0 cached tokens of" in short.summary
-    assert "a prefix of 2" in short.summary and "shorter than the server's cache block?" in short.summary
 
 
 def test_a_prefix_hit_served_one_slot_off_fails_the_hit_not_the_cold_request(served):
