@@ -101,8 +101,9 @@ def drop_padding_mask(model: torch.nn.Module, family: str, causal: bool = True,
     return [m.register_forward_pre_hook(hook, with_kwargs=True) for m in _modules(model, suffix)]
 
 
-def open_future(model: torch.nn.Module, family: str, distance: int = 1) -> list:
-    """Query i may also see key i + distance (every layer's self-attention mask)."""
+def open_future(model: torch.nn.Module, family: str, distance: int = 1, bias: float = 0.0) -> list:
+    """Query i may also see key i + distance (every layer's self-attention mask), with the additive `bias` on that
+    score (0: as any visible key; a large negative one: a faint leak)."""
     suffix, key = _ATTENTION_SITES[family]
 
     def hook(module, args, kwargs):
@@ -113,7 +114,7 @@ def open_future(model: torch.nn.Module, family: str, distance: int = 1) -> list:
             mask = _causal_additive(None, b, t, t, hidden.dtype, hidden.device)
         mask = mask.clone()
         q = torch.arange(max(0, t - distance), device=mask.device)
-        mask[..., q, q + distance] = 0.0
+        mask[..., q, q + distance] = bias
         kwargs[key] = mask
         return args, kwargs
 

@@ -35,7 +35,7 @@ from posdiag.model.subject import Subject
 from posdiag.model.tensors import layer_name, per_token_change
 from posdiag.options import RunOptions, probe_ids
 from posdiag.results import CheckResult, Status, Table
-from posdiag.verdict import FloorVerdict, agreement_tolerance, judge_agreement
+from posdiag.verdict import LOW_PRECISION, FloorVerdict, agreement_tolerance, judge_agreement
 
 SPEC = CheckSpec(
     name="causal",
@@ -102,7 +102,7 @@ def _paths_judged(subject: Subject, ids: torch.Tensor, alt: torch.Tensor, seed: 
             ok, why = False, subject.mask_refusals["decoder"]
             continue
         result = _judge(name, sweep, ids.shape[0], subject.dtype_name)
-        if result["status"] is Status.FAIL and not sweep.non_finite:
+        if (result["status"] is Status.FAIL or subject.dtype_name in LOW_PRECISION) and not sweep.non_finite:
             result = _arbitrated(subject, name, sweep, sweep_path, result, subject.dtype_name)
         results.append(result)
     return results, None if ok else why
@@ -184,14 +184,23 @@ def _sweep(subject: Subject, ids: torch.Tensor, alt: torch.Tensor, explicit: boo
 
 def _arbitrated(subject: Subject, path: str, sweep: _Sweep, sweep_path, result: dict, dtype: str) -> dict:
     """A leak above the tolerance is measured again in float64 at the layer that decided: a leak stays, rounding
-    shrinks. A float64 pass replaces the result; a confirmed leak keeps it, with both figures."""
+    shrinks. A float64 pass replaces the result; a confirmed leak keeps it, with both figures. In half precision a
+    pass is measured again too (the output layer): a leak under the bfloat16 floor that float64 resolves FAILs in
+    float64's words (which query sees which key)."""
     layer = result["details"]["verdict_layer"]
     m = result["metrics"]
     verdict = FloorVerdict(Status.FAIL, m["leak"], m["noise_floor"], m["ratio"], "")
+    finer: list[_Sweep] = []
     arbitration = arbitrate(subject, sweep_path, sweep.floors[layer], {path: verdict}, dtype,
-                            lambda sw: (sw.floors[layer] if sw.floors else 0.0,
-                                        {path: float(sw.leaks[layer].max()) if sw.leaks else float("nan")}))
+                            lambda sw: finer.append(sw) or (sw.floors[layer] if sw.floors else 0.0,
+                                                            {path: float(sw.leaks[layer].max()) if sw.leaks else
+                                                             float("nan")}))
     decided = arbitration.verdicts.get(path)
+    if decided is not None and decided.status is Status.FAIL and result["status"] is not Status.FAIL and finer:
+        result = {**_judge(path, finer[0], finer[0].length, "float64"), "status": Status.FAIL}
+        result["metrics"] = {**m, "leak_float64": result["metrics"]["leak"]}
+        result["summary"] += (f"; in float64: the {dtype} run's floor {m['noise_floor']:.2g} is above this leak "
+                              f"(largest change as run {m['leak']:.3g})")
     result["details"].update(arbitration.details)
     result["metrics"].update(arbitration.metrics)
     if decided is None or decided.status is Status.FAIL:
