@@ -131,22 +131,26 @@ def test_a_gguf_file_is_scored_on_text_through_its_own_tokenizer(smollm2_gguf):
 @REPORT
 def test_state_passes_on_the_real_model(report):
     """The real SmolLM2 keeps no state across calls: every sequence (a long input, another prompt, a conversation
-    continued from its cache, assisted and prompt-lookup decoding, a padded batch after another) gives what a fresh
-    model gives."""
+    continued from its cache, assisted and prompt-lookup decoding, a padded batch after another, one request and an
+    unpadded batch after a padded batch) gives what a fresh model gives."""
+    from posdiag.checks.state.sequences import SEQUENCES
+
     state = report.check("state")
     assert state.status is Status.PASS, state.summary
-    assert [row[0] for row in state.tables[0].rows] == ["long input", "batch after batch", "another prompt",
-                                                        "multi-turn", "assisted decoding", "prompt lookup"]
+    assert [row[0] for row in state.tables[0].rows] == list(SEQUENCES)
 
 
 @REPORT
 def test_serving_passes_on_the_real_model(report):
     """Every serving path on the real SmolLM2 reproduces one full forward: chunks of 3 and 16 (by hand and
-    generate's prefill_chunk_size), a shared prefix, a padded batch, assisted and prompt-lookup decoding, the
-    hand-written decode loops."""
+    generate's prefill_chunk_size), a shared prefix, a padded batch, assisted decoding (drafts rolled back) and
+    prompt-lookup decoding, the hand-written decode loops (after another prompt, after a padded batch, one request and
+    an unpadded batch after a padded batch), each with a one-position slip that would have failed it."""
     serving = report.check("serving")
     assert serving.status is Status.PASS, serving.summary
-    assert len(serving.tables[0].rows) == 12 and "not run" not in serving.summary
+    assert len(serving.tables[0].rows) == 16 and "not run" not in serving.summary
+    assert serving.details["paths"]["assisted decoding"]["premise"]["held"]
+    assert serving.metrics["slip_ratio_min"] > 10, serving.metrics
 
 
 @BROKEN

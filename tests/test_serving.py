@@ -131,8 +131,8 @@ def test_an_offset_kept_from_a_padded_batch_fails_the_unpadded_request_after_it(
     assert _failing(bad) == {"decode loop of one request after a padded batch",
                              "decode loop of an unpadded batch after a padded batch"}, bad.summary
     assert bad.summary.startswith("decode loop of one request after a padded batch: a hand-written decode loop (4 "
-                                  "steps, no position_ids) on the 64-token prompt alone after a decode loop with no "
-                                  "position_ids on a left-padded batch of lengths [59, 64, 32]: first departs at "
+                                  "steps, no position_ids) on the 64-token prompt alone after a forward with no "
+                                  "position_ids of a left-padded batch of lengths [59, 64, 32]: first departs at "
                                   "decode step 1 (position 64)"), bad.summary
     assert "does not shrink with precision" in bad.summary
     good = _serving(plants.rope_deltas(zoo.tiny_model(family, dtype=dtype), reset="prompt"), *kinds)

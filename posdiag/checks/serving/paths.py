@@ -198,9 +198,9 @@ def _cached_paths(calls: Calls, s: Settings, full: Callable) -> list[Path]:
                                   (unpadded, "an unpadded batch", f"an unpadded batch of 3 {n}-token prompts")):
             paths.append(Path(
                 f"decode loop of {what} after a padded batch{tail}",
-                f"a hand-written decode loop ({steps} steps, {passed}) on {alone} after a decode loop with no "
-                f"position_ids on a left-padded batch of lengths {_history_lengths(n)}",
-                lambda r=rows, w=with_ids: _loop(calls, r, steps, w, history, False),
+                f"a hand-written decode loop ({steps} steps, {passed}) on {alone} after a forward with no "
+                f"position_ids of a left-padded batch of lengths {_history_lengths(n)}",
+                lambda r=rows, w=with_ids: _loop(calls, r, steps, w, history),
                 slip=lambda r=rows, w=with_ids: _loop(calls, r, 1, w)))
     return paths
 
@@ -237,13 +237,13 @@ def _in_batch(calls: Calls, rows: list[torch.Tensor], row: int, steps: int, full
 
 
 def _loop(calls: Calls, rows: list[torch.Tensor], steps: int, with_ids: bool, before: list[torch.Tensor] | None = None,
-          before_ids: bool = False) -> list:
+          before_ids: bool | None = None) -> list:
     """The greedy loop users write on `rows` (left-padded where their lengths differ), after the same loop on the
-    rows `before` (`before_ids`: with position_ids), against the full forward of the same rows with the same
-    arguments. The history users make before one request is `model(**tokenizer(batch, padding=True))`: no
-    position_ids, the model works out any offset from the padding itself."""
+    rows `before` (`before_ids`: with position_ids or not), against the full forward of the same rows with the same
+    arguments. `before_ids` None: the history users make before one request, `model(**tokenizer(batch,
+    padding=True))`, one forward without position_ids (the model works out any offset from the padding itself)."""
     if before is not None:
-        calls.decode(*calls.padded(before), steps, before_ids)
+        calls.decode(*calls.padded(before), 0 if before_ids is None else steps, bool(before_ids))
     run: Decoded = calls.decode(*calls.padded(rows), steps, with_ids)
     ref = calls.full(run.ids, run.mask, with_ids).states
     found = []
