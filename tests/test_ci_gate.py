@@ -127,7 +127,7 @@ def test_example_ci_files_are_valid_yaml(path):
 
 
 def test_the_api_keeps_transformers_notices_about_its_own_calls_out_of_the_callers_output():
-    """state runs generate() with the model as its own assistant, and transformers answers that call with a
+    """state runs generate() assisted by a draft (the model itself), and transformers answers that call with a
     deprecation notice about its own internals. Through the API (a user's test) posdiag holds such notices back
     around its calls only: the caller's logging level is as it was, and its own warnings still show."""
     import logging
