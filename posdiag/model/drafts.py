@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import weakref
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -90,7 +89,7 @@ def disagreeing_draft(model: Any, candidates: int) -> Iterator[tuple[Any, Rollba
     for table in HOOK_TABLES:
         setattr(draft, table, OrderedDict(getattr(model, table)))
     draft.register_forward_hook(runner_up, with_kwargs=True)
-    counted, ends = Rollbacks(), weakref.WeakKeyDictionary()
+    counted, ends = Rollbacks(), {}  # id(cache) -> the length the model's last call left it at (caches live on)
 
     def count(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         cache = _cache_in(kwargs)
@@ -99,10 +98,10 @@ def disagreeing_draft(model: Any, candidates: int) -> Iterator[tuple[Any, Rollba
         if past is None or not isinstance(ids, torch.Tensor):
             return
         counted.calls += 1
-        end = ends.get(cache)
+        end = ends.get(id(cache))
         if end is not None and past < end:
             counted.crops, counted.rejected = counted.crops + 1, counted.rejected + end - past
-        ends[cache] = past + ids.shape[1]
+        ends[id(cache)] = past + ids.shape[1]
 
     handle = model.register_forward_pre_hook(count, with_kwargs=True)
     try:

@@ -258,14 +258,14 @@ def _slipped(subject: Subject, path: Path, explicit: bool) -> tuple[float | None
             found = (path.slip or path.compare)()
         except (Refused, NotCopyable, ShortOutput) as exc:
             return None, f"the slipped path did not run: {exc}"
-        except Exception as exc:  # the slip made the path crash: a crash FAILs, so the slip is seen
+        except Exception as exc:  # posdiag's positions may be what the model refuses: no power measured
             if raised_in_posdiag(exc):
                 raise
-            return float("inf"), f"the path crashed with the slip ({describe_error(exc)})"
+            return None, f"the slipped path crashed ({describe_error(exc)}): no power measured"
     if not reached.forwards:
         return None, ("no forward of the path continues a cache posdiag can number one early" + (
-            f" ({reached.left} continue a left-padded batch without position_ids, which the model numbers itself: "
-            "posdiag does not guess how)" if reached.left else ""))
+            f" ({reached.left} continued forward{'s' if reached.left != 1 else ''} of a left-padded batch without "
+            "position_ids, which the model numbers itself: posdiag does not guess how)" if reached.left else ""))
     return worst_error(e for _, e in found), f"{reached.forwards} continued forwards numbered one early"
 
 
