@@ -11,6 +11,8 @@ Each plant is a forward pre-hook on the top module that numbers positions the wa
   at every prefill.
 - chunk_restart: a multi-token forward against a non-empty cache numbered from 0 (each chunk of a chunked prefill
   given the positions of a prompt of its own: mlx-vlm #1741). Twin: numbered from the cache length.
+- continued_early: a forward that continues a cache without position_ids numbers its tokens from cache length - 1
+  (the issue's SmolLM2 plant: invisible to a bfloat16 floor, logits moved by 7). Twin: from the cache length.
 - prefix_slot: a cache the model did not fill itself (a stored prefix, copied and continued) continued one slot off
   (vllm-mlx #311). Twin: continued at its length.
 - drafts_off: after a cache was cropped (rejected drafts rolled back) the next positions are one off (vLLM #54498
@@ -86,6 +88,18 @@ def chunk_restart(model: torch.nn.Module, *, restart: bool) -> torch.nn.Module:
         ids, past = _ids(args, kwargs), _past(kwargs)
         if past > 0 and ids.shape[1] > 1:
             kwargs["position_ids"] = _numbered(ids, 0 if restart else past)
+        return args, kwargs
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    return model
+
+
+def continued_early(model: torch.nn.Module, *, early: int) -> torch.nn.Module:
+    """A forward on a non-empty cache without position_ids numbered from the cache length - `early` (0: the twin)."""
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        ids, past = _ids(args, kwargs), _past(kwargs)
+        if past > 0 and kwargs.get("position_ids") is None:
+            kwargs["position_ids"] = _numbered(ids, past - early)
         return args, kwargs
 
     model.register_forward_pre_hook(hook, with_kwargs=True)

@@ -139,6 +139,21 @@ def test_an_offset_kept_from_a_padded_batch_fails_the_unpadded_request_after_it(
     assert good.status is Status.PASS, good.summary
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_continuation_numbered_one_early_fails_in_float32_and_bfloat16(family, dtype):
+    """A cached forward without position_ids numbered from cache length - 1: in bfloat16 its error sits under the
+    floor (a PASS that could not have failed, before); the float64 re-run every half-precision path gets decides it,
+    and the report says where it departs there."""
+    kinds = ("chunks", "shared prefix")
+    bad = _serving(plants.continued_early(zoo.tiny_model(family, dtype=dtype), early=1), *kinds)
+    assert bad.status is Status.FAIL and _failing(bad) == {"chunks of 3", "chunks of 16", "shared prefix"}, bad.summary
+    assert bad.summary.startswith("chunks of 3: the 64-token prompt fed 3 tokens a forward into one cache: first "
+                                  f"departs at position 3 {'in float64 ' if dtype == torch.bfloat16 else ''}by")
+    good = _serving(plants.continued_early(zoo.tiny_model(family, dtype=dtype), early=0), *kinds)
+    assert good.status is Status.PASS, good.summary
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_every_path_could_have_failed_in_float32(family):
     """Each path's one-position slip (its continued forwards numbered one early by posdiag), measured in the same run
