@@ -29,11 +29,20 @@ from posdiag.model.arbitration import arbitrate
 from posdiag.model.greedy import Refused
 from posdiag.model.jitter import FLOOR_SOURCE, jittered
 from posdiag.model.module_state import ModelState, changes, restored, snapshot
+from posdiag.model.slip import one_early
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import relative_l2
 from posdiag.options import RunOptions, probe_ids
 from posdiag.results import CheckResult, Status, Table
-from posdiag.verdict import LOW_PRECISION, FloorVerdict, agreement_tolerance, judge_agreement
+from posdiag.verdict import (
+    LOW_PRECISION,
+    FloorVerdict,
+    agreement_tolerance,
+    judge_agreement,
+    noise_floor,
+    powered,
+    within_band,
+)
 
 SPEC = CheckSpec(
     name="state",
@@ -91,11 +100,13 @@ class Outcome:
     not_run: str = ""  # why the fresh call itself did not run (judged elsewhere)
     verdict: FloorVerdict | None = None
     clause: str = ""  # the float64 arbitration's words
+    slip: float | None = None  # the fresh call with every forward continuing a cache one position early (its power)
 
 
-def measure(subject: Subject, fresh: ModelState, seq: Sequence, seed: int) -> Outcome:
+def measure(subject: Subject, fresh: ModelState, seq: Sequence, seed: int, power: bool = True) -> Outcome:
     """The fresh call and its jittered twin (the floor), each from the fresh state, then from the fresh state again
-    the history and the call under test, nothing restored between them."""
+    the history and the call under test, nothing restored between them. With `power`, the fresh call once more with
+    every forward that continues a cache one position early (posdiag.model.slip)."""
     try:
         restored(fresh)
         reference = seq.reference()
@@ -107,15 +118,21 @@ def measure(subject: Subject, fresh: ModelState, seq: Sequence, seed: int) -> Ou
     except Exception as exc:  # a crash on a fresh state is the fresh path's finding (generate, cache)
         return Outcome(seq, not_run=f"it crashed on a fresh state ({describe_error(exc)}): judged by the check "
                                     "of that path, not as state")
+    slip = None
+    if power and seq.name not in IMAGE_SEQUENCES:  # an image call's positions are its layout's: not slipped here
+        restored(fresh)
+        with one_early(subject) as reached:
+            slipped = seq.reference()
+        slip = _difference(slipped, reference) if reached.forwards else None
     restored(fresh)
     try:
         after = seq.under_test(seq.history())
     except Exception as exc:  # the fresh call ran: a crash after the history is the history's doing
         if isinstance(exc, Refused) and not seq.same_call:  # another way of making the call, refused by transformers
             return Outcome(seq, not_run=f"transformers does not run it for this model: {exc}")
-        return Outcome(seq, crashed=describe_error(exc), changed=changes(fresh))
+        return Outcome(seq, crashed=describe_error(exc), changed=changes(fresh), slip=slip)
     floor = _difference(shaken, reference) if has_jitter else 0.0
-    return Outcome(seq, _difference(after, reference), floor, changes(fresh))
+    return Outcome(seq, _difference(after, reference), floor, changes(fresh), slip=slip)
 
 
 def _difference(a, b) -> float:
@@ -137,12 +154,17 @@ def _judged(subject: Subject, fresh: ModelState, seq: Sequence, seed: int) -> Ou
         name = seq.name
         # a re-run that crashed or did not run where the run dtype ran did not compute the same path (a vision
         # tower converted module by module takes float32 pixels into float64 weights): the next way of converting
-        arbitration = arbitrate(subject, lambda: measure(subject, fresh, seq, seed), outcome.floor,
+        arbitration = arbitrate(subject, lambda: measure(subject, fresh, seq, seed, power=False), outcome.floor,
                                 {name: outcome.verdict}, dtype,
                                 lambda o: (o.floor, {name: o.error if not o.crashed else float("inf")}),
                                 reached=lambda o, _: not o.not_run and bool(o.crashed) == bool(outcome.crashed))
         outcome.verdict = arbitration.verdicts.get(name, outcome.verdict)
         outcome.clause = arbitration.clause(name)
+        decided64 = bool(arbitration.details.get("arbitration", {}).get("ran"))
+    else:
+        decided64 = False
+    verdicts, power = powered({seq.name: outcome.verdict}, outcome.slip, outcome.floor, dtype, decided64, seq.name)
+    outcome.verdict, outcome.clause = verdicts[seq.name], outcome.clause + (f"; {power}" if power else "")
     return outcome
 
 
@@ -156,7 +178,7 @@ def _report(subject: Subject, outcomes: list[Outcome], not_run: dict[str, str], 
     details: dict = {**reached, "floor_source": FLOOR_SOURCE, "not_run": not_run,
                      "sequences": {o.sequence.name: {"story": o.sequence.story, "error": o.error, "floor": o.floor,
                                                      "state_changed": o.changed, "crashed": o.crashed,
-                                                     "decided": o.clause} for o in outcomes}}
+                                                     "decided": o.clause, "slip": o.slip} for o in outcomes}}
     if not outcomes:
         return SPEC.result(Status.SKIP, "no sequence ran: " + "; ".join(f"{k}: {v}" for k, v in not_run.items()),
                            details=details)
@@ -165,6 +187,9 @@ def _report(subject: Subject, outcomes: list[Outcome], not_run: dict[str, str], 
     v = worst.verdict
     metrics = {"error": v.residual, "noise_floor": v.noise_floor, "ratio": v.ratio,
                "tolerance": agreement_tolerance(worst.floor, subject.dtype_name)}
+    slips = [o.slip / noise_floor(o.floor, subject.dtype_name) for o in outcomes if o.slip is not None]
+    if slips:
+        metrics["slip_ratio_min"] = min(slips)
     skipped = f"; not run: {', '.join(not_run)}" if not_run else ""
     if status is Status.PASS:
         crossed = reached.get("boundaries_crossed") or {}
@@ -172,8 +197,11 @@ def _report(subject: Subject, outcomes: list[Outcome], not_run: dict[str, str], 
         names = ", ".join(o.sequence.name for o in outcomes)
         ran_long = any(o.sequence.name == "long input" for o in outcomes)
         long_input = f"; long input {reached['long_input']} tokens{past}" if ran_long else ""
+        power = f"; a one-position slip at least {min(slips):.3g}x the floor" if slips else ""
+        if slips and subject.dtype_name in LOW_PRECISION and within_band(min(slips)):  # a PASS: float64 ran
+            power += f", which {subject.dtype_name} alone could not resolve: decided in float64"
         summary = (f"the same input gives the same output after every history ({names}; max error "
-                   f"{v.residual:.2g} = {v.ratio:.2g}x floor {v.noise_floor:.2g}{long_input}){skipped}")
+                   f"{v.residual:.2g} = {v.ratio:.2g}x floor {v.noise_floor:.2g}{long_input}{power}){skipped}")
     else:
         failing = [o for o in outcomes if o.verdict.status is not Status.PASS]
         summary = "; ".join(_failure(o) for o in failing) + skipped
