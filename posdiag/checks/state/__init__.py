@@ -19,6 +19,7 @@ previous call reused; #30068: assisted decoding's positions not advanced by the 
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 from posdiag.checks import CheckSpec, Option
@@ -81,7 +82,8 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
         seqs, not_run = seqs + images, {**not_run, **no_images}
         if tested:  # the report's header names the inputs fed
             reached["multimodal"] = {"tested": tested}
-        outcomes = [_judged(subject, fresh, seq, options.seed) for seq in seqs]
+        slips: dict[str, float | None] = {}  # the power of each distinct fresh call, measured once
+        outcomes = [_judged(subject, fresh, seq, options.seed, slips) for seq in seqs]
     finally:
         restored(fresh)  # the model is left as it was before the check
     return _report(subject, [o for o in outcomes if not o.not_run], {
@@ -103,10 +105,12 @@ class Outcome:
     slip: float | None = None  # the fresh call with every forward continuing a cache one position early (its power)
 
 
-def measure(subject: Subject, fresh: ModelState, seq: Sequence, seed: int, power: bool = True) -> Outcome:
+def measure(subject: Subject, fresh: ModelState, seq: Sequence, seed: int,
+            slips: dict[str, float | None] | None = None) -> Outcome:
     """The fresh call and its jittered twin (the floor), each from the fresh state, then from the fresh state again
-    the history and the call under test, nothing restored between them. With `power`, the fresh call once more with
-    every forward that continues a cache one position early (posdiag.model.slip)."""
+    the history and the call under test, nothing restored between them. With `slips`, the fresh call once more with
+    every forward that continues a cache one position early (posdiag.model.slip), once per distinct fresh output
+    (a sequence with and without position_ids, generate() after another prompt and assisted: the same call)."""
     try:
         restored(fresh)
         reference = seq.reference()
@@ -118,12 +122,14 @@ def measure(subject: Subject, fresh: ModelState, seq: Sequence, seed: int, power
     except Exception as exc:  # a crash on a fresh state is the fresh path's finding (generate, cache)
         return Outcome(seq, not_run=f"it crashed on a fresh state ({describe_error(exc)}): judged by the check "
                                     "of that path, not as state")
-    slip = None
-    if power and seq.name not in IMAGE_SEQUENCES:  # an image call's positions are its layout's: not slipped here
-        restored(fresh)
-        with one_early(subject) as reached:
-            slipped = seq.reference()
-        slip = _difference(slipped, reference) if reached.forwards else None
+    slip, key = None, _digest(reference)
+    if slips is not None and seq.name not in IMAGE_SEQUENCES:  # an image call's positions are its layout's
+        if key not in slips:
+            restored(fresh)
+            with one_early(subject) as reached:
+                slipped = seq.reference()
+            slips[key] = _difference(slipped, reference) if reached.forwards else None
+        slip = slips[key]
     restored(fresh)
     try:
         after = seq.under_test(seq.history())
@@ -135,14 +141,20 @@ def measure(subject: Subject, fresh: ModelState, seq: Sequence, seed: int, power
     return Outcome(seq, _difference(after, reference), floor, changes(fresh), slip=slip)
 
 
+def _digest(output) -> str:
+    """A fresh call's output, identified bit for bit."""
+    data = output.detach().double().cpu().contiguous().numpy().tobytes()
+    return f"{tuple(output.shape)} {hashlib.sha1(data).hexdigest()}"
+
+
 def _difference(a, b) -> float:
     return float("inf") if a.shape != b.shape else relative_l2(a, b)
 
 
-def _judged(subject: Subject, fresh: ModelState, seq: Sequence, seed: int) -> Outcome:
+def _judged(subject: Subject, fresh: ModelState, seq: Sequence, seed: int, slips: dict[str, float | None]) -> Outcome:
     """Measured and judged; a disagreement above tolerance measured again in float64 (a bug stays, rounding
     shrinks)."""
-    outcome = measure(subject, fresh, seq, seed)
+    outcome = measure(subject, fresh, seq, seed, slips)
     if outcome.not_run:
         return outcome
     dtype = subject.dtype_name
@@ -154,7 +166,7 @@ def _judged(subject: Subject, fresh: ModelState, seq: Sequence, seed: int) -> Ou
         name = seq.name
         # a re-run that crashed or did not run where the run dtype ran did not compute the same path (a vision
         # tower converted module by module takes float32 pixels into float64 weights): the next way of converting
-        arbitration = arbitrate(subject, lambda: measure(subject, fresh, seq, seed, power=False), outcome.floor,
+        arbitration = arbitrate(subject, lambda: measure(subject, fresh, seq, seed), outcome.floor,
                                 {name: outcome.verdict}, dtype,
                                 lambda o: (o.floor, {name: o.error if not o.crashed else float("inf")}),
                                 reached=lambda o, _: not o.not_run and bool(o.crashed) == bool(outcome.crashed))
