@@ -70,7 +70,7 @@ def test_real_smollm2_in_bfloat16_sees_a_continuation_one_early(smollm2_dir):
     float64; the healthy model PASSes."""
     from transformers import AutoModelForCausalLM
 
-    options = RunOptions(seq_len=24, check_options={"cache": {"decode_steps": 4}})
+    options = RunOptions(seq_len=16, check_options={"cache": {"decode_steps": 2}})
     load = lambda: AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.bfloat16)  # noqa: E731
     healthy = cache(load(), options)
     assert healthy.status is Status.PASS, healthy.summary
