@@ -26,6 +26,8 @@ def status_text(status: Status) -> Text:
 
 def render(report: Report, console: Console, *, quiet: bool = False, verbose_tables: bool = True) -> None:
     if quiet:
+        if report.model.tested:  # what was fed (a VLM's images and video) is part of every verdict's claim
+            print_line(console, Text(f"tested: {report.model.tested}"))
         for check in report.checks:
             line = Text.assemble(status_text(check.status), f" {check.name}: {check.summary}")
             print_line(console, line)
