@@ -34,8 +34,16 @@ def _config(path: Path) -> dict:
 
 def test_make_fixtures_writes_every_committed_checkpoint_again(tmp_path):
     """Same seed, same bytes: each committed weights file and config (but for the writer's version), none missing."""
+    from transformers.utils import logging
+
     make = _make_fixtures()
-    make.main(tmp_path)
+    verbosity, bar = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    try:
+        make.main(tmp_path)  # quiets transformers' logging: put back for the tests after
+    finally:
+        logging.set_verbosity(verbosity)
+        if bar:
+            logging.enable_progress_bar()
     written = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
     assert str(Path(make.VLM) / "model.safetensors") in map(str, written)
     for rel in written:
