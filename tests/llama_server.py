@@ -36,25 +36,27 @@ def llama_server(model: Path, n_ctx: int = 256, extra: tuple[str, ...] = ()) -> 
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err)
         base = f"http://127.0.0.1:{port}/v1"
         try:
-            _wait_ready(base, proc, err)
+            wait_ready(base, proc, err)
             yield base, proc
         finally:
             stop(proc)
 
 
-def _wait_ready(base: str, proc: subprocess.Popen, err) -> None:
-    deadline = time.monotonic() + START_TIMEOUT
+def wait_ready(base: str, proc: subprocess.Popen, err, timeout: float = START_TIMEOUT, poll: float = 0.2,
+               name: str = "the server") -> None:
+    """Until the OpenAI-compatible server at `base` lists its models; its stderr tail (`err`) if it exits first."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             err.seek(0)
-            raise RuntimeError(f"the server exited with {proc.returncode}: {err.read()[-400:]!r}")
+            raise RuntimeError(f"{name} exited with {proc.returncode}: {err.read()[-600:]!r}")
         try:
             with urllib.request.urlopen(base + "/models", timeout=2) as r:
                 json.load(r)
                 return
         except OSError:
-            time.sleep(0.2)
-    raise RuntimeError(f"the server did not answer within {START_TIMEOUT:g} s")
+            time.sleep(poll)
+    raise RuntimeError(f"{name} did not answer within {timeout:g} s")
 
 
 def stop(proc: subprocess.Popen) -> None:

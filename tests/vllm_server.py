@@ -5,17 +5,14 @@ started on 127.0.0.1 at a free port, its process group always stopped. VENV: $PO
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
 import tempfile
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from tests.llama_server import free_port
+from tests.llama_server import free_port, wait_ready
 
 START_TIMEOUT = 300.0  # measured: 50-92 s to ready on 2 busy cores
 BATCH = 64  # --max-num-batched-tokens: the 90-token long prompt in two chunks
@@ -82,25 +79,10 @@ def vllm_server(python: Path, model: Path, plugins: Path | None = None) -> Itera
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True)
         base = f"http://127.0.0.1:{port}/v1"
         try:
-            _ready(base, proc, err)
+            wait_ready(base, proc, err, START_TIMEOUT, poll=1.0, name="vLLM")
             yield base
         finally:
             _stop(proc)
-
-
-def _ready(base: str, proc: subprocess.Popen, err) -> None:
-    deadline = time.monotonic() + START_TIMEOUT
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            err.seek(0)
-            raise RuntimeError(f"vLLM exited with {proc.returncode}: {err.read()[-600:]!r}")
-        try:
-            with urllib.request.urlopen(base + "/models", timeout=2) as r:
-                json.load(r)
-                return
-        except OSError:
-            time.sleep(1.0)
-    raise RuntimeError(f"vLLM did not answer within {START_TIMEOUT:g} s")
 
 
 def _stop(proc: subprocess.Popen) -> None:

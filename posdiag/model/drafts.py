@@ -86,8 +86,9 @@ def disagreeing_draft(model: Any, candidates: int) -> Iterator[tuple[Any, Rollba
     shares the model's modules and the hooks already on it (a plant, posdiag's slip), proposes every odd position's
     runner-up, and drafts `candidates` tokens a step."""
     draft = copy.copy(model)  # the same modules, parameters and generation config; hook tables of its own below
-    for table in HOOK_TABLES:
-        setattr(draft, table, OrderedDict(getattr(model, table)))
+    for table in HOOK_TABLES:  # a table a later torch renames or drops is simply not there to copy
+        if isinstance(getattr(model, table, None), dict):
+            setattr(draft, table, OrderedDict(getattr(model, table)))
     draft.register_forward_hook(runner_up, with_kwargs=True)
     counted, ends = Rollbacks(), {}  # id(cache) -> the length the model's last call left it at (caches live on)
 

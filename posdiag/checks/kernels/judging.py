@@ -28,7 +28,13 @@ from posdiag.checks.kernels.spec import SPEC
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import dtype_name
 from posdiag.results import CheckResult, Status, Table
-from posdiag.verdict import MACHINE_EPSILON, FloorVerdict, above_rounding, degenerate_floor, judge_arbitrated
+from posdiag.verdict import (
+    MACHINE_EPSILON,
+    FloorVerdict,
+    beyond_rounding_as_run,
+    degenerate_floor,
+    judge_arbitrated,
+)
 
 FACTOR = 2.0  # FlashAttention's rule: at most 2x the error of plain attention in the same dtype
 # Rounding keeps a forward pass in any inference dtype far closer than this to a more precise run of
@@ -235,7 +241,7 @@ def as_run(decided: FloorVerdict, error: float, error64: float, tolerance: float
     only in the run dtype (a half-precision path that drops the padding mask) goes far past it there and vanishes
     finer, where alone it would read as rounding."""
     ratio = error / tolerance
-    if decided.status is not Status.PASS or not above_rounding(ratio):
+    if decided.status is not Status.PASS or not beyond_rounding_as_run(error, tolerance / FACTOR):
         return decided
     return FloorVerdict(Status.FAIL, error, decided.noise_floor, decided.ratio,
                         f"{error:.3g} in {dtype}, {error64:.3g} in {finer}: a bug in {dtype} only ({ratio:.3g}x "
