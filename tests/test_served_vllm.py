@@ -19,14 +19,14 @@ import urllib.request
 import pytest
 
 from posdiag.results import Status
-from tests.vllm_server import BATCH, BLOCK, LONG_TOKENS, PREFIX_TOKENS, Plants, venv, vllm_server
+from tests.vllm_server import BATCH, BLOCK, LONG_TOKENS, PREFIX_TOKENS, Plants, venv, vllm_server, why_not
 
 PYTHON = venv()
-pytestmark = [pytest.mark.skipif(PYTHON is None, reason="no vLLM environment (bash scripts/vllm_env.sh makes one; "
-                                                        "POSDIAG_VLLM_VENV names it): vLLM not judged"),
+pytestmark = [pytest.mark.skipif(PYTHON is None, reason=why_not()),
               pytest.mark.xdist_group("vllm")]
 PATHS = ("serving/cold", "serving/prefix hit", "serving/long prompt", "serving/concurrent")
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+PLANTED_TOKENS = 8  # generated a request where a bug is planted (16 healthy): each FAILs from its first two tokens
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +94,8 @@ def test_a_prefix_hit_one_position_on_inside_vllm_fails_the_hit(served):
     cold prompt is a hit on the cold path's prefix (the same run's cache salt), so the bug reaches it. With a 20-token
     prefix (under one 32-token block) the bug is never reached and the hit says it did not hit (WARN)."""
     with served[2].on("hit"):
-        result = _compare(served, "serving")
-        short = _compare(served, "serving", prefix_tokens=20)
+        result = _compare(served, "serving", new_tokens=PLANTED_TOKENS)
+        short = _compare(served, "serving", new_tokens=4, prefix_tokens=20)
     _fails_only(result, "serving/prefix hit", also=("serving/concurrent",))
     hit = short.details["routes"]["serving/prefix hit"]
     assert hit["status"] == "warn" and hit["premise"]["confirmed"] is False, short.summary
@@ -107,7 +107,7 @@ def test_a_position_bug_planted_inside_vllm_fails_its_own_serving_path(served, p
     """chunk: a prefill chunk after the first numbered from 0 (only the long prompt exceeds the batch); batch: every
     request of a step numbered from the first one's cache length (only the concurrent path shares a step)."""
     with served[2].on(plant):
-        result = _compare(served, "serving")
+        result = _compare(served, "serving", new_tokens=PLANTED_TOKENS)
     _fails_only(result, path)
 
 

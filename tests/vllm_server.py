@@ -32,10 +32,18 @@ POST /reset_prefix_cache; --enable-prompt-tokens-details reports each request's 
 
 
 def venv() -> Path | None:
-    """The vLLM environment's python, or None when there is none."""
+    """The vLLM environment's python, or None when there is none made to the end (scripts/vllm_env.sh writes
+    posdiag-ready last) or .ci/run could not make it ($POSDIAG_VLLM_SKIP: why)."""
     root = Path(os.environ.get("POSDIAG_VLLM_VENV") or Path.home() / ".cache" / "posdiag" / "vllm-venv")
     python = root / "bin" / "python"
-    return python if python.is_file() and (root / "lib").is_dir() else None
+    ready = python.is_file() and (root / "posdiag-ready").is_file()
+    return python if ready and not os.environ.get("POSDIAG_VLLM_SKIP") else None
+
+
+def why_not() -> str:
+    """Why there is no vLLM environment, for the tests' skip."""
+    return os.environ.get("POSDIAG_VLLM_SKIP") or ("no vLLM environment (bash scripts/vllm_env.sh makes one; "
+                                                   "POSDIAG_VLLM_VENV names it): vLLM not judged")
 
 
 PLANT = '''"""posdiag's planted vLLM bugs (a general plugin, loaded by every vLLM process), each where the model runner
