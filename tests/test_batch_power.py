@@ -1,6 +1,7 @@
 """batch in half precision and its power: the padded batch carries one more row, row a numbered one position early
 past its first token (0, 0, 1, 2...: the smallest slip a relative scheme sees), and its error against row a alone is
-the run's power. In half precision every row is decided by the float64 re-run, a PASS included."""
+the run's power. Half-precision weights are decided held in float32 (where the slip stands far above the floor),
+and their rows run once more as stored."""
 
 import plants_order
 import pytest

@@ -1,9 +1,10 @@
 """cache in half precision and its power: a one-position slip at the continuation must be able to FAIL.
 
 A bfloat16 floor (the jittered full forward: 0.16 on the real SmolLM2) is coarse enough to pass a continuation numbered
-one position early (0.09 there), so in half precision the float64 re-run is read both ways: it decides every path, a
-PASS included, and a run-dtype PASS that float64 shows as a bug FAILs. Every run measures its own power: the decode
-path's first step fed with position_ids one early, reported beside the verdict."""
+one position early (0.09 there), so half-precision weights are decided held in float32 (exact), where the slip stands
+thousands of floors up, and their paths run once more as stored. Every run measures its own power: the decode path's
+first step fed with position_ids one early, reported beside the verdict. Where float64 decides a half-precision run
+(the weights cannot be held in float32), it is read both ways (the powered() tests below)."""
 
 import plants_cache as plants
 import pytest

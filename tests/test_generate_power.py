@@ -1,6 +1,6 @@
 """generate in half precision and its power: the prompt alone generated again with every decode step one position
-early (posdiag.model.slip) measures what a one-position slip does to the comparison; in bfloat16 float64 decides every
-run, so generate()'s positions one off FAIL although bfloat16's floor alone would have passed them."""
+early (posdiag.model.slip) measures what a one-position slip does to the comparison; bfloat16 weights are decided held
+in float32, so generate()'s positions one off FAIL although bfloat16's floor alone would have passed them."""
 
 import plants_cache as plants
 import pytest

@@ -177,11 +177,10 @@ def test_a_pass_whose_slip_the_band_would_pass_is_inconclusive_in_bfloat16(monke
     """In bfloat16 a tiny Llama's floor swamps a one-position slip; where neither float32 (the weights cannot be held
     in it: a dispatched model, no memory) nor a float64 re-run can decide, a PASS there could not have failed: WARN
     naming the dtype and the slip's ratio, never PASS."""
-    from posdiag.checks import half_precision
-    from posdiag.model import arbitration
+    from posdiag.model import arbitration, precision
     from posdiag.model.precision import FinerRun
 
-    monkeypatch.setattr(half_precision, "held_in_float32_refused", lambda subject: "no memory for it here")
+    monkeypatch.setattr(precision, "float32_copy_refused", lambda subject: "no memory for it here")
     monkeypatch.setattr(arbitration, "run_finer", lambda *args, **kwargs: FinerRun(
         None, torch.float64, reason="no float64 here"))
     result = _serving(zoo.tiny_model("llama", dtype=torch.bfloat16), "chunks", "shared prefix")

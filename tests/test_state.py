@@ -213,10 +213,9 @@ def test_a_float64_re_run_with_a_sliced_head_survives_the_model_put_back_between
     linear layer runs through posdiag's own sliced float64 forward; `state` puts the model back between its calls,
     which deleted that forward mid-re-run and then crashed its removal (ERROR on the real SmolLM2, whose tied head is
     226 MB in float64). A slice limit of 1 KB makes every tiny linear layer take that path."""
-    from posdiag.checks import half_precision
-    from posdiag.model import conversion
+    from posdiag.model import conversion, precision
 
-    monkeypatch.setattr(half_precision, "held_in_float32_refused", lambda subject: "no memory for it here")
+    monkeypatch.setattr(precision, "float32_copy_refused", lambda subject: "no memory for it here")
     monkeypatch.setattr(conversion, "SLICE_BYTES", 1024)
     result = api.run_checks(from_module(zoo.tiny_model("llama", dtype=torch.bfloat16)), ["state"],
                             RunOptions(seq_len=16)).check("state")

@@ -31,9 +31,8 @@ from dataclasses import replace
 
 import torch
 
+from posdiag.model import precision
 from posdiag.model.conversion import retyped
-from posdiag.model.memory import memory_allows, weight_bytes
-from posdiag.model.placement import is_dispatched
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import release_freed_memory
 from posdiag.results import CheckResult, Status
@@ -43,25 +42,16 @@ from posdiag.verdict import AS_RUN_RATIO, LOW_PRECISION
 DECIDED_IN_FLOAT32 = ("shuffle", "positions", "batch", "cache", "generate", "state", "serving", "causal", "fit")
 # Of those, the ones whose paths run once more as stored: two computations that must agree, read as run.
 AGREEMENT = ("batch", "cache", "generate", "state", "serving", "causal")
-COPY_FRACTION = 0.8  # of free memory the float32 copy of the half-precision weights may take
 
 
 def plan(subject: Subject, name: str) -> str:
     """How `name` runs on this subject: "as stored", "float32" (decided in float32 only) or "float32+stored" (decided
     in float32, its paths once more as stored)."""
-    if subject.dtype_name not in LOW_PRECISION or name not in DECIDED_IN_FLOAT32 or held_in_float32_refused(subject):
+    if subject.dtype_name not in LOW_PRECISION or name not in DECIDED_IN_FLOAT32:
+        return "as stored"
+    if precision.float32_copy_refused(subject):
         return "as stored"
     return "float32+stored" if name in AGREEMENT else "float32"
-
-
-def held_in_float32_refused(subject: Subject) -> str:
-    """Why the weights cannot be held in float32 for a check ("" when they can)."""
-    if is_dispatched(subject.model):
-        return "a model dispatched by accelerate cannot be re-cast in place"
-    extra = weight_bytes(subject, torch.float32) - weight_bytes(subject, subject.dtype)
-    if not memory_allows(subject, extra, COPY_FRACTION):
-        return "not enough free memory for the weights in float32"
-    return ""
 
 
 def run_planned(subject: Subject, name: str, run: Callable[[], CheckResult],
@@ -132,7 +122,8 @@ def merged(decided: CheckResult, stored_run: CheckResult, stored: str) -> CheckR
         return replace(decided, status=Status.FAIL, details=details, metrics=metrics,
                        summary=f"a bug in {stored} only: as stored, {why}: {stored_run.summary} (in float32 with the "
                                f"same weights: {_figure(decided)})")
-    clause = f"as stored in {stored} each path once: worst {ratio:.3g}x its floor, within rounding"
+    clause = f"as stored in {stored} each path once: worst {ratio:.3g}x its floor" + (
+        "" if decided.status is Status.FAIL else ", within rounding")
     return replace(decided, summary=f"{decided.summary}; decided in float32 ({clause})", details=details,
                    metrics=metrics)
 
