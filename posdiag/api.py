@@ -125,7 +125,7 @@ def _run_one(subject: Any, name: str, options: RunOptions, reset: Any = None) ->
     start, passes = time.perf_counter(), subject.forward_count
     try:
         # a half-precision checkpoint: decided in float32 where that sees more for less (checks.half_precision)
-        result = run_planned(subject, name, lambda: spec.run(subject, options), reset or (lambda: None))
+        result = run_planned(subject, name, lambda given: spec.run(subject, given), options, reset or (lambda: None))
     except PosdiagError:
         raise
     except MaskRefused as exc:  # the model takes no form of the pattern a probe needs: nothing to judge

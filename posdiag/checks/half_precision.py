@@ -35,13 +35,26 @@ from posdiag.model import precision
 from posdiag.model.conversion import retyped
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import release_freed_memory
+from posdiag.options import RunOptions
 from posdiag.results import CheckResult, Status
 from posdiag.verdict import AS_RUN_RATIO, LOW_PRECISION
 
 # Checks whose verdict is about position logic or the weights, decided in float32 where the stored dtype is half.
 DECIDED_IN_FLOAT32 = ("shuffle", "positions", "batch", "cache", "generate", "state", "serving", "causal", "fit")
-# Of those, the ones whose paths run once more as stored: two computations that must agree, read as run.
-AGREEMENT = ("batch", "cache", "generate", "state", "serving", "causal")
+# Of those, the ones whose paths run once more as stored: two computations that must agree, read as run. A bfloat16
+# forward costs 3-7 float32 ones on a CPU without native bfloat16, so the stored pass is each check's path where half
+# precision computes differently (a padded batch: masks filled with the dtype's minimum; a cache kept in the stored
+# dtype) once, on a probe of STORED_SEQ_LEN tokens: its settings here.
+STORED_PASS = {
+    "batch": {},  # one padded batch forward and its rows alone
+    "cache": {"decode_steps": 4},
+    "generate": {"new_tokens": 3},
+    "state": {"sequences": ["one request after a padded batch"], "new_tokens": 3},
+    "serving": {"paths": ["padded batch"], "decode_steps": 2, "new_tokens": 3},
+    "causal": {"positions": 16},
+}
+AGREEMENT = tuple(STORED_PASS)
+STORED_SEQ_LEN = 32
 
 
 def plan(subject: Subject, name: str) -> str:
@@ -54,26 +67,36 @@ def plan(subject: Subject, name: str) -> str:
     return "float32+stored" if name in AGREEMENT else "float32"
 
 
-def run_planned(subject: Subject, name: str, run: Callable[[], CheckResult],
+def run_planned(subject: Subject, name: str, run: Callable[[RunOptions], CheckResult], options: RunOptions,
                 reset: Callable[[], None] = lambda: None) -> CheckResult:
-    """`run()` (the check) as the plan says: as stored; decided in float32; or decided in float32 and its paths once
-    more as stored, the two read together (merged). `reset()` puts the model back as loaded between the two runs.
-    A float32 or float64 checkpoint runs as it is, unlabelled."""
+    """`run(options)` (the check) as the plan says: as stored; decided in float32; or decided in float32 and its
+    stored-dtype path once (stored_pass_options), the two read together (merged). `reset()` puts the model back as
+    loaded between the two runs. A float32 or float64 checkpoint runs as it is, unlabelled."""
     if subject.dtype_name not in LOW_PRECISION:
-        return run()
+        return run(options)
     how, stored = plan(subject, name), subject.dtype_name
     if how == "as stored":
-        return _labelled(run(), {"as_stored": stored})
+        return _labelled(run(options), {"as_stored": stored})
     with in_float32(subject):
-        decided = run()
+        decided = run(options)
     if how == "float32":
         return _labelled(decided, {"decided_in": "float32", "as_stored": None},
                          f"decided in float32 (the stored {stored} weights held in float32)")
     reset()
     start = time.perf_counter()
     with as_stored_pass(subject):
-        again = run()
+        again = run(stored_pass_options(name, options))
     return merged(decided, replace(again, seconds=time.perf_counter() - start), stored)
+
+
+def stored_pass_options(name: str, options: RunOptions) -> RunOptions:
+    """The check's options for its stored-dtype pass: its path where half precision computes differently (padding
+    masks filled with the dtype's minimum, a cache kept in it) once, on a probe of at most STORED_SEQ_LEN tokens.
+    A setting the user gave is kept."""
+    given = options.for_check(name)
+    narrowed = {key: value for key, value in STORED_PASS[name].items() if key not in given}
+    seq_len = min(options.seq_len or STORED_SEQ_LEN, STORED_SEQ_LEN)
+    return replace(options, seq_len=seq_len, check_options={**options.check_options, name: {**given, **narrowed}})
 
 
 @contextlib.contextmanager
