@@ -207,7 +207,9 @@ def test_half_precision_is_judged_as_run_by_default(bf16_llama, tmp_path, flag):
     model = report["model"]
     assert model["dtype"] == model["check_dtype"] == "bfloat16"
     assert not any("upcast from" in n or "loaded in float32" in n for n in model["notes"])
-    assert "judged in bfloat16 as it runs (--upcast judges the function in float32 instead)" in model["notes"]
+    assert any(n.startswith("judged as stored in bfloat16:") for n in model["notes"]), model["notes"]
+    assert any("every check runs in bfloat16, float64 re-runs deciding: a model dispatched" in n
+               for n in model["notes"]), model["notes"]
 
 
 def test_device_map_options_also_come_from_the_api(fixtures_dir):

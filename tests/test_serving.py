@@ -143,13 +143,15 @@ def test_an_offset_kept_from_a_padded_batch_fails_the_unpadded_request_after_it(
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_a_continuation_numbered_one_early_fails_in_float32_and_bfloat16(family, dtype):
     """A cached forward without position_ids numbered from cache length - 1: in bfloat16 its error sits under the
-    floor (a PASS that could not have failed, before); the float64 re-run every half-precision path gets decides it,
-    and the report says where it departs there."""
+    floor (a PASS that could not have failed, before); the same weights held in float32 decide it, and the report says
+    where it departs."""
     kinds = ("chunks", "shared prefix")
     bad = _serving(plants.continued_early(zoo.tiny_model(family, dtype=dtype), early=1), *kinds)
     assert bad.status is Status.FAIL and _failing(bad) == {"chunks of 3", "chunks of 16", "shared prefix"}, bad.summary
     assert bad.summary.startswith("chunks of 3: the 64-token prompt fed 3 tokens a forward into one cache: first "
-                                  f"departs at position 3 {'in float64 ' if dtype == torch.bfloat16 else ''}by")
+                                  "departs at position 3 by"), bad.summary
+    if dtype == torch.bfloat16:
+        assert bad.details["dtypes"]["decided_in"] == "float32", bad.summary
     good = _serving(plants.continued_early(zoo.tiny_model(family, dtype=dtype), early=0), *kinds)
     assert good.status is Status.PASS, good.summary
 
@@ -172,11 +174,13 @@ def test_every_path_could_have_failed_in_float32(family):
 
 
 def test_a_pass_whose_slip_the_band_would_pass_is_inconclusive_in_bfloat16(monkeypatch):
-    """In bfloat16 a tiny Llama's floor swamps a one-position slip; where no float64 re-run can decide, a PASS there
-    could not have failed: WARN naming the dtype and the slip's ratio, never PASS."""
-    from posdiag.model import arbitration
+    """In bfloat16 a tiny Llama's floor swamps a one-position slip; where neither float32 (the weights cannot be held
+    in it: a dispatched model, no memory) nor a float64 re-run can decide, a PASS there could not have failed: WARN
+    naming the dtype and the slip's ratio, never PASS."""
+    from posdiag.model import arbitration, precision
     from posdiag.model.precision import FinerRun
 
+    monkeypatch.setattr(precision, "float32_copy_refused", lambda subject: "no memory for it here")
     monkeypatch.setattr(arbitration, "run_finer", lambda *args, **kwargs: FinerRun(
         None, torch.float64, reason="no float64 here"))
     result = _serving(zoo.tiny_model("llama", dtype=torch.bfloat16), "chunks", "shared prefix")

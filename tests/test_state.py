@@ -206,3 +206,18 @@ def test_sliding_cache_returning_more_keys_than_the_mask_fails_assisted_decoding
     assert "the call crashed (RuntimeError: The size of tensor a" in bad.summary
     assert "though it runs greedily" in bad.summary
     assert good.status is Status.PASS, good.summary
+
+
+def test_a_float64_re_run_with_a_sliced_head_survives_the_model_put_back_between_calls(monkeypatch):
+    """As stored in bfloat16 with float64 deciding (the fallback where the weights cannot be held in float32), a large
+    linear layer runs through posdiag's own sliced float64 forward; `state` puts the model back between its calls,
+    which deleted that forward mid-re-run and then crashed its removal (ERROR on the real SmolLM2, whose tied head is
+    226 MB in float64). A slice limit of 1 KB makes every tiny linear layer take that path."""
+    from posdiag.model import conversion, precision
+
+    monkeypatch.setattr(precision, "float32_copy_refused", lambda subject: "no memory for it here")
+    monkeypatch.setattr(conversion, "SLICE_BYTES", 1024)
+    result = api.run_checks(from_module(zoo.tiny_model("llama", dtype=torch.bfloat16)), ["state"],
+                            RunOptions(seq_len=16)).check("state")
+    assert result.status is Status.PASS, result.summary
+    assert result.details["dtypes"] == {"as_stored": "bfloat16"}

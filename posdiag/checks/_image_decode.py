@@ -344,6 +344,8 @@ def _slip(subject: Subject, probe, prompt: MultimodalPrompt, floor: float, dtype
     """The path's power: the same probe with every continued forward one position early (slipped), its error against
     the same full forward, in the same dtype (None where the slip reached no forward or the slipped path did not run:
     no power claimed)."""
+    if subject.as_stored_pass:
+        return None, {"error": None, "dtype": dtype, "how": "not planted in the stored-dtype pass (float32 measured)"}
     with slipped(subject) as state:
         run = probe(prompt)
     if not state["reached"] or run.crashed or run.invalid:

@@ -227,7 +227,8 @@ def _slip(feed: Feed, paths: list[PathResult], trunk: tuple[Any, list[float]] | 
     cache after the prefill, kept where the explicit-ids path continues it), against the same reference. None where
     the family takes no position_ids or that cache is not there."""
     path = next((p for p in paths if p.name == "dynamic/decode" and p.judged), None)
-    cache = copied_cache(trunk[0]) if trunk is not None and path is not None else None
+    cache = copied_cache(trunk[0]) if trunk is not None and path is not None \
+        and not feed.subject.as_stored_pass else None  # the stored-dtype pass: float32 measured the power
     if cache is None:
         return None
     start = path.steps[0][1]

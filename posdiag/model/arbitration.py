@@ -25,6 +25,7 @@ from posdiag.verdict import (
 )
 
 T = TypeVar("T")
+AS_STORED_PASS = "the stored-dtype pass of a check decided in float32: read as run, no finer re-run"
 
 
 def arbitrate(subject: Subject, measure: Callable[..., T], measured_floor: float, verdicts: dict[str, FloorVerdict],
@@ -44,6 +45,8 @@ def arbitrate(subject: Subject, measure: Callable[..., T], measured_floor: float
     pending = arbitration_pending(verdicts, measured_floor, dtype)
     if not pending:
         return Arbitration()
+    if subject.as_stored_pass:  # the stored dtype's figures are read as run; the float32 run decided (half_precision)
+        return Arbitration(details={"arbitration": {"ran": False, "reason": AS_STORED_PASS}})
     # Padding rows fully masked in float64 turn NaN and spread through 0-weight attention; the guard zeroes them
     # (a NaN in the run dtype is decided before this: judge_arbitrated never calls it rounding).
     finer = run_finer(subject, (lambda: measure(set(pending))) if subset else measure, what="re-run",
@@ -63,6 +66,9 @@ def decide_signal(subject: Subject, verdict: FloorVerdict, measure: Callable[[],
     without positions (8 and 64 layers x 256 hidden, 256 tokens): the residual falls from 4.6e-6 / 4.2e-5 in float32
     to ~1e-14, at its float64 floor; a position signal stays. When no finer run is possible the verdict stands,
     saying so."""
+    if subject.as_stored_pass:
+        return verdict
+
     def compute() -> T:
         with float64_throughout():
             return measure()

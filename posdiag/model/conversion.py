@@ -35,6 +35,28 @@ def as_dtype(model: torch.nn.Module, dtype: torch.dtype, current: torch.dtype) -
 
 
 @contextlib.contextmanager
+def retyped(model: torch.nn.Module, source: torch.dtype, target: torch.dtype) -> Iterator[int]:
+    """Inside the block, exactly the parameters and buffers stored in `source` are held in `target`; on exit they are
+    put back (exact: a bfloat16 or float16 value is a float32 value). Unlike `model.to`, a tensor kept in another
+    dtype on purpose stays so (a float32 `inv_freq` in a bfloat16 model is never rounded to bfloat16 on the way
+    back), and a parameter tied to another (an embedding and its LM head) stays one tensor. Yields the bytes
+    converted, in `source`."""
+    seen: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for tensor in (*module._parameters.values(), *module._buffers.values()):
+            if tensor is not None and tensor.dtype == source and id(tensor) not in seen:
+                seen[id(tensor)] = tensor
+    with torch.no_grad():
+        for tensor in seen.values():
+            tensor.data = tensor.data.to(target)
+        try:
+            yield sum(t.numel() for t in seen.values()) * source.itemsize
+        finally:
+            for tensor in seen.values():
+                tensor.data = tensor.data.to(source)
+
+
+@contextlib.contextmanager
 def streamed_dtype(model: torch.nn.Module, dtype: torch.dtype, per_block: bool = False) -> Iterator[None]:
     """Run in `dtype` one module at a time, so memory holds one module's finer copy instead of
     the whole model's. Each module's own floating parameters and buffers are converted when it is

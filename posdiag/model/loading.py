@@ -28,7 +28,7 @@ from posdiag.model.placement import (
     parse_max_memory,
     placement_note,
 )
-from posdiag.model.precision import memory_allows, weight_bytes
+from posdiag.model.precision import float32_copy_refused, memory_allows, weight_bytes
 from posdiag.model.pretrained import (
     LoadPlan,
     check_spec,
@@ -329,13 +329,20 @@ def _detect_position_kind(subject: Subject) -> None:
 
 
 def _maybe_upcast(subject: Subject) -> None:
-    """A half-precision model is judged as it runs: bfloat16's bugs (positions rounded before the angles) exist only
-    there, and float64 re-runs decide what rounding cannot. --upcast asks for the function in float32 instead."""
+    """A half-precision model is judged as stored: bfloat16's bugs (positions rounded before the angles) exist only
+    there (posdiag.checks.half_precision says which checks run in which dtype). --upcast asks for the function in
+    float32 instead."""
     if subject.dtype not in (torch.float16, torch.bfloat16):
         return
     if not subject.options.upcast:
-        subject.notes.append(f"judged in {dtype_name(subject.dtype)} as it runs (--upcast judges the function in "
-                             "float32 instead)")
+        subject.notes.append(f"judged as stored in {dtype_name(subject.dtype)}: rope, shift, kernels and table run in "
+                             f"it; the other checks decide with the same weights held in float32 and the agreement "
+                             f"checks read their paths once more in {dtype_name(subject.dtype)} (--upcast judges "
+                             "every check in float32)")
+        refused = float32_copy_refused(subject)
+        if refused:
+            subject.notes.append(f"every check runs in {dtype_name(subject.dtype)}, float64 re-runs deciding: "
+                                 f"{refused}")
         return
     if is_dispatched(subject.model):
         subject.notes.append("kept in half precision: a model dispatched by accelerate cannot be re-cast in place "

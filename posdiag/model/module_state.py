@@ -23,12 +23,20 @@ class ModuleState:
 def saved_state(module: torch.nn.Module, clone: bool = False) -> ModuleState:
     """The module's state; `clone` copies the buffers (for a module whose buffers are written in place)."""
     buffers = {k: (None if v is None else v.detach().clone()) if clone else v for k, v in module._buffers.items()}
-    return ModuleState({k: v for k, v in module.__dict__.items() if not k.startswith("_")}, buffers,
+    return ModuleState({k: v for k, v in module.__dict__.items() if _is_state(k)}, buffers,
                        frozenset(module._non_persistent_buffers_set))
 
 
+def _is_state(key: str) -> bool:
+    """A public attribute is state; an instance `forward` is not: it is posdiag's own float64 conversion of a large
+    linear layer (conversion.streamed_dtype), installed and removed around a re-run. Restored as state mid-re-run
+    (`state` puts the model back between its calls), it was deleted under the conversion, whose removal then raised
+    (AttributeError: 'Linear' object has no attribute 'forward': `state` on the real SmolLM2 in bfloat16)."""
+    return not key.startswith("_") and key != "forward"
+
+
 def restore_state(module: torch.nn.Module, state: ModuleState) -> None:
-    for key in [k for k in module.__dict__ if not k.startswith("_") and k not in state.attributes]:
+    for key in [k for k in module.__dict__ if _is_state(k) and k not in state.attributes]:
         delattr(module, key)
     module.__dict__.update(state.attributes)
     module._buffers.clear()
@@ -66,7 +74,7 @@ def changes(state: ModelState, limit: int = 4) -> list[str]:
             before, now = saved.buffers.get(key), module._buffers.get(key)
             if not _same_tensor(before, now):
                 found.append(f"{where}{key} changed (buffer)")
-        now_attrs = {k: v for k, v in module.__dict__.items() if not k.startswith("_")}
+        now_attrs = {k: v for k, v in module.__dict__.items() if _is_state(k)}
         for key in sorted(set(saved.attributes) | set(now_attrs)):
             if key in ("training",):
                 continue

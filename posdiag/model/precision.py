@@ -52,6 +52,7 @@ from posdiag.model.tensors import default_dtype, dtype_name
 
 __all__ = ["BLOCK_NAMES", "REFERENCE_FRACTION", "SLICE_BYTES", "WAYS", "WHOLE_FRACTION", "FinerRun", "as_dtype",
            "blocks", "conversion_ways", "eager_experts", "everywhere_at_least", "finer_dtype", "finite_padding",
+           "float32_copy_refused",
            "memory_allows", "reference_dtype", "run_finer", "streamed_bytes", "streamed_dtype", "weight_bytes"]
 
 T = TypeVar("T")
@@ -170,6 +171,17 @@ def reference_dtype(subject: Subject) -> torch.dtype:
         if fraction is not None and memory_allows(subject, streamed_bytes(subject, dtype), fraction):
             return dtype
     return subject.dtype
+
+
+def float32_copy_refused(subject: Subject) -> str:
+    """Why half-precision weights cannot be held in float32 for a check (posdiag.checks.half_precision; "" when they
+    can): the float32 copy replaces the stored one in place, so it needs the difference in free memory."""
+    if is_dispatched(subject.model):
+        return "a model dispatched by accelerate cannot be re-cast in place"
+    extra = weight_bytes(subject, torch.float32) - weight_bytes(subject, subject.dtype)
+    if not memory_allows(subject, extra, WHOLE_FRACTION):
+        return f"not enough free memory for the weights in float32 ({extra / 2**30:.2f} GiB more)"
+    return ""
 
 
 def streamed_bytes(subject: Subject, dtype: torch.dtype) -> int:

@@ -131,7 +131,8 @@ def _rows(subject: Subject, a: torch.Tensor, b: torch.Tensor, pads: int, takes: 
                             "b", left))
     else:
         notes.append("rows with non-affine positions not tested: the family takes no position_ids")
-    slip = [replace(rows[0], name=SLIP_ROW, positions=_slipped(rows[0].positions, n))] if takes else []
+    power = takes and not subject.as_stored_pass  # the stored-dtype pass: float32 measured the power
+    slip = [replace(rows[0], name=SLIP_ROW, positions=_slipped(rows[0].positions, n))] if power else []
     return rows + slip + [replace(rows[0], name="a right-padded, jittered (noise floor)")]
 
 

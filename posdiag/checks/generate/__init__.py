@@ -48,6 +48,8 @@ def _slip(subject: Subject, prompts: list, batch_rows: list[int], new_tokens: in
     None where the slip reached no step (an encoder-decoder's decoder, a model numbering its steps from its mask)."""
     if subject.kind != "causal" or not subject.family.takes_position_ids:
         return None, "not planted: the model takes no position_ids for its decode steps"
+    if subject.as_stored_pass:
+        return None, "not planted in the stored-dtype pass (the float32 run measured it)"
     with one_early(subject) as reached:
         slipped = runs.measure(subject, prompts, batch_rows, new_tokens, only={"dynamic/single"}, compiled=compiled)
     done = slipped.done

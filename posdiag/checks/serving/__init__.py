@@ -253,6 +253,8 @@ def _slipped(subject: Subject, path: Path, explicit: bool) -> tuple[float | None
     None and why no slip was planted."""
     if not explicit:
         return None, "the family's forward takes no position_ids: no slip posdiag can plant"
+    if subject.as_stored_pass:
+        return None, "not planted in the stored-dtype pass (the float32 run measured it)"
     with one_early(subject) as reached:
         try:
             found = (path.slip or path.compare)()
