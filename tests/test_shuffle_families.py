@@ -51,17 +51,32 @@ def test_bfloat16_is_judged_as_run(family):
     assert shuffle(broken).status is Status.FAIL
 
 
-def test_bfloat16_without_upcast_is_decided_in_float64():
-    """Staying in bf16, a residual near rounding is inconclusive there: the same rows re-run in float64 decide
-    (a FAIL for the model without positions, a PASS for its healthy twin), never a WARN that shrugs."""
+def test_bfloat16_weights_are_decided_in_float32_then_float64():
+    """bfloat16 weights are decided held in float32 (exactly: posdiag.checks.half_precision); a residual near float32's
+    rounding is inconclusive there, and the same rows re-run in float64 decide (a FAIL for the model without
+    positions, a PASS for its healthy twin), never a WARN that shrugs."""
     broken = zoo.tiny_model("llama", dtype=torch.bfloat16)
     zoo.remove_positions(broken, "llama")
     result = shuffle(broken, upcast=False)
     assert result.status is Status.FAIL, result.summary
-    assert "in float64 (inconclusive in bfloat16" in result.summary
+    assert "in float64 (inconclusive in float32" in result.summary, result.summary
+    assert result.details["dtypes"]["decided_in"] == "float32"
     assert result.metrics["ratio"] < 10  # the float64 figures: outputs merely permute
     healthy = shuffle(zoo.tiny_model("llama", dtype=torch.bfloat16), upcast=False)
     assert healthy.status is Status.PASS, healthy.summary
+
+
+def test_bfloat16_weights_the_float32_copy_refused_are_decided_in_float64(monkeypatch):
+    """Where the weights cannot be held in float32 (a dispatched model, no memory), shuffle runs as stored and a
+    residual near bfloat16's rounding is decided by the same rows in float64."""
+    from posdiag.model import precision
+
+    monkeypatch.setattr(precision, "float32_copy_refused", lambda subject: "no memory for it here")
+    broken = zoo.tiny_model("llama", dtype=torch.bfloat16)
+    zoo.remove_positions(broken, "llama")
+    result = shuffle(broken, upcast=False)
+    assert result.status is Status.FAIL, result.summary
+    assert "in float64 (inconclusive in bfloat16" in result.summary, result.summary
 
 
 def test_per_layer_table_shows_where_position_enters():
