@@ -119,28 +119,6 @@ def test_assisted_decoding_that_never_rolls_back_is_not_confirmed(monkeypatch):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_an_offset_kept_from_a_padded_batch_fails_the_unpadded_request_after_it(family, dtype):
-    """What users do: `model(**tokenizer(batch, padding=True))`, then one prompt (or an unpadded batch of the same
-    size). A model that works out its per-row offset only at a padded prefill keeps the padded batch's offsets for
-    the unpadded request's decode steps: FAIL there, while a padded batch after a padded batch (worked out again) read
-    OK; with position_ids passed the model's offset is never used."""
-    kinds = ("decode loop after a padded batch", "decode loop of one request after a padded batch",
-             "decode loop of an unpadded batch after a padded batch")
-    bad = _serving(plants.rope_deltas(zoo.tiny_model(family, dtype=dtype), reset="padded"), *kinds)
-    assert bad.status is Status.FAIL, bad.summary
-    assert _failing(bad) == {"decode loop of one request after a padded batch",
-                             "decode loop of an unpadded batch after a padded batch"}, bad.summary
-    assert bad.summary.startswith("decode loop of one request after a padded batch: a hand-written decode loop (4 "
-                                  "steps, no position_ids) on the 64-token prompt alone after a forward with no "
-                                  "position_ids of a left-padded batch of lengths [59, 64, 32]: first departs at "
-                                  "decode step 1 (position 64)"), bad.summary
-    assert "does not shrink with precision" in bad.summary
-    good = _serving(plants.rope_deltas(zoo.tiny_model(family, dtype=dtype), reset="prompt"), *kinds)
-    assert good.status is Status.PASS, good.summary
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_a_continuation_numbered_one_early_fails_in_float32_and_bfloat16(family, dtype):
     """A cached forward without position_ids numbered from cache length - 1: in bfloat16 its error sits under the
     floor (a PASS that could not have failed, before); the same weights held in float32 decide it, and the report says

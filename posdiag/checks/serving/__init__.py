@@ -14,21 +14,20 @@ forward of the tokens it fed, positions passed as the path passed them:
                                    from the mask), prefill and decode steps, against the request alone
   decode loop after another prompt / after a padded batch   the loop users write (forward with the cache, with and
                                    without position_ids) after the same loop on another request
-  decode loop of one request / of an unpadded batch after a padded batch   what users send after
-                                   `model(**tokenizer(batch, padding=True))`: an offset the model worked out from the
-                                   padding and kept shows only on a request that has none
   assisted decoding, prompt lookup generate() verifying drafts (a draft that disagrees, so drafts are rejected and
                                    the cache rolled back: counted, a path with no rollback is not confirmed; n-grams
                                    of the prompt)
 error_t = ||path_t − full_t|| / ||full_t|| over the logits; the noise floor is measured in the same run (the full
-forward with its token embeddings jittered by ~1 ulp, max per position); a path over its tolerance is re-run in
-float64 and decided there (in half precision every path is). A FAIL names the path and the first position (or step)
-that departs. Each path's power is measured in the same run: the path again with every forward that continues a
-cache numbered one position early (posdiag.model.slip), against the same reference and floor; a PASS whose slip the
-band would pass in the dtype that decided is inconclusive (verdict.powered). A path the model cannot take (no cache,
-transformers refuses the option, a cache that cannot be copied) is named as not run.
+forward with its token embeddings jittered by ~1 ulp, max per position); a path over its tolerance is re-run in float64
+and decided there (bfloat16 weights are decided held in float32: checks.half_precision). A FAIL names the path and the
+first position (or step) that departs. Each path's power is measured in the same run: the path again with every forward
+that continues a cache numbered one position early (posdiag.model.slip), against the same reference and floor; a PASS
+whose slip the band would pass in the dtype that decided is inconclusive (verdict.powered). A path the model cannot take
+(no cache, transformers refuses the option, a cache that cannot be copied) is named as not run.
 `cache` judges one prompt decoded through dynamic and static caches; `generate` greedy generate() of a prompt and a
-padded batch; `state` a call after a history against the same call on a fresh state: `serving` owns the other paths.
+padded batch; `state` a call after a history against the same call on a fresh state (one request or an unpadded
+batch decoded after `model(**tokenizer(batch, padding=True))`, where a kept padding offset shows): `serving` owns the
+other paths.
 """
 
 from __future__ import annotations

@@ -23,8 +23,9 @@ from posdiag.model.drafts import Rollbacks
 from posdiag.model.tensors import per_token_change
 
 LOOKUP = 3  # prompt_lookup_num_tokens: candidates copied from the prompt a step
-LOOPS = ("decode loop after another prompt", "decode loop after a padded batch",
-         "decode loop of one request after a padded batch", "decode loop of an unpadded batch after a padded batch")
+# A request after a padded batch (one request, or an unpadded batch of the same size) is `state`'s: the same calls
+# against the same calls on a fresh state ("one request after a padded batch"...), which also proves them here.
+LOOPS = ("decode loop after another prompt", "decode loop after a padded batch")
 CANDIDATES = 2  # drafts the assistant makes a step, constant: verification continues a cache it verified before
 
 
@@ -176,8 +177,6 @@ def _cached_paths(calls: Calls, s: Settings, full: Callable) -> list[Path]:
     first, second = calls.subject.sample_ids(3, n, s.seed + 31), calls.subject.sample_ids(3, n, s.seed + 37)
     before = [first[0], first[1][:max(2, n - 5)], first[2][:max(2, n // 2)]]
     batch = [row[:k] for row, k in zip(second, [max(2, n - 3), n, max(2, n - n // 3)], strict=True)]
-    history = [row[:k] for row, k in zip(first, _history_lengths(n), strict=True)]
-    unpadded = [ids, *calls.subject.sample_ids(2, n, s.seed + 41)]
     variants = [False, True] if s.explicit else [False]
     for with_ids in variants:
         tail, passed = (" with position_ids", ", position_ids passed") if with_ids else ("", ", no position_ids")
@@ -192,23 +191,7 @@ def _cached_paths(calls: Calls, s: Settings, full: Callable) -> list[Path]:
                           "batch of 3 after the same loop on another batch of 3 (other lengths)",
                           lambda w=with_ids: _loop(calls, batch, steps, w, before, w),
                           slip=lambda w=with_ids: _loop(calls, batch, 1, w)))
-    for with_ids in variants:
-        tail, passed = (" with position_ids", "position_ids passed") if with_ids else ("", "no position_ids")
-        for rows, what, alone in (([ids], "one request", f"the {n}-token prompt alone"),
-                                  (unpadded, "an unpadded batch", f"an unpadded batch of 3 {n}-token prompts")):
-            paths.append(Path(
-                f"decode loop of {what} after a padded batch{tail}",
-                f"a hand-written decode loop ({steps} steps, {passed}) on {alone} after a forward with no "
-                f"position_ids of a left-padded batch of lengths {_history_lengths(n)}",
-                lambda r=rows, w=with_ids: _loop(calls, r, steps, w, history),
-                slip=lambda r=rows, w=with_ids: _loop(calls, r, 1, w)))
     return paths
-
-
-def _history_lengths(n: int) -> list[int]:
-    """The padded batch users send before one request: row 0 padded too (a model that keeps row offsets and hands
-    the next request row 0's finds one to misuse)."""
-    return [max(2, n - 5), n, max(2, n // 2)]
 
 
 def _shared_prefix(calls: Calls, prefix: torch.Tensor, suffixes: list[torch.Tensor], steps: int,
