@@ -85,7 +85,7 @@ def count(module, args, kwargs):
     entry["tokens"] += int(ids.numel())
     entry["longest"] = max(entry["longest"], int(ids.shape[1]))
 run_one = api._run_one
-def measured(subject, name, options):
+def measured(subject, name, options, *reset):
     import torch
     cuda = torch.cuda.is_available() and subject.device.type == "cuda"
     if cuda:
@@ -93,7 +93,7 @@ def measured(subject, name, options):
     hook = subject.model.register_forward_pre_hook(count, with_kwargs=True)
     current.update(name=name, peak=rss_mb())
     try:
-        return run_one(subject, name, options)
+        return run_one(subject, name, options, *reset)
     finally:
         hook.remove()
         peaks[name] = {"rss_mb": max(current["peak"], rss_mb()),

@@ -63,7 +63,8 @@ def ran_in(check: dict) -> str:
     if dtypes.get("decided_in") == "float32":
         return "float32" + (f" + {dtypes['as_stored']} once" if dtypes.get("as_stored") else "")
     decided = check["details"].get("decided_in")
-    return dtypes.get("as_stored", "") + (f", decided in {decided}" if decided else "")
+    finer = f", decided in {decided}" if decided in ("float32", "float64") else ""
+    return (dtypes.get("as_stored") or "") + finer
 
 
 def main() -> None:
