@@ -290,3 +290,14 @@ def test_vllm_prompt_logprobs_are_read_by_token_text():
     got = prompt_part(reply, "A cat", 5)
     assert got.prompt_logprobs and got.prompt_tokens == 2
     assert got.scored[1].logprob is None and got.scored[1].top == {" cat": -3.0, " the": -0.5}
+
+
+def test_accepted_drafts_are_read_from_the_servers_counters():
+    """A generation route that FAILs where the server accepted speculative drafts says so (the boundary its error's
+    shape suggests is not the likeliest cause); a server that counts none, or serves no counters, says nothing."""
+    from posdiag.ports.served import accepted_drafts
+
+    name = "vllm:spec_decode_num_accepted_tokens_total"
+    assert accepted_drafts({name: 10.0}, {name: 46.0, "vllm:prompt_tokens_total": 900.0}) == 36.0
+    assert accepted_drafts({}, {"vllm:prompt_tokens_total": 9.0}) is None
+    assert accepted_drafts(None, {name: 1.0}) is None

@@ -121,3 +121,4 @@ def test_a_speculative_draft_one_position_back_inside_vllm_fails_the_generation_
     assert routes["prompt"]["status"] == "pass" and routes["generation"]["status"] == "fail", result.summary
     assert re.match(r"generation route: error [a-z ]*position \d+", result.summary), result.summary
     assert _accepted(served[1]) > before
+    assert routes["generation"]["drafts_accepted"] > 0 and "speculative draft tokens on this reply" in result.summary

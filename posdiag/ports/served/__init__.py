@@ -144,13 +144,30 @@ def _prompt_route(reference: Subject, engine: ServedEngine, vocab: Vocabulary, t
 
 def _generation_route(reference: Subject, engine: ServedEngine, vocab: Vocabulary, text: str, n: int, k: int,
                       floor: ServedFloor | None, profiles: list[LayerProfile], sources: set[str]) -> dict[str, Any]:
+    counters = getattr(engine, "metrics", lambda: None)
+    before = counters()
     reply = engine.generate(text, n, k)
+    drafts = accepted_drafts(before, counters())
     again = engine.generate(text, n, k)
     spread, diverged = generation_spread(reply, again)
     out = _reply_judged(reference, vocab, text, reply, k, floor, profiles, sources, "generation", spread)
     start = out["prompt_tokens"] - 1
+    if drafts and out["status"] == "fail":  # the cause a boundary's shape suggests is not the likeliest one here
+        out["why"] = (f"{out['why']}; the server accepted {drafts:g} speculative draft tokens on this reply: drafts "
+                      "verified at the wrong positions fail the generation route alone (the prompt route is a prefill "
+                      "without drafts); run the server without speculative decoding to tell")
     return {**out, "repeat_diverged_at": None if diverged is None else start + diverged,
-            "repeat_max_spread": max(spread, default=0.0)}
+            "repeat_max_spread": max(spread, default=0.0), "drafts_accepted": drafts}
+
+
+def accepted_drafts(before: dict[str, float] | None, after: dict[str, float] | None) -> float | None:
+    """Speculative draft tokens the server accepted between two readings of its counters (vLLM's
+    `vllm:spec_decode_num_accepted_tokens_total`, or any counter named for accepted drafts); None where it reports
+    none."""
+    if before is None or after is None:
+        return None
+    names = [name for name in after if "accepted" in name and ("spec" in name or "draft" in name)]
+    return sum(after[name] - before.get(name, 0.0) for name in names) if names else None
 
 
 def _reply_judged(reference: Subject, vocab: Vocabulary, text: str, reply: Any, k: int, floor: ServedFloor | None,
