@@ -119,12 +119,12 @@ def _tested(info: Any, results: list[CheckResult]) -> Any:
 def _run_one(subject: Any, name: str, options: RunOptions, reset: Any = None) -> CheckResult:
     if name not in checks.available():
         return CheckResult(name, Status.SKIP, "not implemented in this version of posdiag")
-    from posdiag.checks.half_precision import run_planned
+    from posdiag.half_precision import run_planned
 
     spec = checks.registered(name)  # verified: a module breaking the check contract fails here, naming what
     start, passes = time.perf_counter(), subject.forward_count
     try:
-        # a half-precision checkpoint: decided in float32 where that sees more for less (checks.half_precision)
+        # a half-precision checkpoint: decided in float32 where that sees more for less (half_precision)
         result = run_planned(subject, name, lambda given: spec.run(subject, given), options, reset or (lambda: None))
     except PosdiagError:
         raise

@@ -1,4 +1,4 @@
-"""What every check on half-precision weights must show (posdiag.checks.half_precision): decided in float32, where
+"""What every check on half-precision weights must show (posdiag.half_precision): decided in float32, where
 its one-position slip stands far above the floor, and, for an agreement check, its paths once more as stored."""
 
 from posdiag.verdict import AS_RUN_RATIO

@@ -183,10 +183,10 @@ def test_interrupt_gives_an_incomplete_report(monkeypatch):
 
     real = api._run_one
 
-    def interrupt_second(subject, name, options):
+    def interrupt_second(subject, name, options, *reset):
         if name == "shuffle":
             raise KeyboardInterrupt
-        return real(subject, name, options)
+        return real(subject, name, options, *reset)
 
     monkeypatch.setattr(api, "_run_one", interrupt_second)
     report = api.run_checks(from_module(zoo.tiny_model("llama")), ["load", "shuffle"])

@@ -290,8 +290,8 @@ signal.signal(signal.SIGINT, signal.default_int_handler)
 from posdiag import api
 real = api._run_one
 marker = pathlib.Path(sys.argv[1])
-def slow(subject, name, options):
-    result = real(subject, name, options)
+def slow(subject, name, options, *reset):
+    result = real(subject, name, options, *reset)
     marker.write_text(name)
     time.sleep(600)
     return result

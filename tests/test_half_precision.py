@@ -1,4 +1,4 @@
-"""Half-precision weights judged as stored at a float32 check's cost (posdiag.checks.half_precision): position logic
+"""Half-precision weights judged as stored at a float32 check's cost (posdiag.half_precision): position logic
 decided with the stored weights held in float32, exactly; the agreement checks' paths once more as stored, read with
 the as-run rule; rope, shift, kernels and table as stored."""
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 from decided import assert_decided_in_float32
 
+from posdiag import half_precision
 from posdiag.api import run_checks
-from posdiag.checks import half_precision
 from posdiag.model.conversion import retyped
 from posdiag.model.loading import from_module
 from posdiag.options import RunOptions

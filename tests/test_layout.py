@@ -77,7 +77,8 @@ def test_no_import_cycles():
 # Lower layers never import higher ones. posdiag (the package __init__) only re-exports lazily. Ports (a candidate
 # of `posdiag compare` and its comparison) sit beside the checks: both judge a loaded model, neither imports the
 # other (test_ports_and_checks_stay_apart), and both build on posdiag.model.
-LAYERS = [("posdiag.cli",), ("posdiag.testing", "posdiag.zoo"), ("posdiag.api", "posdiag.baseline"),
+LAYERS = [("posdiag.cli",), ("posdiag.testing", "posdiag.zoo"),
+          ("posdiag.api", "posdiag.baseline", "posdiag.half_precision"),
           ("posdiag.checks", "posdiag.ports", "posdiag.tools", "posdiag.report"), ("posdiag.model",),
           ("posdiag.options", "posdiag.verdict", "posdiag.config", "posdiag.results", "posdiag.errors",
            "posdiag._version")]

@@ -52,7 +52,7 @@ def test_bfloat16_is_judged_as_run(family):
 
 
 def test_bfloat16_weights_are_decided_in_float32_then_float64():
-    """bfloat16 weights are decided held in float32 (exactly: posdiag.checks.half_precision); a residual near float32's
+    """bfloat16 weights are decided held in float32 (exactly: posdiag.half_precision); a residual near float32's
     rounding is inconclusive there, and the same rows re-run in float64 decide (a FAIL for the model without
     positions, a PASS for its healthy twin), never a WARN that shrugs."""
     broken = zoo.tiny_model("llama", dtype=torch.bfloat16)

@@ -330,7 +330,7 @@ def _detect_position_kind(subject: Subject) -> None:
 
 def _maybe_upcast(subject: Subject) -> None:
     """A half-precision model is judged as stored: bfloat16's bugs (positions rounded before the angles) exist only
-    there (posdiag.checks.half_precision says which checks run in which dtype). --upcast asks for the function in
+    there (posdiag.half_precision says which checks run in which dtype). --upcast asks for the function in
     float32 instead."""
     if subject.dtype not in (torch.float16, torch.bfloat16):
         return

@@ -174,7 +174,7 @@ def reference_dtype(subject: Subject) -> torch.dtype:
 
 
 def float32_copy_refused(subject: Subject) -> str:
-    """Why half-precision weights cannot be held in float32 for a check (posdiag.checks.half_precision; "" when they
+    """Why half-precision weights cannot be held in float32 for a check (posdiag.half_precision; "" when they
     can): the float32 copy replaces the stored one in place, so it needs the difference in free memory."""
     if is_dispatched(subject.model):
         return "a model dispatched by accelerate cannot be re-cast in place"

@@ -19,7 +19,7 @@ forward of the tokens it fed, positions passed as the path passed them:
                                    of the prompt)
 error_t = ||path_t − full_t|| / ||full_t|| over the logits; the noise floor is measured in the same run (the full
 forward with its token embeddings jittered by ~1 ulp, max per position); a path over its tolerance is re-run in float64
-and decided there (bfloat16 weights are decided held in float32: checks.half_precision). A FAIL names the path and the
+and decided there (bfloat16 weights are decided held in float32: half_precision). A FAIL names the path and the
 first position (or step) that departs. Each path's power is measured in the same run: the path again with every forward
 that continues a cache numbered one position early (posdiag.model.slip), against the same reference and floor; a PASS
 whose slip the band would pass in the dtype that decided is inconclusive (verdict.powered). A path the model cannot take
