@@ -83,7 +83,8 @@ def run(subject: Subject, options: RunOptions) -> CheckResult:
         if tested:  # the report's header names the inputs fed
             reached["multimodal"] = {"tested": tested}
         slips: dict[str, float | None] = {}  # the power of each distinct fresh call, measured once
-        outcomes = [_judged(subject, fresh, seq, options.seed, slips) for seq in seqs]
+        floors: dict[str, float] = {}  # and its floor
+        outcomes = [_judged(subject, fresh, seq, options.seed, slips, floors) for seq in seqs]
     finally:
         restored(fresh)  # the model is left as it was before the check
     return _report(subject, [o for o in outcomes if not o.not_run], {
@@ -106,23 +107,27 @@ class Outcome:
 
 
 def measure(subject: Subject, fresh: ModelState, seq: Sequence, seed: int,
-            slips: dict[str, float | None] | None = None) -> Outcome:
+            slips: dict[str, float | None] | None = None, floors: dict[str, float] | None = None) -> Outcome:
     """The fresh call and its jittered twin (the floor), each from the fresh state, then from the fresh state again
     the history and the call under test, nothing restored between them. With `slips`, the fresh call once more with
     every forward that continues a cache one position early (posdiag.model.slip), once per distinct fresh output
-    (a sequence with and without position_ids, generate() after another prompt and assisted: the same call)."""
+    (a sequence with and without position_ids, generate() after another prompt and assisted: the same call). The
+    floor too is measured once per distinct fresh output (`floors`): the same output bit for bit, the same rounding."""
+    floors = {} if floors is None else floors
     try:
         restored(fresh)
         reference = seq.reference()
-        restored(fresh)  # the floor's call too starts fresh: it is the same call, shaken by rounding only
-        with jittered(subject, "decoder", 0, seq.rows, seed, settle_masks=False) as has_jitter:
-            shaken = seq.reference()
+        slip, key = None, _digest(reference)
+        if key not in floors:  # an output met before bit for bit (with and without position_ids) has its floor
+            restored(fresh)  # the floor's call too starts fresh: it is the same call, shaken by rounding only
+            with jittered(subject, "decoder", 0, seq.rows, seed, settle_masks=False) as has_jitter:
+                shaken = seq.reference()
+            floors[key] = _difference(shaken, reference) if has_jitter else 0.0
     except Refused as exc:
         return Outcome(seq, not_run=f"transformers refuses it for this model: {exc}")
     except Exception as exc:  # a crash on a fresh state is the fresh path's finding (generate, cache)
         return Outcome(seq, not_run=f"it crashed on a fresh state ({describe_error(exc)}): judged by the check "
                                     "of that path, not as state")
-    slip, key = None, _digest(reference)
     if slips is not None and seq.name not in IMAGE_SEQUENCES and not subject.as_stored_pass:  # an image call's
         # positions are its layout's; the stored-dtype pass plants none (float32 measured the power)
         if key not in slips:
@@ -138,8 +143,7 @@ def measure(subject: Subject, fresh: ModelState, seq: Sequence, seed: int,
         if isinstance(exc, Refused) and not seq.same_call:  # another way of making the call, refused by transformers
             return Outcome(seq, not_run=f"transformers does not run it for this model: {exc}")
         return Outcome(seq, crashed=describe_error(exc), changed=changes(fresh), slip=slip)
-    floor = _difference(shaken, reference) if has_jitter else 0.0
-    return Outcome(seq, _difference(after, reference), floor, changes(fresh), slip=slip)
+    return Outcome(seq, _difference(after, reference), floors[key], changes(fresh), slip=slip)
 
 
 def _digest(output) -> str:
@@ -152,10 +156,11 @@ def _difference(a, b) -> float:
     return float("inf") if a.shape != b.shape else relative_l2(a, b)
 
 
-def _judged(subject: Subject, fresh: ModelState, seq: Sequence, seed: int, slips: dict[str, float | None]) -> Outcome:
+def _judged(subject: Subject, fresh: ModelState, seq: Sequence, seed: int, slips: dict[str, float | None],
+            floors: dict[str, float]) -> Outcome:
     """Measured and judged; a disagreement above tolerance measured again in float64 (a bug stays, rounding
     shrinks)."""
-    outcome = measure(subject, fresh, seq, seed, slips)
+    outcome = measure(subject, fresh, seq, seed, slips, floors)
     if outcome.not_run:
         return outcome
     dtype = subject.dtype_name
