@@ -148,7 +148,7 @@ def merged(decided: CheckResult, stored_run: CheckResult, stored: str) -> CheckR
         return replace(decided, status=Status.FAIL, details=details, metrics=metrics,
                        summary=f"a bug in {stored} only: as stored, {why}: {stored_run.summary} (in float32 with the "
                                f"same weights: {_figure(decided)})")
-    clause = f"as stored in {stored} each path once: worst {ratio:.3g}x its floor" + (
+    clause = f"as stored in {stored}, once on a short probe: worst {ratio:.3g}x its floor" + (
         "" if decided.status is Status.FAIL else ", within rounding")
     return replace(decided, summary=f"{decided.summary}; decided in float32 ({clause})", details=details,
                    metrics=metrics)

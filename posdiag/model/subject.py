@@ -84,7 +84,7 @@ class Subject:
     mask_refusals: dict[str, str] = field(default_factory=dict)  # stack -> why it refuses explicit masks ("": takes)
     cleanup: list[Any] = field(default_factory=list, repr=False)  # weakref.finalize: temporary offload folders
     held_absolute: str = ""  # the family's absolute-by-design term, as held now (absolute_term_held; "" when not)
-    # The stored-dtype pass of a check decided in float32 (posdiag.half_precision): each path once as stored,
+    # The stored-dtype pass of a check decided in float32 (posdiag.half_precision): its path once as stored,
     # with no one-position slip planted and no float64 re-run (the float32 run has both, at full power).
     as_stored_pass: bool = False
     # (tokenizer, why none): a .gguf file's, read with its weights; a checkpoint's, once a check has loaded it
