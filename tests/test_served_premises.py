@@ -56,3 +56,9 @@ def test_concurrent_requests_must_overlap():
     assert together.confirmed is True and "in flight together for 1.8 s (batched: 10 engine steps" in together.evidence
     apart = premises.read(_run("concurrent", times=[(0.0, 1.0), (1.5, 2.0)]), TEXTS)
     assert apart.confirmed is False and "came back 0.5 s before the last request was sent" in apart.evidence
+    # one short reply back before the last request went out; the cold request (the first) was in flight with each
+    early = premises.read(_run("concurrent", times=[(0.0, 3.0), (0.1, 0.4), (0.5, 2.5)]), TEXTS)
+    assert early.confirmed is True, early.evidence
+    assert "the cold request in flight with each of the 2 others for 0.3 s" in early.evidence
+    alone = premises.read(_run("concurrent", times=[(0.0, 0.3), (0.1, 0.4), (0.5, 2.5)]), TEXTS)
+    assert alone.confirmed is False, alone.evidence

@@ -97,11 +97,18 @@ def _concurrent(run: PathRun, texts: Prompts) -> Premise:
     if len(times) < 2:
         return Premise(None, "overlap not confirmed: fewer than two requests answered")
     overlap = min(r for _, r in times) - max(s for s, _ in times)
-    if overlap <= 0:
-        return Premise(False, f"not concurrent: the first reply came back {-overlap:.3g} s before the last request "
-                              "was sent")
-    words = f"overlapped: all {len(times)} requests in flight together for {overlap:.3g} s"
-    return Premise(True, words + _batched(run))
+    if overlap > 0:
+        return Premise(True, f"overlapped: all {len(times)} requests in flight together for {overlap:.3g} s"
+                       + _batched(run))
+    # A reply that ends early (a request that stops at its end-of-text) can come back before the last request is
+    # sent; the path's request (the first) still shares the server with each other one while both are in flight.
+    (sent, back), others = times[0], times[1:]
+    shared = min(min(back, b) - max(sent, s) for s, b in others)
+    if shared > 0:
+        return Premise(True, f"overlapped: the cold request in flight with each of the {len(others)} others for "
+                             f"{shared:.3g} s at least" + _batched(run))
+    return Premise(False, f"not concurrent: the first reply came back {-overlap:.3g} s before the last request was "
+                          "sent, and the cold request was not in flight with each of the others")
 
 
 def _batched(run: PathRun) -> str:
