@@ -9,7 +9,7 @@ first step fed with position_ids one early, reported beside the verdict. Where f
 import plants_cache as plants
 import pytest
 import torch
-from decided import assert_decided_in_float32
+from decided import assert_healthy_with_power
 
 from posdiag.api import run_checks
 from posdiag.model.loading import from_module
@@ -29,12 +29,7 @@ def cache(model, options=OPTIONS):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_continuation_one_early_fails_and_healthy_twin_passes(family, dtype):
-    healthy = cache(zoo.tiny_model(family, dtype=DTYPES[dtype]))
-    assert healthy.status is Status.PASS, healthy.summary
-    slip = healthy.details["slip"]
-    assert slip["dtype"] == "float32" and slip["ratio"] > 10, slip  # float32 resolves the slip: it could have failed
-    if dtype == "bfloat16":  # the stored weights held in float32 decide; the paths ran once more as stored
-        assert_decided_in_float32(healthy)
+    assert_healthy_with_power(cache(zoo.tiny_model(family, dtype=DTYPES[dtype])), dtype)
     planted = cache(plants.continuation_one_early(zoo.tiny_model(family, dtype=DTYPES[dtype])))
     assert planted.status is Status.FAIL, planted.summary
     assert planted.details["first_diverging"]["path"].startswith(("dynamic/", "static/"))

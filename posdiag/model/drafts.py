@@ -90,7 +90,9 @@ def disagreeing_draft(model: Any, candidates: int) -> Iterator[tuple[Any, Rollba
         if isinstance(getattr(model, table, None), dict):
             setattr(draft, table, OrderedDict(getattr(model, table)))
     draft.register_forward_hook(runner_up, with_kwargs=True)
-    counted, ends = Rollbacks(), {}  # id(cache) -> the length the model's last call left it at (caches live on)
+    # id(cache) -> (the cache, the length the model's last call left it at). The cache is held while the block runs: a
+    # cache freed and its id given to the next call's new cache would read that call's prefill as a rollback.
+    counted, ends = Rollbacks(), {}
 
     def count(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         cache = _cache_in(kwargs)
@@ -99,10 +101,10 @@ def disagreeing_draft(model: Any, candidates: int) -> Iterator[tuple[Any, Rollba
         if past is None or not isinstance(ids, torch.Tensor):
             return
         counted.calls += 1
-        end = ends.get(id(cache))
+        _, end = ends.get(id(cache), (None, None))
         if end is not None and past < end:
             counted.crops, counted.rejected = counted.crops + 1, counted.rejected + end - past
-        ends[id(cache)] = past + ids.shape[1]
+        ends[id(cache)] = (cache, past + ids.shape[1])
 
     handle = model.register_forward_pre_hook(count, with_kwargs=True)
     try:
@@ -110,3 +112,4 @@ def disagreeing_draft(model: Any, candidates: int) -> Iterator[tuple[Any, Rollba
             yield draft, counted
     finally:
         handle.remove()
+        ends.clear()
