@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tests.llama_server import free_port, wait_ready
 
+VENV_VERSION = "2"  # scripts/vllm_env.sh's version: torchvision's transforms (images served)
 START_TIMEOUT = 300.0  # measured: 45-92 s to ready on 2 busy cores
 BATCH = 96  # --max-num-batched-tokens: every prompt but the long one in one step
 BLOCK = 32  # --block-size (multiples of 32 on CPU; 128 by default): a 64-token prefix is two cached blocks
@@ -26,24 +27,42 @@ SPECULATIVE = '{"method":"ngram","num_speculative_tokens":3,"prompt_lookup_max":
 FLAGS = ("--dtype", "float32", "--max-model-len", "1024", "--enforce-eager", "--enable-prefix-caching",
          "--enable-chunked-prefill", "--max-num-batched-tokens", str(BATCH), "--block-size", str(BLOCK),
          "--speculative-config", SPECULATIVE, "--enable-prompt-tokens-details")
+IMAGE_FLAGS = ("--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--limit-mm-per-prompt",
+               '{"image":2,"video":0}')
+"""The tiny Qwen2-VL (tests/vlm_checkpoint.py): its 256-token context, two images a prompt."""
 ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 """Dev mode serves /server_info (the batch size: the long prompt confirmed in several chunks) and
 POST /reset_prefix_cache; --enable-prompt-tokens-details reports each request's cached tokens (the hit confirmed)."""
 
 
 def venv() -> Path | None:
-    """The vLLM environment's python, or None when there is none made to the end (scripts/vllm_env.sh writes
-    posdiag-ready last) or .ci/run could not make it ($POSDIAG_VLLM_SKIP: why)."""
-    root = Path(os.environ.get("POSDIAG_VLLM_VENV") or Path.home() / ".cache" / "posdiag" / "vllm-venv")
-    python = root / "bin" / "python"
-    ready = python.is_file() and (root / "posdiag-ready").is_file()
-    return python if ready and not os.environ.get("POSDIAG_VLLM_SKIP") else None
+    """The vLLM environment's python, or None when there is none made to the end by the current
+    scripts/vllm_env.sh (it writes posdiag-ready last, holding its version) or .ci/run could not make it
+    ($POSDIAG_VLLM_SKIP: why)."""
+    python = _root() / "bin" / "python"
+    return python if python.is_file() and _made() == VENV_VERSION and not os.environ.get("POSDIAG_VLLM_SKIP") else None
+
+
+def _root() -> Path:
+    return Path(os.environ.get("POSDIAG_VLLM_VENV") or Path.home() / ".cache" / "posdiag" / "vllm-venv")
+
+
+def _made() -> str | None:
+    try:
+        return (_root() / "posdiag-ready").read_text().strip()
+    except OSError:
+        return None
 
 
 def why_not() -> str:
     """Why there is no vLLM environment, for the tests' skip."""
-    return os.environ.get("POSDIAG_VLLM_SKIP") or ("no vLLM environment (bash scripts/vllm_env.sh makes one; "
-                                                   "POSDIAG_VLLM_VENV names it): vLLM not judged")
+    if os.environ.get("POSDIAG_VLLM_SKIP"):
+        return os.environ["POSDIAG_VLLM_SKIP"]
+    made = _made()
+    if made is not None and made != VENV_VERSION:
+        return (f"the vLLM environment at {_root()} was made by an older scripts/vllm_env.sh (version {made or 1}, "
+                f"not {VENV_VERSION}): run it again; vLLM not judged")
+    return "no vLLM environment (bash scripts/vllm_env.sh makes one; POSDIAG_VLLM_VENV names it): vLLM not judged"
 
 
 PLANT = '''"""posdiag's planted vLLM bugs (a general plugin, loaded by every vLLM process), each where the model runner
@@ -51,7 +70,9 @@ numbers the scheduled tokens (GPUModelRunner._prepare_inputs, which vLLM's CPU r
 right, only the positions the model sees are wrong. The mode is read at every step from the file that
 $POSDIAG_VLLM_PLANT names: none (stock vLLM), hit (a request that starts from a prefix-cache hit one position on,
 in every step), chunk (a continuing prefill chunk numbered from 0), batch (every request of a step numbered from the
-first request's cache length), draft (speculative draft tokens numbered from the verified token's position)."""
+first request's cache length), draft (speculative draft tokens numbered from the verified token's position), image
+(Qwen2-VL's multimodal positions: the second image at the first image's positions, where the model numbers a
+request's prompt)."""
 import os
 
 
@@ -69,6 +90,7 @@ def register():
     prepare, control = GPUModelRunner._prepare_inputs, os.environ.get("POSDIAG_VLLM_PLANT")
     if control is None or getattr(prepare, "planted", False):
         return
+    _plant_images(control)
 
     def planted(self, scheduler_output, num_scheduled_tokens):
         mode = _mode(control)
@@ -98,6 +120,23 @@ def register():
 
     planted.planted = True
     GPUModelRunner._prepare_inputs = planted
+
+
+def _plant_images(control):
+    from vllm.model_executor.models.qwen2_vl import Qwen2VLForConditionalGeneration as Model
+
+    number = Model.get_mrope_input_positions
+
+    def planted(self, input_tokens, mm_features):
+        positions, delta = number(self, input_tokens, mm_features)
+        images = [(offset, t * h * w) for offset, t, h, w, _ in self.iter_mm_grid_thw(mm_features)]
+        if _mode(control) == "image" and len(images) > 1:
+            (first, n), (second, m) = images[:2]
+            positions = positions.clone()
+            positions[:, second:second + min(n, m)] = positions[:, first:first + min(n, m)]
+        return positions, delta
+
+    Model.get_mrope_input_positions = planted
 '''
 
 
@@ -105,7 +144,7 @@ class Plants:
     """The planted bug the server runs now: set() writes its name to the control file and clears vLLM's prefix
     cache (a block computed under one bug is never served to the next mode)."""
 
-    MODES = ("none", "hit", "chunk", "batch", "draft")
+    MODES = ("none", "hit", "chunk", "batch", "draft", "image")
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
@@ -138,10 +177,10 @@ class Plants:
 
 
 @contextlib.contextmanager
-def vllm_server(python: Path, model: Path, plants: Plants) -> Iterator[str]:
+def vllm_server(python: Path, model: Path, plants: Plants, flags: tuple[str, ...] = FLAGS) -> Iterator[str]:
     """The base URL of vLLM serving MODEL with FLAGS and ENV, PLANTS' plugin on its PYTHONPATH (stock until set)."""
     port = free_port()
-    argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), *FLAGS,
+    argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), *flags,
             "--host", "127.0.0.1", "--port", str(port)]
     env = {**os.environ, **ENV, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "PYTHONPATH": str(plants.folder), "POSDIAG_VLLM_PLANT": str(plants.control)}

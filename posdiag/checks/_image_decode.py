@@ -32,7 +32,7 @@ from posdiag.model.arbitration import arbitrate
 from posdiag.model.caches import cache_keyword, new_cache
 from posdiag.model.jitter import FLOOR_SOURCE, jittered
 from posdiag.model.mrope_layout import layout_positions
-from posdiag.model.multimodal_inputs import MultimodalPrompt, Span, build_prompt
+from posdiag.model.multimodal_inputs import MultimodalPrompt, Span, build_prompt, in_model_dtype
 from posdiag.model.quiet import transformers_quiet
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import relative_l2
@@ -182,10 +182,8 @@ def _special_ids(prompt: MultimodalPrompt) -> set[int]:
 
 
 def as_run(subject: Subject, inputs: dict[str, Any]) -> dict[str, Any]:
-    """`inputs` with the pixels in the model's dtype as it runs now (a float64 re-run converts the model, and users
-    cast a processor's output to the model's dtype)."""
-    dtype = subject.model.get_input_embeddings().weight.dtype
-    return {k: v.to(dtype) if k.startswith("pixel_values") else v for k, v in inputs.items()}
+    """`inputs` with the pixels in the model's dtype as it runs now."""
+    return in_model_dtype(subject.model, inputs)
 
 
 def full_forward(subject: Subject, inputs: dict[str, Any], seed: int) -> tuple[torch.Tensor, float]:

@@ -32,7 +32,7 @@ from posdiag.checks._image_decode import has_mrope, watching
 from posdiag.errors import describe_error, raised_in_posdiag
 from posdiag.model.arbitration import decide_signal
 from posdiag.model.mrope_layout import AXES, Departure, departures, layout_positions
-from posdiag.model.multimodal_inputs import MultimodalPrompt, build_prompt, video_refusal
+from posdiag.model.multimodal_inputs import MultimodalPrompt, build_prompt, in_model_dtype, video_refusal
 from posdiag.model.subject import Subject
 from posdiag.model.tensors import relative_l2
 from posdiag.results import CheckResult, Status, Table
@@ -109,10 +109,8 @@ def _logits(subject: Subject, prompt: MultimodalPrompt, positions: torch.Tensor 
 
 
 def _in_model_dtype(subject: Subject, inputs: dict[str, Any]) -> dict[str, Any]:
-    """Pixels in the model's dtype as it runs now (a float64 re-run converts the model; users cast a processor's
-    output to the model's dtype)."""
-    dtype = subject.model.get_input_embeddings().weight.dtype
-    return {k: v.to(dtype) if k.startswith("pixel_values") else v for k, v in inputs.items()}
+    """Pixels in the model's dtype as it runs now."""
+    return in_model_dtype(subject.model, inputs)
 
 
 def _plain(subject: Subject, prompt: MultimodalPrompt) -> Ran:

@@ -73,12 +73,15 @@ class Route(str, enum.Enum):
     prompt = "prompt"
     generation = "generation"
     serving = "serving"
+    images = "images"
 
 
 RouteOpt = Annotated[Route, typer.Option(
     "--route", help="A server candidate: prompt (echo + logprobs), generation (greedy, top-k log-probs per token), "
-                    "both, or serving (the paths a server takes: a request cold, a prefix-cache hit, a prompt longer "
-                    "than its batch, the request among concurrent ones; each judged as the generation route).")]
+                    "both, serving (the paths a server takes: a request cold, a prefix-cache hit, a prompt longer "
+                    "than its batch, the request among concurrent ones; each judged as the generation route), or "
+                    "images (two images through the chat API, scored at every prompt position against the reference "
+                    "on the same pixels; `both` includes it where the reference takes images).")]
 TopKOpt = Annotated[int, typer.Option("--top-k", min=1, max=20, help="A server candidate: log-probs asked per token.")]
 LongPromptOpt = Annotated[int | None, typer.Option(
     "--long-prompt-tokens", min=8, help="--route serving: tokens in the long-prompt path's prompt (default 90). Make "

@@ -135,13 +135,20 @@ class MultimodalPrompt:
         return pos[:, 0].cpu()
 
 
+def in_model_dtype(model: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+    """INPUTS with the pixels in the model's dtype as it runs now (a float64 re-run converts the model, and users
+    cast a processor's output to the model's dtype)."""
+    dtype = model.get_input_embeddings().weight.dtype
+    return {k: v.to(dtype) if k.startswith("pixel_values") else v for k, v in inputs.items()}
+
+
 def rope_owner(model: Any) -> Any:
     """The module whose get_rope_index numbers a sequence (the inner model first: it stores rope_deltas)."""
     return next((m for m in (getattr(model, "model", None), model) if callable(getattr(m, "get_rope_index", None))),
                 None)
 
 
-def _refusal(model: Any) -> str:
+def image_refusal(model: Any) -> str:
     """Why posdiag builds no image prompt for `model` ('' when it does)."""
     import inspect
 
@@ -180,7 +187,7 @@ def build_prompt(model: Any, seed: int, *, video: bool = True,
                  images: bool = True) -> tuple[MultimodalPrompt | None, str]:
     """The prompt for `model` (its images, its video where the type's layout is known, or one of them), or why it gets
     none (the reason names what is missing)."""
-    why = _refusal(model) or (video_refusal(model) if video and not images else "")
+    why = image_refusal(model) or (video_refusal(model) if video and not images else "")
     if why:
         return None, why
     config = model.config

@@ -3,6 +3,9 @@ dtype (its own rounding: the noise floor every port is judged against)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 
 from posdiag.errors import PosdiagError
@@ -15,6 +18,7 @@ def name_of(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+T = TypeVar("T")
 FINER = {torch.float32: torch.float64, torch.bfloat16: torch.float32, torch.float16: torch.float32}
 
 
@@ -34,6 +38,13 @@ def run_stack(subject: Subject, ids: torch.Tensor, stack: str, role: str) -> Out
 
 def finer_run(subject: Subject, ids: torch.Tensor, stack: str) -> tuple[Outputs | None, str]:
     """Run `subject` once more in a finer dtype (posdiag.model.precision: module by module, restored exactly)."""
+    row = [Row(ids.to(subject.device))]
+    return finer_of(subject, lambda: run_rows(subject, row, stack=stack, explicit_mask=False, want_logits=True))
+
+
+def finer_of(subject: Subject, compute: Callable[[], T]) -> tuple[T | None, str]:
+    """compute() once more with the weights in the finer dtype (FINER), and the floor source's words; None and why
+    not where it cannot run (no finer dtype, a dispatched model, no memory, an op without a kernel)."""
     dtype = next(iter(subject.model.parameters())).dtype
     finer = FINER.get(dtype)
     reason = None
@@ -44,10 +55,8 @@ def finer_run(subject: Subject, ids: torch.Tensor, stack: str) -> tuple[Outputs 
     elif not memory_allows(subject, weight_bytes(subject, finer), 0.8):
         reason = f"not enough free memory for a {name_of(finer)} copy of the weights"
     if reason is None:
-        row = [Row(ids.to(subject.device))]
         try:
-            got = run_finer(subject, lambda: run_rows(subject, row, stack=stack, explicit_mask=False, want_logits=True),
-                            finer, what="run")
+            got = run_finer(subject, compute, finer, what="run")
         except Exception as exc:  # some families refuse float64: fall back to the dtype minimum
             reason = f"{name_of(finer)} run failed ({type(exc).__name__})"
         else:

@@ -69,6 +69,15 @@ class Reply:
     --enable-prompt-tokens-details, recent llama.cpp; llama.cpp's timings.cache_n); None: it does not say."""
 
 
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A chat request's prompt as the server ran it: the token ids it made of the messages (images expanded into
+    their placeholder tokens) and, per position, the log-probs it reported by token id (position 0: none)."""
+
+    ids: tuple[int, ...]
+    logprobs: tuple[dict[int, float], ...]
+
+
 @dataclass
 class ServedEngine:
     """An OpenAI-compatible server at BASE (`http://HOST:PORT/v1`)."""
@@ -109,12 +118,33 @@ class ServedEngine:
                               f"generating {n} tokens")
         return _generated_part(reply, k)
 
+    def chat_prompt_logprobs(self, content: list[dict[str, Any]], k: int) -> ChatPrompt:
+        """One user message of CONTENT (text and image parts, OpenAI's format) through the chat API, scored
+        teacher-forced: vLLM's `prompt_logprobs=k` and `return_token_ids` (the ids are the only way to know where
+        the images sit). PosdiagError naming what is missing where the server returns neither."""
+        payload = {"messages": [{"role": "user", "content": content}], "max_tokens": 1, "prompt_logprobs": k,
+                   "return_token_ids": True, **GREEDY}
+        reply = self.post("/chat/completions", self._addressed(payload), "scoring a prompt with images")
+        ids, entries = reply.get("prompt_token_ids"), reply.get("prompt_logprobs")
+        if not isinstance(ids, list) or not isinstance(entries, list) or len(ids) != len(entries) or not ids:
+            raise PosdiagError("the server's chat API returned no prompt token ids with their log-probs (vLLM returns "
+                               "them for `prompt_logprobs` and `return_token_ids`)")
+        try:
+            scored = tuple({int(tid): float(v["logprob"]) for tid, v in (entry or {}).items()} for entry in entries)
+        except (TypeError, ValueError, KeyError, AttributeError):
+            raise PosdiagError("the server's prompt_logprobs are not {token id: {logprob}} per position") from None
+        return ChatPrompt(tuple(int(i) for i in ids), scored)
+
     def complete(self, payload: dict[str, Any], doing: str) -> dict[str, Any]:
+        return self.post("/completions", self._addressed(payload), doing)
+
+    def _addressed(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """PAYLOAD with the served model named and the run's cache salt, where set."""
         if self.model:
             payload = {"model": self.model, **payload}
         if self.cache_salt:
             payload = {**payload, "cache_salt": self.cache_salt}
-        return self.post("/completions", payload, doing)
+        return payload
 
     def discover(self) -> None:
         """GET /models: the server is there, and the model it serves (named in the report; the one to ask for

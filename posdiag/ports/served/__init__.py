@@ -12,16 +12,13 @@ import math
 from importlib import resources
 from typing import Any
 
-import torch
-
 from posdiag.errors import PosdiagError
 from posdiag.model.subject import Subject
 from posdiag.ports.engines.http_server import ServedEngine
-from posdiag.ports.logits.shapes import classify
 from posdiag.ports.profile import Comparison, LayerProfile
 from posdiag.ports.protocol import CompareRequest, Stage, no_stage
+from posdiag.ports.served import images, premises, serving_paths
 from posdiag.ports.served import precision as served_precision
-from posdiag.ports.served import premises, serving_paths
 from posdiag.ports.served.precision import ServedFloor
 from posdiag.ports.served.scores import (
     Scores,
@@ -29,6 +26,7 @@ from posdiag.ports.served.scores import (
     alignment,
     check_prompt_tokens,
     generation_spread,
+    judged,
     position_metrics,
     reference_scores,
     served_engine_settings,
@@ -36,14 +34,15 @@ from posdiag.ports.served.scores import (
 from posdiag.results import CheckResult, Status, Table
 from posdiag.verdict import FAIL_RATIO
 
-ROUTES = ("both", "prompt", "generation", "serving")
+ROUTES = ("both", "prompt", "generation", "serving", "images")
 DEFAULT_NEW_TOKENS = 64
 PROMPT_WORDS = 48
 """The prompt route's default text: the first words of posdiag's prose (about 60 tokens)."""
 
 NOT_SHOWN = ("logits beyond the top-k: the actual token's log-prob and the top-k by text are compared, not whole "
              "distributions", "hidden states: no layer is located, only the output", "token ids: tokens come back "
-             "as text, matched to the reference's tokenizer piece by piece",
+             "as text, matched to the reference's tokenizer piece by piece (the image route reads the ids vLLM "
+             "returns)",
              "the server's cache reuse: each request is scored as the server ran it (prefix caching may serve a "
              "prefix from an earlier request; --route serving reads what the server reports of it)")
 
@@ -71,6 +70,10 @@ def compare_served(reference: Subject, engine: ServedEngine, *, route: str = "bo
     if route not in ROUTES:
         raise PosdiagError(f"--route {route!r}: one of {', '.join(ROUTES)}")
     precision = served_precision.parse(served_dtype)
+    if route == "images":
+        _, why = images.image_prompt(reference.model)
+        if why:
+            raise PosdiagError(f"--route images: the reference takes no images ({why})")
     before = reference.forward_count
     vocab = Vocabulary.of(reference)
     if precision:
@@ -113,6 +116,10 @@ def _routes(reference: Subject, engine: ServedEngine, vocab: Vocabulary, route: 
     if route == "serving":
         stage("serving paths")
         routes.update(_serving_routes(reference, engine, vocab, new_tokens, k, floor, profiles, sources, *lengths))
+    prompt, _ = images.image_prompt(reference.model) if route in ("both", "images") else (None, "")
+    if prompt is not None:  # `both` includes it wherever the reference takes images
+        stage("image route")
+        routes["images"] = images.image_route(reference, engine, vocab, prompt, k, floor, profiles, sources)
     return routes
 
 
@@ -135,7 +142,7 @@ def _prompt_route(reference: Subject, engine: ServedEngine, vocab: Vocabulary, t
                 "tokens": len(ids), "why": _shift_words(best, fit, clear)}
     rows = list(range(len(ids) - 1))
     metrics = position_metrics(scores, list(reply.scored[1:]), ids[1:], rows, vocab, k, [])
-    out = {"alignment": fit, "tokens": len(ids), **_judged("prompt", metrics, 0, profiles, floor is not None)}
+    out = {"alignment": fit, "tokens": len(ids), **judged("prompt", metrics, 0, profiles, floor is not None)}
     others = min((f["median_max_dlogprob"] for o, f in fits.items() if o != "0"), default=math.inf)
     if out["status"] == "fail" and aligned * FAIL_RATIO >= others:  # the API's alignment fits no better than a shift:
         out.update(pattern="no alignment", onset_position=None, why=_no_fit_words(fit))  # a profile would misname it
@@ -150,7 +157,7 @@ def _generation_route(reference: Subject, engine: ServedEngine, vocab: Vocabular
     drafts = accepted_drafts(before, counters())
     again = engine.generate(text, n, k)
     spread, diverged = generation_spread(reply, again)
-    out = _reply_judged(reference, vocab, text, reply, k, floor, profiles, sources, "generation", spread)
+    out = _replyjudged(reference, vocab, text, reply, k, floor, profiles, sources, "generation", spread)
     start = out["prompt_tokens"] - 1
     if drafts and out["status"] == "fail":  # the cause a boundary's shape suggests is not the likeliest one here
         out["why"] = (f"{out['why']}; the server accepted {drafts:g} speculative draft tokens on this reply: drafts "
@@ -170,7 +177,7 @@ def accepted_drafts(before: dict[str, float] | None, after: dict[str, float] | N
     return sum(after[name] - before.get(name, 0.0) for name in names) if names else None
 
 
-def _reply_judged(reference: Subject, vocab: Vocabulary, text: str, reply: Any, k: int, floor: ServedFloor | None,
+def _replyjudged(reference: Subject, vocab: Vocabulary, text: str, reply: Any, k: int, floor: ServedFloor | None,
                   profiles: list[LayerProfile], sources: set[str], name: str, spread: list[float],
                   scored: dict[tuple, Scores] | None = None) -> dict[str, Any]:
     """One greedy reply judged position by position against the reference on the prompt and the tokens it chose.
@@ -198,7 +205,7 @@ def _reply_judged(reference: Subject, vocab: Vocabulary, text: str, reply: Any, 
     metrics = position_metrics(scores, list(reply.scored), gen, rows, vocab, k, spread)
     out = {"prompt": text, "prompt_tokens": len(prompt_ids), "generated": len(gen),
            "finish_reason": reply.finish_reason}
-    return {**out, **_judged(name, metrics, start, profiles, floor is not None)}
+    return {**out, **judged(name, metrics, start, profiles, floor is not None)}
 
 
 def _serving_routes(reference: Subject, engine: ServedEngine, vocab: Vocabulary, n: int | None, k: int,
@@ -229,7 +236,7 @@ def _serving_routes(reference: Subject, engine: ServedEngine, vocab: Vocabulary,
         if run.not_offered or not run.sent:
             routes[name] = {"status": "skip", "why": f"the server does not offer it ({run.not_offered or 'no reply'})"}
             continue
-        judged = [_reply_judged(reference, vocab, sent.prompt, sent.reply, k, floor, profiles, sources, name, spread,
+        judged = [_replyjudged(reference, vocab, sent.prompt, sent.reply, k, floor, profiles, sources, name, spread,
                                 scored) for sent in run.sent]
         worst = max(judged, key=lambda r: (r["status"] == "fail", r["worst_ratio"]))
         premise = premises.read(run, texts)
@@ -243,43 +250,6 @@ def _serving_routes(reference: Subject, engine: ServedEngine, vocab: Vocabulary,
                                    f"position {first}, {max(worst['dlogprob']):.2g} at worst, above the floor from "
                                    f"position {worst['onset_position']}")
     return routes
-
-
-def _judged(name: str, m: dict[str, list[float]], start: int, profiles: list[LayerProfile],
-            coarse: bool) -> dict[str, Any]:
-    """The route's profile classified: positions start, start+1, ... (a profile from position 0 when start is 0).
-    COARSE: the floor holds a served precision's error."""
-    d = torch.tensor(m["d"], dtype=torch.float64)
-    floor = torch.tensor(m["floor"], dtype=torch.float64)
-    # Judged position by position (classify), not as a profile (port_shapes.judge_profile): one log-prob per position
-    # against a quantised floor, where a planted rope base stands out at single positions (Q4_1 SmolLM2, 64 tokens,
-    # four prompts: worst 10.6-21.5x, the profile 3.4-7.7x; the healthy server worst <= 3.1x, the profile <= 0.9x).
-    shape = classify(d, FAIL_RATIO * floor, {})
-    if shape.get("onset_position") is not None:
-        shape["onset_position"] += start
-    if start and shape["pattern"] != "none":  # classify reads index 0 as position 0; here it is position START
-        late = float(d[-max(1, d.numel() // 4):].mean())
-        shape["pattern"] = "from the first compared position" if shape["onset_position"] == start else \
-            "step at a length"
-        shape["why"] = (f"{float(d[0]):.2g} at position {start} (the first compared: the prompt before it is not), "
-                        f"{late:.2g} late; above the floor from position {shape['onset_position']}: compare from a "
-                        "one-token prompt (no --text) to see whether it starts at position 1")
-    if coarse and shape["pattern"] == "step at a length" and not shape.get("boundary"):
-        shape["why"] += (" (or an error growing with position that clears the served precision's floor only here: "
-                         "an unquantised file shows where it starts)")
-    if not coarse and shape["pattern"] == "uniform from position 0":
-        shape["why"] += ("; a server of quantised weights differs so: name them with --served-dtype (its .gguf "
-                         "file, or its type) and their own error joins the floor")
-    ratio = d / floor
-    per = [math.nan] * start + d.tolist()
-    profiles.append(LayerProfile(f"{name} route |Δ log-prob|", None, None, float(d.max()), float(floor.median()),
-                                 FAIL_RATIO * float(floor.median()), float(ratio.max()), tuple(per), shape))
-    return {"status": "pass" if shape["pattern"] == "none" else "fail", "pattern": shape["pattern"],
-            "why": shape.get("why"), "onset_position": shape.get("onset_position"), "first_position": start,
-            "positions": len(m["d"]), "max_dlogprob": float(d.max()), "median_dlogprob": float(d.median()),
-            "noise_floor_median": float(floor.median()), "worst_ratio": float(ratio.max()),
-            "worst_position": start + int(ratio.argmax()), "top1_agreement": sum(m["top1"]) / len(m["top1"]),
-            "topk_overlap": sum(m["overlap"]) / len(m["overlap"]), "dlogprob": m["d"], "floor": m["floor"]}
 
 
 def _shift_words(offset: int, fit: dict[str, Any], clear: bool) -> str:

@@ -18,7 +18,8 @@ The spec is checked before anything loads (`parse`); the floor is opened once pe
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,6 +79,9 @@ class ServedFloor:
     """(ids [T], decoded_from) -> [T, V] float64 log-softmax; DECODED_FROM: the tokens from there on were decoded
     one at a time after a prefill of those before (the generation route), None: one forward."""
     closers: list[Callable[[], None]] = field(default_factory=list)
+    dtype: str | None = None
+    """The torch dtype the reference is held in for it (`held_in`); None for ggml types (run in llama.cpp, which
+    takes text only)."""
 
     def close(self) -> None:
         for close in self.closers:
@@ -89,12 +93,19 @@ def open_floor(reference: Subject, precision: ServedPrecision, stack: str) -> Se
     asked for and missing would leave a quantised server's verdict meaningless."""
     if precision.dtype:
         return ServedFloor(f"the reference at {precision.name} (--served-dtype)",
-                           lambda ids, _: _at_dtype(reference, ids, stack, precision.dtype))
+                           lambda ids, _: _at_dtype(reference, ids, stack, precision.dtype), dtype=precision.dtype)
     return _quantised(reference, precision)
 
 
 def _at_dtype(reference: Subject, ids: torch.Tensor, stack: str, dtype: str) -> torch.Tensor:
-    """The reference's log-probs with its floating weights and buffers cast to DTYPE, restored exactly after."""
+    """The reference's log-probs at DTYPE."""
+    with held_in(reference, dtype):
+        return run_stack(reference, ids, stack, "reference").logits[0].double().cpu().log_softmax(-1)
+
+
+@contextmanager
+def held_in(reference: Subject, dtype: str) -> Iterator[None]:
+    """The reference's floating weights and buffers cast to DTYPE, restored exactly after."""
     from posdiag.model.tensors import DTYPES
 
     tensors = [*reference.model.parameters(), *reference.model.buffers()]
@@ -102,7 +113,7 @@ def _at_dtype(reference: Subject, ids: torch.Tensor, stack: str, dtype: str) -> 
     try:
         for t, data in saved:
             t.data = data.to(DTYPES[dtype])
-        return run_stack(reference, ids, stack, "reference").logits[0].double().cpu().log_softmax(-1)
+        yield
     finally:
         for t, data in saved:
             t.data = data

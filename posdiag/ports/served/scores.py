@@ -24,6 +24,7 @@ starts at position 0, where a token sees only itself and no relative position ca
 
 from __future__ import annotations
 
+import math
 import statistics
 import weakref
 from dataclasses import dataclass
@@ -35,9 +36,11 @@ from posdiag.errors import PosdiagError
 from posdiag.model.subject import Subject
 from posdiag.model.tokenizer import load_tokenizer
 from posdiag.ports.engines.http_server import Reply, ServedEngine
+from posdiag.ports.logits.shapes import classify
+from posdiag.ports.profile import LayerProfile
 from posdiag.ports.reference import finer_run, run_stack
 from posdiag.ports.served.precision import ServedFloor
-from posdiag.verdict import MACHINE_EPSILON
+from posdiag.verdict import FAIL_RATIO, MACHINE_EPSILON
 
 _DECODED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (sizes, pieces, ids by piece)
 
@@ -224,3 +227,40 @@ def generation_spread(first: Reply, again: Reply) -> tuple[list[float], int | No
 def served_engine_settings(engine: ServedEngine, k: int, route: str) -> dict[str, Any]:
     return {"server": engine.base, **({"served model": engine.model} if engine.model else {}),
             **engine.settings, "top-k": k, "routes": route, "decoding": "greedy (temperature 0, penalties off)"}
+
+
+def judged(name: str, m: dict[str, list[float]], start: int, profiles: list[LayerProfile],
+            coarse: bool) -> dict[str, Any]:
+    """The route's profile classified: positions start, start+1, ... (a profile from position 0 when start is 0).
+    COARSE: the floor holds a served precision's error."""
+    d = torch.tensor(m["d"], dtype=torch.float64)
+    floor = torch.tensor(m["floor"], dtype=torch.float64)
+    # Judged position by position (classify), not as a profile (port_shapes.judge_profile): one log-prob per position
+    # against a quantised floor, where a planted rope base stands out at single positions (Q4_1 SmolLM2, 64 tokens,
+    # four prompts: worst 10.6-21.5x, the profile 3.4-7.7x; the healthy server worst <= 3.1x, the profile <= 0.9x).
+    shape = classify(d, FAIL_RATIO * floor, {})
+    if shape.get("onset_position") is not None:
+        shape["onset_position"] += start
+    if start and shape["pattern"] != "none":  # classify reads index 0 as position 0; here it is position START
+        late = float(d[-max(1, d.numel() // 4):].mean())
+        shape["pattern"] = "from the first compared position" if shape["onset_position"] == start else \
+            "step at a length"
+        shape["why"] = (f"{float(d[0]):.2g} at position {start} (the first compared: the prompt before it is not), "
+                        f"{late:.2g} late; above the floor from position {shape['onset_position']}: compare from a "
+                        "one-token prompt (no --text) to see whether it starts at position 1")
+    if coarse and shape["pattern"] == "step at a length" and not shape.get("boundary"):
+        shape["why"] += (" (or an error growing with position that clears the served precision's floor only here: "
+                         "an unquantised file shows where it starts)")
+    if not coarse and shape["pattern"] == "uniform from position 0":
+        shape["why"] += ("; a server of quantised weights differs so: name them with --served-dtype (its .gguf "
+                         "file, or its type) and their own error joins the floor")
+    ratio = d / floor
+    per = [math.nan] * start + d.tolist()
+    profiles.append(LayerProfile(f"{name} route |Δ log-prob|", None, None, float(d.max()), float(floor.median()),
+                                 FAIL_RATIO * float(floor.median()), float(ratio.max()), tuple(per), shape))
+    return {"status": "pass" if shape["pattern"] == "none" else "fail", "pattern": shape["pattern"],
+            "why": shape.get("why"), "onset_position": shape.get("onset_position"), "first_position": start,
+            "positions": len(m["d"]), "max_dlogprob": float(d.max()), "median_dlogprob": float(d.median()),
+            "noise_floor_median": float(floor.median()), "worst_ratio": float(ratio.max()),
+            "worst_position": start + int(ratio.argmax()), "top1_agreement": sum(m["top1"]) / len(m["top1"]),
+            "topk_overlap": sum(m["overlap"]) / len(m["overlap"]), "dlogprob": m["d"], "floor": m["floor"]}
