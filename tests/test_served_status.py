@@ -37,22 +37,23 @@ def generate():
     model = AutoModelForCausalLM.from_pretrained(MODEL).eval()
     pieces = tokenizer.batch_decode([[i] for i in range(model.config.vocab_size)])
 
-    def run(text, n, k):
+    def run(text, n, k, stop=False):
+        """STOP: the last token is the end-of-sequence one, as a server that stopped there."""
         ids = tokenizer(text)["input_ids"]
         out, lps, tops = [], [], []
         with torch.no_grad():
-            for _ in range(n):
+            for step in range(n):
                 lp = model(torch.tensor([ids + out])).logits[0, -1].float().log_softmax(-1)
                 values, which = lp.topk(k)
-                out.append(int(which[0]))
-                lps.append(float(values[0]))
+                out.append(tokenizer.eos_token_id if stop and step == n - 1 else int(which[0]))
+                lps.append(float(lp[out[-1]]))
                 tops.append({pieces[j]: float(v) for v, j in zip(values, which.tolist(), strict=True)})
         return len(ids), [pieces[i] for i in out], lps, tops
 
     return run
 
 
-def server(generate, status=None, on=2):
+def server(generate, status=None, on=2, stop=False):
     """A canned server generating as the model does; STATUS (with MESSAGE) answers the ON-th distinct prompt it is sent
     (the serving paths send the cold prompt first, then the prefix hit)."""
     seen = []
@@ -66,9 +67,10 @@ def server(generate, status=None, on=2):
             seen.append(body["prompt"])
         if status is not None and seen.index(body["prompt"]) == on - 1:
             return status, {"error": {"message": MESSAGE, "code": status}}, {}
-        count, tokens, lps, tops = generate(body["prompt"], int(body["max_tokens"]), int(body["logprobs"]))
+        count, tokens, lps, tops = generate(body["prompt"], int(body["max_tokens"]), int(body["logprobs"]), stop)
         logprobs = {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops}
-        choice = {"text": "".join(tokens), "finish_reason": "length", "logprobs": logprobs}
+        text = "".join(tokens[:-1] if stop else tokens)  # vLLM leaves the token it stopped at out of the text
+        choice = {"text": text, "finish_reason": "stop" if stop else "length", "logprobs": logprobs}
         return 200, {"choices": [choice], "usage": {"prompt_tokens": count}}, {}
 
     return canned_server(answer)
@@ -92,6 +94,16 @@ def test_the_healthy_canned_server_passes(reference, generate):
         route = routes[name]  # report is not confirmed: WARN)
         assert route["status"] in ("pass", "warn") and route["worst_ratio"] <= 10, result.summary
         assert route["top1_agreement"] == 1.0
+
+
+def test_a_reply_that_stops_at_the_end_of_sequence_token_is_judged(reference, generate):
+    """A server leaves the special token it stopped at out of its text (vLLM 0.32 on SmolLM2's chat replies): the
+    tokens still decode to the text, and the stop token's log-prob is judged with the rest."""
+    with server(generate, stop=True) as base:
+        result = compare_served(reference, open_served(base), route="generation", new_tokens=N).result
+    route = result.details["routes"]["generation"]
+    assert result.status is Status.PASS and route["finish_reason"] == "stop", result.summary
+    assert route["generated"] == N
 
 
 @pytest.mark.parametrize("status", [500, 503])

@@ -157,7 +157,7 @@ def _generation_route(reference: Subject, engine: ServedEngine, vocab: Vocabular
     drafts = accepted_drafts(before, counters())
     again = engine.generate(text, n, k)
     spread, diverged = generation_spread(reply, again)
-    out = _replyjudged(reference, vocab, text, reply, k, floor, profiles, sources, "generation", spread)
+    out = _reply_judged(reference, vocab, text, reply, k, floor, profiles, sources, "generation", spread)
     start = out["prompt_tokens"] - 1
     if drafts and out["status"] == "fail":  # the cause a boundary's shape suggests is not the likeliest one here
         out["why"] = (f"{out['why']}; the server accepted {drafts:g} speculative draft tokens on this reply: drafts "
@@ -177,7 +177,7 @@ def accepted_drafts(before: dict[str, float] | None, after: dict[str, float] | N
     return sum(after[name] - before.get(name, 0.0) for name in names) if names else None
 
 
-def _replyjudged(reference: Subject, vocab: Vocabulary, text: str, reply: Any, k: int, floor: ServedFloor | None,
+def _reply_judged(reference: Subject, vocab: Vocabulary, text: str, reply: Any, k: int, floor: ServedFloor | None,
                   profiles: list[LayerProfile], sources: set[str], name: str, spread: list[float],
                   scored: dict[tuple, Scores] | None = None) -> dict[str, Any]:
     """One greedy reply judged position by position against the reference on the prompt and the tokens it chose.
@@ -186,7 +186,8 @@ def _replyjudged(reference: Subject, vocab: Vocabulary, text: str, reply: Any, k
     prompt_ids = vocab.encode(text)
     check_prompt_tokens(reply, prompt_ids, vocab, f"on the {name} route", echoed=False)
     gen = vocab.ids(reply, f"on the {name} route")
-    if reply.text and "".join(vocab.pieces[i] for i in gen) != reply.text:
+    # a server may leave special tokens out of its text (vLLM: the end-of-turn token it stopped at)
+    if reply.text and reply.text not in (vocab.text(gen), vocab.text(gen, special=False)):
         raise PosdiagError(f"tokenisation mismatch on the {name} route: the generated tokens, decoded one by one "
                            "with the reference's tokenizer, do not give the text the server returned")
     if len(gen) < 4:
@@ -236,11 +237,11 @@ def _serving_routes(reference: Subject, engine: ServedEngine, vocab: Vocabulary,
         if run.not_offered or not run.sent:
             routes[name] = {"status": "skip", "why": f"the server does not offer it ({run.not_offered or 'no reply'})"}
             continue
-        judged = [_replyjudged(reference, vocab, sent.prompt, sent.reply, k, floor, profiles, sources, name, spread,
-                                scored) for sent in run.sent]
-        worst = max(judged, key=lambda r: (r["status"] == "fail", r["worst_ratio"]))
+        replies = [_reply_judged(reference, vocab, sent.prompt, sent.reply, k, floor, profiles, sources, name, spread,
+                                 scored) for sent in run.sent]
+        worst = max(replies, key=lambda r: (r["status"] == "fail", r["worst_ratio"]))
         premise = premises.read(run, texts)
-        routes[name] = {**worst, "story": run.story, "requests": len(judged),
+        routes[name] = {**worst, "story": run.story, "requests": len(replies),
                         "premise": {"confirmed": premise.confirmed, "evidence": premise.evidence}}
         if worst["status"] == "pass" and premise.confirmed is not True:  # judged right, but not on the path named
             routes[name].update(status="warn", why=premise.evidence)

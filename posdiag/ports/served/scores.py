@@ -77,6 +77,11 @@ class Vocabulary:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text)["input_ids"])
 
+    def text(self, ids: list[int], special: bool = True) -> str:
+        """IDS decoded piece by piece, as a server prints each; SPECIAL False leaves the special tokens out."""
+        dropped = set() if special else set(getattr(self.tokenizer, "all_special_ids", ()))
+        return "".join(self.pieces[i] for i in ids if i not in dropped)
+
     def ids(self, reply: Reply, what: str) -> list[int]:
         """The ids of the tokens a server returned as text: each must be one piece of the reference's vocabulary."""
         out = []
