@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from posdiag.results import Status
+from posdiag.verdict import FAIL_RATIO
 from tests.vllm_server import IMAGE_FLAGS, Plants, venv, vllm_server, why_not
 from tests.vlm_checkpoint import tiny_qwen2_vl
 
@@ -46,7 +47,7 @@ def test_vllm_serving_images_passes_at_every_prompt_position_with_the_layout_con
     assert route["premise"]["confirmed"] is True
     assert [last - first + 1 for first, last in route["image_positions"]] == [6, 6]
     assert route["positions"] == route["tokens"] - 1  # every prompt position, the image tokens among them
-    assert route["worst_ratio"] < 5, route["worst_ratio"]  # healthy: within half the tolerance
+    assert route["worst_ratio"] < FAIL_RATIO / 2, route["worst_ratio"]  # healthy: within half the tolerance
 
 
 def test_vllm_second_image_at_the_first_images_positions_fails_from_the_second_image(served):
@@ -57,7 +58,7 @@ def test_vllm_second_image_at_the_first_images_positions_fails_from_the_second_i
     second = route["image_positions"][1][0]
     assert result.status is Status.FAIL, result.summary
     assert route["onset_position"] == second, (route["onset_position"], route["image_positions"])
-    assert route["worst_ratio"] > 100 * 10, route["worst_ratio"]  # far beyond the tolerance, not near it
+    assert route["worst_ratio"] > 100 * FAIL_RATIO, route["worst_ratio"]  # far beyond the tolerance, not near it
     before = max(route["dlogprob"][i] / route["floor"][i] for i in range(second))
-    assert before < 10, before  # the text and the first image, numbered right, agree
+    assert before < FAIL_RATIO, before  # the text and the first image, numbered right, agree
     assert "images route" in result.summary and f"position {second}" in result.summary

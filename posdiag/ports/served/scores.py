@@ -7,10 +7,13 @@ A server answers with the top-k log-probs of each token, never logits, so the me
 
 with the reference's answer computed from its full logits the same way (log-softmax, its top-k by text).
 Noise floor, measured in the same run, per position: the reference's own rounding (its float32 run against its
-float64 run, at the compared tokens), the reference at the precision the server serves in (a dtype, or ggml tensor
-types run in llama.cpp: posdiag/ports/served/precision.py), and the spread of the same request sent twice; never
-below float32's rounding of a log-prob of that size. The floor of a position is at least the median floor (one
-scalar per position is noisy).
+float64 run, and against itself with its token embeddings ~1 ulp off, at the compared tokens), the reference at the
+precision the server serves in (a dtype, or ggml tensor types run in llama.cpp: posdiag/ports/served/precision.py),
+and the spread of the same request sent twice; never below float32's rounding of a log-prob of that size. The floor
+of a position is at least the median floor (one scalar per position is noisy). A server in float32 is one more
+float32 evaluation, its rounding one more draw: with the float64 run alone, a single draw at a position, a healthy
+vLLM stood up to 5.66x its floor (the concurrent path, 2.4-5.7x over the serving paths, 1.6-4.5x on the routes);
+with the jittered run as a second draw, at most 3.98x over the same 22 routes and paths (docs/verdicts.md).
 The profile of d / floor is judged by the shape `compare` gives every port (posdiag/ports/logits/shapes.py): flat,
 growing with position from its onset, or a step at a length.
 
@@ -33,6 +36,7 @@ from typing import Any
 import torch
 
 from posdiag.errors import PosdiagError
+from posdiag.model.jitter import jittered
 from posdiag.model.subject import Subject
 from posdiag.model.tokenizer import load_tokenizer
 from posdiag.ports.engines.http_server import Reply, ServedEngine
@@ -116,6 +120,11 @@ def reference_scores(reference: Subject, ids: list[int], served: ServedFloor | N
     lp = out[0].double().cpu().log_softmax(-1)
     fine, source = finer_run(reference, t, stack)
     rounding = (fine.logits[0].double().cpu().log_softmax(-1) - lp).abs() if fine is not None else torch.zeros_like(lp)
+    with jittered(reference, stack, 0, 1, seed=0) as hooked:  # a second draw of its rounding
+        shaken = run_stack(reference, t, stack, "reference").logits
+    if hooked:
+        rounding = torch.maximum(rounding, (shaken[0].double().cpu().log_softmax(-1) - lp).abs())
+        source += "; the same run with its token embeddings ~1 ulp off (its conditioning)"
     at_served = None
     if served is not None:
         at_served = served.log_probs(t, decoded_from) - lp
