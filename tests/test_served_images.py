@@ -1,9 +1,11 @@
 """compare's image route (posdiag/ports/served/images.py) against a canned chat API that answers as vLLM does
-(`prompt_token_ids`, `prompt_logprobs` by token id), its side run by transformers on the tiny Qwen2-VL of
-tests/vlm_checkpoint.py: it decodes the PNGs it is sent, lays each image out by its grid, and scores the prompt.
-Healthy it PASSes; numbering the second image at the first image's positions FAILs from the second image's first
-token; a layout other than the reference processor's, a refusal, a reply without ids are not judged (SKIP, saying
-why); a server error FAILs the route. tests/test_served_vllm_images.py runs the same against the real vLLM."""
+(`prompt_token_ids`, `prompt_logprobs` by token id, generated `token_ids` with their log-probs), its side run by
+transformers on the tiny Qwen2-VL of tests/vlm_checkpoint.py: it decodes the PNGs it is sent, lays each image out by
+its grid, scores the prompt and generates greedily after it. Healthy it PASSes; numbering the second image at the
+first image's positions FAILs from the second image's first token, numbering the tokens decoded after the prompt by
+their index from the first of them; a layout other than the reference processor's, a refusal, a reply without ids
+are not judged (SKIP, saying why); a server error FAILs the route. tests/test_served_vllm_images.py runs the same
+against the real vLLM."""
 
 from __future__ import annotations
 
@@ -59,9 +61,10 @@ def _pixels(url: str) -> torch.Tensor:
 
 
 def server(served_model, plant=None, status=None, wider=False, ids=True):
-    """A chat API as vLLM's: PLANT 'second image' numbers the second image at the first image's positions;
-    WIDER makes each image 28 pixels wider first (a processor that resizes: more tokens); STATUS answers with that
-    HTTP status; IDS False leaves the prompt's token ids out."""
+    """A chat API as vLLM's, generating greedily after the prompt: PLANT 'second image' numbers the second image at
+    the first image's positions, 'delta' numbers the tokens it decodes by their index (the positions the images saved
+    forgotten); WIDER makes each image 28 pixels wider first (a processor that resizes: more tokens); STATUS answers
+    with that HTTP status; IDS False leaves the token ids out."""
     from posdiag.model.multimodal_pixels import patchified, patching
 
     tokenizer, model = served_model
@@ -83,17 +86,29 @@ def server(served_model, plant=None, status=None, wider=False, ids=True):
                 laid += [IMAGE] * (t * h * w // 4)
             else:
                 laid.append(tid)
-        prompt = torch.tensor([laid])
-        kinds = (prompt == IMAGE).long()
-        with torch.no_grad():
-            positions, _ = model.model.get_rope_index(prompt, mm_token_type_ids=kinds, image_grid_thw=grids)
-            runs = images.spans(laid, IMAGE)
-            if plant == "second image":
-                (a, b), (c, _) = runs[:2]
-                positions[:, :, c:c + b - a + 1] = positions[:, :, a:b + 1]
-            lp = model(input_ids=prompt, pixel_values=pixels.float(), image_grid_thw=grids, mm_token_type_ids=kinds,
-                       position_ids=positions).logits[0].log_softmax(-1)
-        k = body["prompt_logprobs"]
+
+        def log_probs(sequence):
+            ids = torch.tensor([sequence])
+            kinds = (ids == IMAGE).long()
+            with torch.no_grad():
+                positions, _ = model.model.get_rope_index(ids, mm_token_type_ids=kinds, image_grid_thw=grids)
+                (a, b), (c, _) = images.spans(laid, IMAGE)[:2]
+                if plant == "second image":
+                    positions[:, :, c:c + b - a + 1] = positions[:, :, a:b + 1]
+                if plant == "delta":
+                    positions[:, :, len(laid):] = torch.arange(len(laid), len(sequence))
+                return model(input_ids=ids, pixel_values=pixels.float(), image_grid_thw=grids,
+                             mm_token_type_ids=kinds, position_ids=positions).logits[0].log_softmax(-1)
+
+        k, generated, content = body["prompt_logprobs"], [], []
+        for _ in range(body["max_tokens"]):
+            row = log_probs(laid + generated)[-1]
+            top = row.topk(k)
+            generated.append(int(top.indices[0]))
+            content.append({"token": tokenizer.decode([generated[-1]]), "logprob": float(top.values[0]),
+                            "top_logprobs": [{"token": tokenizer.decode([int(i)]), "logprob": float(v)}
+                                             for v, i in zip(top.values, top.indices, strict=True)]})
+        lp = log_probs(laid)
         scored = [None]
         for t in range(1, len(laid)):
             top = lp[t - 1].topk(k)
@@ -101,8 +116,11 @@ def server(served_model, plant=None, status=None, wider=False, ids=True):
                      enumerate(zip(top.values, top.indices.tolist(), strict=True))}
             entry[str(laid[t])] = {"logprob": float(lp[t - 1, laid[t]]), "rank": 0}
             scored.append(entry)
-        reply = {"choices": [{"message": {"content": "x"}}], "prompt_logprobs": scored}
-        return 200, ({"prompt_token_ids": laid, **reply} if ids else reply), {}
+        choice = {"message": {"content": "x"}, "logprobs": {"content": content}, "finish_reason": "length"}
+        if not ids:
+            return 200, {"choices": [choice], "prompt_logprobs": scored}, {}
+        return 200, {"choices": [{**choice, "token_ids": generated}], "prompt_token_ids": laid,
+                     "prompt_logprobs": scored}, {}
 
     return canned_server(answer)
 
@@ -116,9 +134,18 @@ def test_healthy_images_pass_at_every_prompt_position(reference, served_model):
     with server(served_model) as base:
         result, route = _route(reference, base)
     assert result.status is Status.PASS, result.summary
-    assert route["premise"]["confirmed"] and route["positions"] == route["tokens"] - 1
+    assert route["premise"]["confirmed"] and route["positions"] == route["tokens"] - 1 + route["generated"]
     assert [b - a + 1 for a, b in route["image_positions"]] == [6, 6]
     assert "laid out 2 images as 6 and 6 placeholder tokens" in result.summary
+    assert f"8 tokens decoded after it, from position {route['tokens']}" in result.summary
+
+
+def test_decoded_tokens_numbered_by_their_index_fail_from_the_first_decoded_position(reference, served_model):
+    with server(served_model, plant="delta") as base:
+        result, route = _route(reference, base)
+    assert result.status is Status.FAIL, result.summary
+    assert route["onset_position"] == route["decoded_from"] == route["tokens"] and route["generated"] == 8
+    assert f"position {route['decoded_from']}, the first position decoded after the prompt" in result.summary
 
 
 def test_second_image_at_the_first_images_positions_fails_from_the_second_image(reference, served_model):

@@ -72,7 +72,8 @@ $POSDIAG_VLLM_PLANT names: none (stock vLLM), hit (a request that starts from a 
 in every step), chunk (a continuing prefill chunk numbered from 0), batch (every request of a step numbered from the
 first request's cache length), draft (speculative draft tokens numbered from the verified token's position), image
 (Qwen2-VL's multimodal positions: the second image at the first image's positions, where the model numbers a
-request's prompt)."""
+request's prompt), delta (the same place: the prompt numbered right, but its rope delta dropped, so the tokens
+decoded after it are numbered by their index)."""
 import os
 
 
@@ -134,7 +135,7 @@ def _plant_images(control):
             (first, n), (second, m) = images[:2]
             positions = positions.clone()
             positions[:, second:second + min(n, m)] = positions[:, first:first + min(n, m)]
-        return positions, delta
+        return positions, 0 if _mode(control) == "delta" else delta
 
     Model.get_mrope_input_positions = planted
 '''
@@ -144,7 +145,7 @@ class Plants:
     """The planted bug the server runs now: set() writes its name to the control file and clears vLLM's prefix
     cache (a block computed under one bug is never served to the next mode)."""
 
-    MODES = ("none", "hit", "chunk", "batch", "draft", "image")
+    MODES = ("none", "hit", "chunk", "batch", "draft", "image", "delta")
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder

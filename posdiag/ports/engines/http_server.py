@@ -70,12 +70,15 @@ class Reply:
 
 
 @dataclass(frozen=True)
-class ChatPrompt:
-    """A chat request's prompt as the server ran it: the token ids it made of the messages (images expanded into
-    their placeholder tokens) and, per position, the log-probs it reported by token id (position 0: none)."""
+class ChatReply:
+    """A chat request as the server ran it: the token ids it made of the messages (images expanded into their
+    placeholder tokens) and, per prompt position, the log-probs it reported by token id (position 0: none); then
+    the tokens it generated greedily after them, by id, each scored as the completions API scores one."""
 
     ids: tuple[int, ...]
     logprobs: tuple[dict[int, float], ...]
+    generated: tuple[int, ...] = ()
+    scored: tuple[Scored, ...] = ()
 
 
 @dataclass
@@ -118,22 +121,33 @@ class ServedEngine:
                               f"generating {n} tokens")
         return _generated_part(reply, k)
 
-    def chat_prompt_logprobs(self, content: list[dict[str, Any]], k: int) -> ChatPrompt:
-        """One user message of CONTENT (text and image parts, OpenAI's format) through the chat API, scored
-        teacher-forced: vLLM's `prompt_logprobs=k` and `return_token_ids` (the ids are the only way to know where
-        the images sit). PosdiagError naming what is missing where the server returns neither."""
-        payload = {"messages": [{"role": "user", "content": content}], "max_tokens": 1, "prompt_logprobs": k,
-                   "return_token_ids": True, **GREEDY}
-        reply = self.post("/chat/completions", self._addressed(payload), "scoring a prompt with images")
+    def chat(self, content: list[dict[str, Any]], k: int, n: int) -> ChatReply:
+        """One user message of CONTENT (text and image parts, OpenAI's format) through the chat API: its prompt
+        scored teacher-forced (vLLM's `prompt_logprobs=k`), then N tokens generated greedily with their top-K, all by
+        token id (vLLM's `return_token_ids`: the ids are the only way to know where the images sit). PosdiagError
+        naming what is missing where the server returns none of it."""
+        payload = {"messages": [{"role": "user", "content": content}], "max_tokens": n, "prompt_logprobs": k,
+                   "logprobs": True, "top_logprobs": k, "return_token_ids": True, **GREEDY}
+        reply = self.post("/chat/completions", self._addressed(payload), f"generating {n} tokens after images")
         ids, entries = reply.get("prompt_token_ids"), reply.get("prompt_logprobs")
         if not isinstance(ids, list) or not isinstance(entries, list) or len(ids) != len(entries) or not ids:
             raise PosdiagError("the server's chat API returned no prompt token ids with their log-probs (vLLM returns "
                                "them for `prompt_logprobs` and `return_token_ids`)")
+        choice = _choice(reply, "generating after images")
+        generated = choice.get("token_ids") or []
+        content_scores = (choice.get("logprobs") or {}).get("content") or []
         try:
-            scored = tuple({int(tid): float(v["logprob"]) for tid, v in (entry or {}).items()} for entry in entries)
+            prompt = tuple({int(tid): float(v["logprob"]) for tid, v in (entry or {}).items()} for entry in entries)
+            scored = tuple(Scored(str(c["token"]), float(c["logprob"]),
+                                  {str(t["token"]): float(t["logprob"]) for t in c.get("top_logprobs") or []})
+                           for c in content_scores)
         except (TypeError, ValueError, KeyError, AttributeError):
-            raise PosdiagError("the server's prompt_logprobs are not {token id: {logprob}} per position") from None
-        return ChatPrompt(tuple(int(i) for i in ids), scored)
+            raise PosdiagError("the server's log-probs are not {token id: {logprob}} per prompt position and "
+                               "{token, logprob, top_logprobs} per generated token") from None
+        if len(scored) != len(generated):
+            raise PosdiagError(f"the server's chat API returned {len(generated)} generated token ids and "
+                               f"{len(scored)} scored tokens (vLLM returns both for `logprobs` and `return_token_ids`)")
+        return ChatReply(tuple(int(i) for i in ids), prompt, tuple(int(i) for i in generated), scored)
 
     def complete(self, payload: dict[str, Any], doing: str) -> dict[str, Any]:
         return self.post("/completions", self._addressed(payload), doing)

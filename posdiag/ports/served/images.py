@@ -34,6 +34,9 @@ from posdiag.ports.served.scores import Scores, Vocabulary, judged, position_met
 
 IMAGES = ((2, 3), (3, 2))
 """Merged tokens (rows, columns) of each image."""
+NEW_TOKENS = 8
+"""Tokens the server generates after the prompt: each decoded alone, at positions a server continues from the
+prompt's multimodal numbering (Qwen2-VL's rope delta), not from the sequence index."""
 TEXTS = ("Compare the first picture ", " with the second one ", " and say how they differ.")
 
 
@@ -106,19 +109,25 @@ def layout_words(prompt: ImagePrompt, ids: tuple[int, ...]) -> tuple[bool, str]:
                    "(resized by another processor config?), so nothing is compared")
 
 
-def onset_words(route: dict[str, Any], runs: list[tuple[int, int]]) -> str:
-    """Where a failing route's error starts, told by the images: inside image n, or in the text right after it
-    ('' where it starts elsewhere: the profile's own words then)."""
+def onset_words(route: dict[str, Any], runs: list[tuple[int, int]], decoded_from: int) -> str:
+    """Where a failing route's error starts, told by the images and the prompt's end: inside image n, right after
+    it, or at the first position decoded after the prompt ('' where it starts elsewhere: the profile's own words)."""
     onset = route.get("onset_position")
     if onset is None:
         return ""
+    before = f"at the floor up to position {onset - 1}, then " if onset else ""
+    error = f"{before}{route['dlogprob'][onset]:.2g} at position {onset}"
     for n, (first, last) in enumerate(runs, start=1):
         if first <= onset <= last + 1:
             where = (f"image {n}'s first token" if onset == first else f"token {onset - first + 1} of image {n}"
                      if onset <= last else f"the first token after image {n}")
-            before = f"at the floor up to position {onset - 1}, then " if onset else ""
-            return (f"{before}{route['dlogprob'][onset]:.2g} at position {onset}, {where}: the server numbers image "
-                    f"{n} (or what follows it) otherwise than the reference does (its multimodal rotary positions)")
+            return (f"{error}, {where}: the server numbers image {n} (or what follows it) otherwise than the "
+                    "reference does (its multimodal rotary positions)")
+    if onset >= decoded_from:
+        where = "the first position decoded after the prompt" if onset == decoded_from else "decoded after the prompt"
+        return (f"{error}, {where}, the prompt itself within its floor: the server numbers the tokens it decodes "
+                "otherwise than the reference does (their multimodal positions continue from the prompt's: "
+                "Qwen2-VL's rope delta)")
     return ""
 
 
@@ -155,35 +164,39 @@ def reference_scores(reference: Subject, ids: tuple[int, ...], prompt: ImageProm
 
 def image_route(reference: Subject, engine: ServedEngine, vocab: Vocabulary, prompt: ImagePrompt, k: int,
                 floor: ServedFloor | None, profiles: list[LayerProfile], sources: set[str]) -> dict[str, Any]:
-    """PROMPT through the chat API, scored at every prompt position against the reference on the same pixels and
-    the ids the server ran; judged as the prompt route, once the server's layout of the images is the reference's."""
+    """PROMPT through the chat API and NEW_TOKENS generated after it, scored at every position against the reference
+    on the same pixels and the ids the server ran; judged as the prompt route, once the server's layout of the images
+    is the reference's."""
     if floor is not None and floor.dtype is None:
         return {"status": "skip", "why": "the served precision's floor runs posdiag's conversion in llama.cpp, "
                                          "which takes text only: --served-dtype with a torch dtype judges images"}
     try:
-        served = engine.chat_prompt_logprobs(prompt.content, k)
+        served = engine.chat(prompt.content, k, NEW_TOKENS)
     except EngineCrash as exc:  # the candidate's error on this route, as a crash is in process
         return {"status": "fail", "pattern": "server error", "why": f"the server failed on it ({exc})"}
     except PosdiagError as exc:
         return {"status": "skip", "why": f"the server does not take it ({exc})"}
-    outside = [i for i in served.ids if not 0 <= i < len(vocab.pieces)]
+    ids = served.ids + served.generated
+    outside = [i for i in ids if not 0 <= i < len(vocab.pieces)]
     if outside:
-        raise PosdiagError(f"tokenisation mismatch on the image route: the server's prompt holds token id "
+        raise PosdiagError(f"tokenisation mismatch on the image route: the server's sequence holds token id "
                            f"{outside[0]}, outside the reference's {len(vocab.pieces)}-token vocabulary")
     laid_out, evidence = layout_words(prompt, served.ids)
     if not laid_out:
         return {"status": "skip", "why": evidence}
-    scores = reference_scores(reference, served.ids, prompt, floor)
+    scores = reference_scores(reference, ids[:-1], prompt, floor)
     sources.add(scores.floor_source)
     known = range(len(vocab.pieces))
     scored = [Scored(vocab.pieces[tid], got.get(tid), {vocab.pieces[i]: v for i, v in got.items() if i in known})
-              for tid, got in zip(served.ids[1:], served.logprobs[1:], strict=True)]
-    rows = list(range(len(served.ids) - 1))
-    metrics = position_metrics(scores, scored, list(served.ids[1:]), rows, vocab, k, [])
-    out = {"tokens": len(served.ids), "processor": prompt.processor,
-           "image_positions": spans(served.ids, prompt.image_token),
+              for tid, got in zip(served.ids[1:], served.logprobs[1:], strict=True)] + list(served.scored)
+    metrics = position_metrics(scores, scored, list(ids[1:]), list(range(len(ids) - 1)), vocab, k, [])
+    decoded_from = len(served.ids)
+    if served.generated:
+        evidence += f"; {len(served.generated)} tokens decoded after it, from position {decoded_from}"
+    out = {"tokens": len(served.ids), "generated": len(served.generated), "decoded_from": decoded_from,
+           "processor": prompt.processor, "image_positions": spans(served.ids, prompt.image_token),
            **judged("images", metrics, 0, profiles, floor is not None),
            "premise": {"confirmed": True, "evidence": evidence}}
     if out["status"] == "fail":
-        out["why"] = f"{onset_words(out, out['image_positions']) or out['why']}; {evidence}"
+        out["why"] = f"{onset_words(out, out['image_positions'], decoded_from) or out['why']}; {evidence}"
     return out
