@@ -140,6 +140,18 @@ def test_healthy_images_pass_at_every_prompt_position(reference, served_model):
     assert f"8 tokens decoded after it, from position {route['tokens']}" in result.summary
 
 
+def test_a_served_dtype_joins_the_floor_of_the_image_route(reference, served_model):
+    """--served-dtype bfloat16: the reference run with its weights in bfloat16 on the same pixels joins the floor."""
+    with server(served_model) as base:
+        plain = _route(reference, base)[1]
+        result = compare_served(reference, open_served(base), route="images", served_dtype="bfloat16").result
+    route = result.details["routes"]["images"]
+    assert result.status is Status.PASS, result.summary
+    assert "the reference at bfloat16" in result.details["floor_source"]
+    assert route["noise_floor_median"] > 100 * plain["noise_floor_median"]  # bfloat16's rounding, not float32's
+    assert next(reference.model.parameters()).dtype == torch.float32  # held for the floor only, restored
+
+
 def test_decoded_tokens_numbered_by_their_index_fail_from_the_first_decoded_position(reference, served_model):
     with server(served_model, plant="delta") as base:
         result, route = _route(reference, base)
