@@ -1,5 +1,6 @@
 """The image route of a served comparison, measuring: a prompt with two images sent through the chat API, scored at
-every prompt position (across and after the image tokens), and the reference run on the same pixels.
+every prompt position (across and after the image tokens) and at the tokens the server decodes after it, and the
+reference run on the same pixels.
 
 The images are posdiag's own (posdiag/model/multimodal_pixels.still_image), sent as PNG data URLs, each a whole
 number of merged patches (2x3 and 3x2 merged tokens: two shapes, so the second image's height and width positions
