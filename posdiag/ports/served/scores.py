@@ -13,7 +13,8 @@ and the spread of the same request sent twice; never below float32's rounding of
 of a position is at least the median floor (one scalar per position is noisy). A server in float32 is one more
 float32 evaluation, its rounding one more draw: with the float64 run alone, a single draw at a position, a healthy
 vLLM stood up to 5.66x its floor (the concurrent path, 2.4-5.7x over the serving paths, 1.6-4.5x on the routes);
-with the jittered run as a second draw, at most 3.98x over the same 22 routes and paths (docs/verdicts.md).
+with the jittered run as a second draw, at most 3.98x over the same 22 routes and paths (AVX512 kernels; 5.35x with
+the reference on AVX2's: docs/verdicts.md).
 The profile of d / floor is judged by the shape `compare` gives every port (posdiag/ports/logits/shapes.py): flat,
 growing with position from its onset, or a step at a length.
 
