@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from posdiag.errors import EngineCrash, PosdiagError
-from posdiag.model.jitter import jittered
 from posdiag.model.multimodal_inputs import image_refusal, in_model_dtype
 from posdiag.model.multimodal_pixels import patchified, patching, still_image
 from posdiag.model.subject import Subject
@@ -31,7 +30,7 @@ from posdiag.ports.engines.http_server import Scored, ServedEngine
 from posdiag.ports.profile import LayerProfile
 from posdiag.ports.reference import finer_of
 from posdiag.ports.served.precision import ServedFloor, held_in
-from posdiag.ports.served.scores import Scores, Vocabulary, judged, position_metrics
+from posdiag.ports.served.scores import Scores, Vocabulary, judged, position_metrics, second_draw
 
 IMAGES = ((2, 3), (3, 2))
 """Merged tokens (rows, columns) of each image."""
@@ -150,11 +149,8 @@ def reference_scores(reference: Subject, ids: tuple[int, ...], prompt: ImageProm
     lp = log_probs()
     fine, source = finer_of(reference, log_probs)
     rounding = (fine - lp).abs() if fine is not None else torch.zeros_like(lp)
-    with jittered(reference, reference.stacks[-1], 0, 1, seed=0, settle_masks=False) as hooked:
-        shaken = log_probs()
-    if hooked:  # a second draw of its rounding, as the text routes take (posdiag/ports/served/scores.py)
-        rounding = torch.maximum(rounding, (shaken - lp).abs())
-        source += "; the same run with its token embeddings ~1 ulp off (its conditioning)"
+    rounding, drawn = second_draw(reference, reference.stacks[-1], lp, rounding, log_probs, settle_masks=False)
+    source += drawn
     at_served = None
     if floor is not None and floor.dtype is not None:
         with held_in(reference, floor.dtype):

@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 import statistics
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,16 +122,28 @@ def reference_scores(reference: Subject, ids: list[int], served: ServedFloor | N
     lp = out[0].double().cpu().log_softmax(-1)
     fine, source = finer_run(reference, t, stack)
     rounding = (fine.logits[0].double().cpu().log_softmax(-1) - lp).abs() if fine is not None else torch.zeros_like(lp)
-    with jittered(reference, stack, 0, 1, seed=0) as hooked:  # a second draw of its rounding
-        shaken = run_stack(reference, t, stack, "reference").logits
-    if hooked:
-        rounding = torch.maximum(rounding, (shaken[0].double().cpu().log_softmax(-1) - lp).abs())
-        source += "; the same run with its token embeddings ~1 ulp off (its conditioning)"
+    rounding, drawn = second_draw(reference, stack, lp, rounding,
+                                  lambda: run_stack(reference, t, stack, "reference").logits[0].double().cpu()
+                                  .log_softmax(-1))
+    source += drawn
     at_served = None
     if served is not None:
         at_served = served.log_probs(t, decoded_from) - lp
         source += f"; {served.source}"
     return Scores(ids, lp, rounding, at_served, source)
+
+
+def second_draw(reference: Subject, stack: str, lp: torch.Tensor, rounding: torch.Tensor,
+                log_probs: Callable[[], torch.Tensor], settle_masks: bool = True) -> tuple[torch.Tensor, str]:
+    """ROUNDING (the reference's |Δ| to its finer run, [T, V]) with a second draw of float32's rounding: LOG_PROBS()
+    again with the token embeddings ~1 ulp off, the larger of the two at each entry; and the floor source's words
+    ('' where no embedding could be jittered). A server in float32 is one more draw (module docstring)."""
+    with jittered(reference, stack, 0, 1, seed=0, settle_masks=settle_masks) as hooked:
+        shaken = log_probs()
+    if not hooked:
+        return rounding, ""
+    return torch.maximum(rounding, (shaken - lp).abs()), "; the same run with its token embeddings ~1 ulp off " \
+                                                         "(its conditioning)"
 
 
 def position_metrics(scores: Scores, scored: list[Any], targets: list[int], rows: list[int], vocab: Vocabulary,
